@@ -1,0 +1,44 @@
+"""HeteroConfig: every engine knob, validated once at the boundary."""
+import os
+from dataclasses import dataclass
+
+
+def _check_int(name, value, minimum, allow_none=True):
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"HeteroConfig.{name} must be an int >= {minimum}{' or None' if allow_none else ''}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class HeteroConfig:
+    cpu_workers: int | None = None        # None: usable cores - 1 (one core is left to the parent), at least 1
+    worker_cores: tuple | None = None     # cores to pin workers to; None: the usable cores after the first
+    max_cache_tokens: int | None = None   # per-request KV capacity (prompt + new tokens); None: bounded by RAM
+    ram_fraction: float = 0.8             # share of available RAM one generate's KV arena may take
+    spin_budget: int = 20000              # atomic polls before a waiter backs off
+    start_timeout: float = 300.0          # seconds for workers to start (numba compiles on a cold cache)
+
+    def __post_init__(self):
+        _check_int("cpu_workers", self.cpu_workers, 1)
+        _check_int("max_cache_tokens", self.max_cache_tokens, 1)
+        _check_int("spin_budget", self.spin_budget, 1, allow_none=False)
+        if not (isinstance(self.ram_fraction, (int, float)) and 0 < self.ram_fraction <= 1):
+            raise ValueError(f"HeteroConfig.ram_fraction must be in (0, 1], got {self.ram_fraction!r}")
+        if not (isinstance(self.start_timeout, (int, float)) and self.start_timeout > 0):
+            raise ValueError(f"HeteroConfig.start_timeout must be > 0 seconds, got {self.start_timeout!r}")
+        if self.worker_cores is not None:
+            usable = os.sched_getaffinity(0)
+            cores = tuple(self.worker_cores)
+            bad = [c for c in cores if c not in usable]
+            if not cores or bad:
+                raise ValueError(f"HeteroConfig.worker_cores {cores!r}: cores {bad} are not usable by this process "
+                                 f"(usable: {sorted(usable)})")
+            object.__setattr__(self, "worker_cores", cores)
+
+    def resolve_workers(self):
+        """(number of workers, cores to pin them to, in rank order)."""
+        usable = sorted(os.sched_getaffinity(0))
+        cores = list(self.worker_cores) if self.worker_cores else (usable[1:] or usable)
+        n = self.cpu_workers or max(1, len(usable) - 1)
+        return n, cores

@@ -1,0 +1,25 @@
+"""Exceptions raised by hetero. All derive from HeteroError."""
+
+
+class HeteroError(RuntimeError):
+    """Base class of hetero's errors."""
+
+
+class UnsupportedModelError(HeteroError, ValueError):
+    """The model lacks something the engine needs (named in the message)."""
+
+
+class CapacityError(HeteroError, ValueError):
+    """A request does not fit: model positions, configured cache capacity, or free RAM."""
+
+
+class WorkerError(HeteroError):
+    """A CPU worker failed a job or died."""
+
+
+class WorkerDiedError(WorkerError):
+    """A CPU worker process exited while the engine needed it."""
+
+
+class GeneratorClosedError(HeteroError):
+    """The generator was used after close()."""

@@ -1,0 +1,177 @@
+"""HeteroGenerator: HF-style generate() with the KV cache and decode attention on CPU workers."""
+import copy
+from dataclasses import replace
+
+import psutil
+import torch
+
+from hetero import attention
+from hetero.config import HeteroConfig
+from hetero.errors import CapacityError, GeneratorClosedError, WorkerError
+from hetero.ipc.pool import WorkerPool
+from hetero.model_spec import inspect_model
+from hetero.offload.arena import SessionLayout
+from hetero.offload.cache import HeteroCache
+from hetero.offload.session import STORAGE_CODES, KVSession
+
+# generate() keywords passed through to transformers' generate (its processors and stopping criteria)
+GENERATE_KWARGS = frozenset({
+    "do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty",
+    "no_repeat_ngram_size", "min_new_tokens", "eos_token_id", "pad_token_id", "bos_token_id", "streamer",
+    "return_dict_in_generate", "output_scores", "output_logits", "logits_processor", "stopping_criteria",
+})
+PASS_THROUGH = ("streamer", "logits_processor", "stopping_criteria")  # objects, not GenerationConfig fields
+
+
+class HeteroGenerator:
+    """Generate with a transformers causal LM whose KV cache and decode attention live on CPU workers.
+
+        with HeteroGenerator(model) as gen:
+            out = gen.generate(input_ids, attention_mask=mask, max_new_tokens=64)
+    """
+
+    def __init__(self, model, cpu_workers=None, config=None):
+        config = config or HeteroConfig()
+        if cpu_workers is not None:
+            config = replace(config, cpu_workers=cpu_workers)
+        self.config = config
+        self.spec = inspect_model(model)
+        self.model = model
+        self._pool = None
+        self._closed = False
+        attention.register()
+        self._ensure_pool()
+
+    @classmethod
+    def from_pretrained(cls, path, device=None, torch_dtype=None, cpu_workers=None, config=None, **model_kwargs):
+        from transformers import AutoModelForCausalLM
+
+        if torch_dtype is not None:
+            model_kwargs["dtype"] = torch_dtype
+        model = AutoModelForCausalLM.from_pretrained(path, **model_kwargs)
+        if device is not None:
+            model = model.to(device)
+        return cls(model.eval(), cpu_workers=cpu_workers, config=config)
+
+    @property
+    def cpu_workers(self):
+        return self._pool.n if self._pool else self.config.resolve_workers()[0]
+
+    def _ensure_pool(self):
+        if self._pool is None or not self._pool.alive:
+            if self._pool is not None:
+                self._pool.close()
+            n, cores = self.config.resolve_workers()
+            self._pool = WorkerPool(n, cores, spin_budget=self.config.spin_budget,
+                                    start_timeout=self.config.start_timeout)
+        return self._pool
+
+    # ---- validation at the boundary
+    def _check_inputs(self, input_ids, attention_mask, max_new_tokens):
+        device = self.model.device
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+        if input_ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"input_ids must hold integer token ids (int64), got {input_ids.dtype}")
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
+        if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+            raise ValueError(f"empty prompt: input_ids has shape {tuple(input_ids.shape)}")
+        if input_ids.device != device:
+            raise ValueError(f"input_ids is on {input_ids.device} but the model is on {device}")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        else:
+            if not isinstance(attention_mask, torch.Tensor):
+                raise TypeError(f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}")
+            if attention_mask.shape != input_ids.shape:
+                raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} does not match "
+                                 f"input_ids shape {tuple(input_ids.shape)}")
+            if attention_mask.device != device:
+                raise ValueError(f"attention_mask is on {attention_mask.device} but the model is on {device}")
+            if attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex:
+                raise TypeError(f"attention_mask must be an integer or bool tensor of 0/1, got {attention_mask.dtype}")
+            m = attention_mask.long()
+            if ((m != 0) & (m != 1)).any():
+                raise ValueError("attention_mask may only hold 0 and 1")
+            if (m.sum(1) == 0).any():
+                raise ValueError(f"empty prompt: rows {(m.sum(1) == 0).nonzero().flatten().tolist()} of attention_mask are all 0")
+            if (m[:, 1:] < m[:, :-1]).any():
+                raise ValueError("attention_mask must be left-padded (zeros only before the tokens of each row); "
+                                 "pass tokenizer(padding_side='left')")
+            attention_mask = m
+        if max_new_tokens is None:
+            gc = self.model.generation_config
+            max_new_tokens = gc.max_new_tokens if gc.max_new_tokens is not None else gc.max_length - input_ids.shape[1]
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        total = input_ids.shape[1] + max_new_tokens
+        if self.spec.max_positions is not None and total > self.spec.max_positions:
+            raise CapacityError(f"prompt ({input_ids.shape[1]} positions) + max_new_tokens ({max_new_tokens}) = {total} "
+                                f"exceeds the model's max_position_embeddings ({self.spec.max_positions})")
+        return attention_mask, max_new_tokens
+
+    def _plan_cache(self, attention_mask, max_new_tokens):
+        real = attention_mask.sum(1).cpu()
+        cap = int(real.max()) + max_new_tokens
+        limit = self.config.max_cache_tokens
+        if limit is not None and cap > limit:
+            raise CapacityError(f"a request needs {cap} KV rows (prompt {int(real.max())} + {max_new_tokens} new) "
+                                f"but the cache capacity is max_cache_tokens={limit}")
+        s = self.spec
+        layout = SessionLayout(batch=len(real), q_heads=s.q_heads, kv_heads=s.kv_heads, head_dim=s.head_dim,
+                               cap=cap, layers=s.layers, code=STORAGE_CODES[s.dtype])
+        avail = psutil.virtual_memory().available
+        if layout.nbytes > self.config.ram_fraction * avail:
+            raise CapacityError(f"the KV cache for this batch needs {layout.nbytes / 2**30:.2f} GiB "
+                                f"({len(real)} requests x {cap} rows x {s.layers} layers x 2 x {s.kv_heads} heads x "
+                                f"{s.head_dim} x {s.dtype}) but only {avail / 2**30:.2f} GiB of RAM is available "
+                                f"(ram_fraction={self.config.ram_fraction})")
+        pads = attention_mask.shape[1] - real
+        return pads.tolist(), real.tolist(), cap
+
+    def generate(self, input_ids, attention_mask=None, max_new_tokens=None, **kwargs):
+        """transformers-style generate; returns a tensor of sequences, or a GenerateOutput when
+        return_dict_in_generate=True. Left padding only."""
+        if self._closed:
+            raise GeneratorClosedError("generate() called on a closed HeteroGenerator")
+        unknown = sorted(set(kwargs) - GENERATE_KWARGS)
+        if unknown:
+            raise TypeError(f"generate() got unsupported arguments {unknown}; supported: "
+                            f"input_ids, attention_mask, max_new_tokens, {', '.join(sorted(GENERATE_KWARGS))}")
+        attention_mask, max_new_tokens = self._check_inputs(input_ids, attention_mask, max_new_tokens)
+        pads, real, cap = self._plan_cache(attention_mask, max_new_tokens)
+        pool = self._ensure_pool()
+        session = KVSession(pool, self.spec, pads, real, cap)
+        # a checkpoint may ship cache_implementation="static": ours replaces it
+        gen_config = copy.deepcopy(self.model.generation_config)
+        gen_config.cache_implementation = None
+        objects = {k: kwargs.pop(k) for k in PASS_THROUGH if k in kwargs}
+        gen_config.update(max_new_tokens=max_new_tokens, num_beams=1, **kwargs)
+        token = attention.active_session.set(session)
+        previous = self.model.config._attn_implementation
+        self.model.set_attn_implementation(attention.NAME)
+        try:
+            with torch.inference_mode():
+                return self.model.generate(input_ids, attention_mask=attention_mask, past_key_values=HeteroCache(session),
+                                           generation_config=gen_config, **objects)
+        except WorkerError:
+            self._pool.close()  # restarted by the next generate
+            raise
+        finally:
+            self.model.set_attn_implementation(previous)
+            attention.active_session.reset(token)
+            session.close()
+
+    def close(self):
+        """Stop the workers and free every shared segment. Idempotent."""
+        self._closed = True
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

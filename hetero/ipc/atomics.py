@@ -1,0 +1,126 @@
+"""Atomic loads/stores on shared int64 flag words, and spin waits built on them.
+
+A plain `while flag[i] != v` in numba can be hoisted by LLVM into an infinite
+loop, so every flag access goes through an acquire load or a release store.
+Everything here is @njit(cache=True) and safe to call from the main process
+or from a worker.
+"""
+import numba
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+
+def _item_ptr(context, builder, arrty, arr, idx):
+    ary = context.make_array(arrty)(context, builder, arr)
+    return cgutils.get_item_pointer(context, builder, arrty, ary, [idx])
+
+
+@intrinsic
+def atomic_load(typingctx, arr, idx):
+    """arr[idx] with acquire ordering (arr: 1-d int64 array)."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and arr.ndim == 1):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _item_ptr(context, builder, sig.args[0], args[0], args[1])
+        return builder.load_atomic(ptr, "acquire", 8)
+
+    return types.int64(arr, idx), codegen
+
+
+@intrinsic
+def atomic_store(typingctx, arr, idx, val):
+    """arr[idx] = val with release ordering (arr: 1-d int64 array)."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and arr.ndim == 1):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _item_ptr(context, builder, sig.args[0], args[0], args[1])
+        v = context.cast(builder, args[2], sig.args[2], types.int64)
+        builder.store_atomic(v, ptr, "release", 8)
+        return context.get_dummy_value()
+
+    return types.void(arr, idx, val), codegen
+
+
+@intrinsic
+def cpu_relax(typingctx):
+    """x86 `pause` (a no-op elsewhere): keeps a spinning core polite to its sibling."""
+
+    def codegen(context, builder, sig, args):
+        if "x86" in context.codegen()._tm.triple:
+            fnty = ir.FunctionType(ir.VoidType(), [])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.sse2.pause")
+            builder.call(fn, [])
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+@intrinsic
+def u32_as_f32(typingctx, x):
+    """Reinterpret the low 32 bits of an integer as a float32."""
+    if not isinstance(x, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = args[0]
+        if x.bitwidth > 32:
+            v = builder.trunc(v, ir.IntType(32))
+        elif x.bitwidth < 32:
+            v = builder.zext(v, ir.IntType(32))
+        return builder.bitcast(v, ir.FloatType())
+
+    return types.float32(x), codegen
+
+
+@njit(cache=True)
+def store(flags, idx, value):
+    atomic_store(flags, idx, value)
+
+
+@njit(cache=True)
+def load(flags, idx):
+    return atomic_load(flags, idx)
+
+
+@njit(cache=True)
+def spin_until_changed(flags, idx, old, budget):
+    """Spin until flags[idx] != old; return the new value, or `old` after `budget` polls."""
+    for _ in range(budget):
+        v = atomic_load(flags, idx)
+        if v != old:
+            return v
+        cpu_relax()
+    return old
+
+
+@njit(cache=True)
+def spin_until_all(flags, first, count, stride, value, budget):
+    """Spin until flags[first + k*stride] == value for every k < count; return True if so
+    within `budget` polls, False otherwise."""
+    k = 0
+    for _ in range(budget):
+        while k < count and atomic_load(flags, first + k * stride) == value:
+            k += 1
+        if k == count:
+            return True
+        cpu_relax()
+    return False
+
+
+def warm_up():
+    """Compile (or load from the on-disk cache) every function of this module once."""
+    import numpy as np
+
+    a = np.zeros(16, np.int64)
+    store(a, 0, 1)
+    load(a, 0)
+    spin_until_changed(a, 0, 1, 1)
+    spin_until_all(a, 0, 2, 8, 1, 1)
+
+
+__all__ = ["atomic_load", "atomic_store", "cpu_relax", "u32_as_f32", "store", "load",
+           "spin_until_changed", "spin_until_all", "warm_up", "numba"]

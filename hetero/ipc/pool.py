@@ -1,0 +1,114 @@
+"""Parent side of the process-per-core worker pool.
+
+The parent owns the control segment (creates and unlinks it). A job is: write
+CMD and params, release-store SEQ+1, then spin until every worker's DONE word
+holds the new SEQ. While spinning it polls the workers' liveness, so a dead
+worker raises WorkerDiedError within milliseconds instead of hanging.
+"""
+import atexit
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from hetero.errors import WorkerDiedError, WorkerError
+from hetero.ipc import atomics, control as C, shm
+
+CMD_NAMES = {C.CMD_PING: "start-up", C.CMD_OPEN: "open", C.CMD_CLOSE: "close",
+             C.CMD_ATTN: "attention", C.CMD_EXIT: "exit"}
+
+
+def _describe_exit(code):
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class WorkerPool:
+    def __init__(self, nworkers, cores, spin_budget=20000, start_timeout=300.0):
+        if nworkers < 1:
+            raise ValueError(f"a worker pool needs at least one worker, got {nworkers}")
+        self.n, self.cores, self.spin = nworkers, list(cores), spin_budget
+        self.procs, self.seq, self.closed = [], 0, False
+        shm.sweep_stale()
+        self.ctrl = shm.Segment(shm.new_name("ctrl"), C.nbytes(nworkers), create=True)
+        atexit.register(self.close)
+        try:
+            self.words = self.ctrl.array(0, (C.nbytes(nworkers) // 8,), np.int64)
+            self.floats = self.words.view(np.float64)
+            env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+                       NUMBA_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+            for rank in range(nworkers):
+                core = self.cores[rank % len(self.cores)] if self.cores else -1
+                args = [sys.executable, "-m", "hetero.ipc.worker", self.ctrl.name, str(rank), str(nworkers),
+                        str(core), str(os.getpid()), str(spin_budget)]
+                self.procs.append(subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL))
+            self.run(C.CMD_PING, timeout=start_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def alive(self):
+        return not self.closed and all(p.poll() is None for p in self.procs)
+
+    def submit(self, cmd):
+        """Publish a job whose params the caller has already written."""
+        self.words[C.CMD] = cmd
+        self.seq += 1
+        atomics.store(self.words, C.SEQ, self.seq)
+        return self.seq
+
+    def wait(self, seq, timeout=None):
+        start = None
+        while not atomics.spin_until_all(self.words, C.done_word(0), self.n, C.LINE, seq, self.spin):
+            now = time.perf_counter()
+            start = start or now
+            for rank, p in enumerate(self.procs):
+                if p.poll() is not None:
+                    cmd = CMD_NAMES.get(int(self.words[C.CMD]), "?")
+                    raise WorkerDiedError(f"CPU worker {rank} (pid {p.pid}, core {self.cores[rank % len(self.cores)] if self.cores else 'any'}) "
+                                          f"{_describe_exit(p.returncode)} during the {cmd} job")
+            if timeout is not None and now - start > timeout:
+                raise WorkerError(f"CPU workers did not finish the {CMD_NAMES.get(int(self.words[C.CMD]))} job in {timeout:.0f} s")
+            if now - start < 0.002:
+                os.sched_yield()
+            else:
+                time.sleep(0.0002)
+        failed = [r for r in range(self.n) if self.words[C.err_word(r)] == seq]
+        if failed:
+            raise WorkerError(f"CPU worker(s) {failed} failed the {CMD_NAMES.get(int(self.words[C.CMD]))} job; "
+                              "their traceback is on stderr")
+
+    def run(self, cmd, timeout=None):
+        if self.closed:
+            raise WorkerError("the worker pool is closed")
+        self.wait(self.submit(cmd), timeout)
+
+    def close(self):
+        """Stop the workers and unlink the control segment. Idempotent; also runs at exit."""
+        if self.closed:
+            return
+        self.closed = True
+        atexit.unregister(self.close)
+        try:
+            if self.procs and all(p.poll() is None for p in self.procs):
+                self.words[C.CMD] = C.CMD_EXIT
+                self.seq += 1
+                atomics.store(self.words, C.SEQ, self.seq)
+            deadline = time.monotonic() + 2.0
+            for p in self.procs:
+                try:
+                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        finally:
+            self.words = self.floats = None
+            self.ctrl.close()

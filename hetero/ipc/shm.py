@@ -1,0 +1,99 @@
+"""POSIX shared-memory segments with hygiene.
+
+Names look like `/hetero_<pid>_<nonce>_<tag>`: <pid> is the process that
+created (and alone unlinks) the segment, so a new process can tell which
+segments were left behind by a dead parent and remove them (`sweep_stale`).
+"""
+import itertools
+import mmap
+import os
+import re
+import secrets
+
+import numpy as np
+import posix_ipc
+
+PREFIX = "hetero_"
+_NAME_RE = re.compile(r"^hetero_(\d+)_[0-9a-f]+_\w+$")
+_counter = itertools.count()
+_nonce = secrets.token_hex(3)
+
+
+def new_name(tag):
+    return f"/{PREFIX}{os.getpid()}_{_nonce}{next(_counter):x}_{tag}"
+
+
+class Segment:
+    """A mapped shared-memory segment. `create=True` only in the parent."""
+
+    def __init__(self, name, size=0, create=False):
+        self.name = name
+        self.owner = create
+        if create:
+            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=max(int(size), 1))
+        else:
+            shm = posix_ipc.SharedMemory(name)
+        try:
+            self.size = shm.size
+            self.mm = mmap.mmap(shm.fd, shm.size)
+        except BaseException:
+            if create:
+                shm.unlink()
+            raise
+        finally:
+            shm.close_fd()
+
+    def array(self, offset, shape, dtype):
+        """A numpy view of `shape`/`dtype` starting at byte `offset`."""
+        dtype = np.dtype(dtype)
+        count = int(np.prod(shape, dtype=np.int64))
+        if offset + count * dtype.itemsize > self.size:
+            raise ValueError(f"view [{offset}, +{count * dtype.itemsize}) exceeds segment {self.name} of {self.size} bytes")
+        return np.frombuffer(self.mm, dtype=dtype, count=count, offset=offset).reshape(shape)
+
+    def close(self):
+        """Unmap; the owner also unlinks. Idempotent. Views still alive keep the mapping until freed."""
+        mm, self.mm = self.mm, None
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                pass  # numpy/torch views still reference it; the kernel frees it with the last view
+        if self.owner:
+            self.owner = False
+            unlink(self.name)
+
+
+def unlink(name):
+    try:
+        posix_ipc.unlink_shared_memory(name)
+    except posix_ipc.ExistentialError:
+        pass
+
+
+def _pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def list_ours(shm_dir="/dev/shm"):
+    try:
+        return sorted(n for n in os.listdir(shm_dir) if n.startswith(PREFIX))
+    except FileNotFoundError:
+        return []
+
+
+def sweep_stale(shm_dir="/dev/shm"):
+    """Unlink segments whose creating process no longer exists. Returns the names removed."""
+    removed = []
+    for n in list_ours(shm_dir):
+        m = _NAME_RE.match(n)
+        if m and not _pid_alive(int(m.group(1))):
+            unlink("/" + n)
+            removed.append(n)
+    return removed

@@ -1,0 +1,114 @@
+"""CPU worker process: `python -m hetero.ipc.worker CTRL RANK NWORKERS CORE PARENT_PID SPIN`.
+
+Started by `WorkerPool` as a fresh interpreter with single-threaded numeric
+libraries, pinned to one core. Imports numpy/numba only (never torch). Loop:
+spin (atomic loads) on the control word SEQ, back off when idle, run the job
+named by CMD, publish DONE. Exits on CMD_EXIT, or when the parent dies (rank
+0 then unlinks the parent's segments, so nothing is left in /dev/shm).
+"""
+import os
+import signal
+import sys
+import time
+import traceback
+
+import numpy as np
+
+from hetero.cpu_attention import kernel
+from hetero.ipc import atomics, control as C, shm
+from hetero.offload.arena import SessionLayout
+
+YIELD_SECONDS = 0.002   # after this long idle, sleep between polls instead of yielding
+MAX_SLEEP = 0.001
+
+
+class Worker:
+    def __init__(self, ctrl_name, rank, nworkers, parent_pid, spin):
+        self.rank, self.nworkers, self.parent_pid, self.spin = rank, nworkers, parent_pid, spin
+        self.ctrl = shm.Segment(ctrl_name)
+        self.words = self.ctrl.array(0, (C.nbytes(nworkers) // 8,), np.int64)
+        self.floats = self.words.view(np.float64)
+        self.session_name = None
+        self.v = None  # session views (name -> numpy array)
+
+    def open_session(self):
+        w = self.words
+        self.close_session()
+        lay = SessionLayout(batch=int(w[C.S_BATCH]), q_heads=int(w[C.S_HQ]), kv_heads=int(w[C.S_HKV]),
+                            head_dim=int(w[C.S_HDIM]), cap=int(w[C.S_CAP]), layers=int(w[C.S_LAYERS]),
+                            code=int(w[C.S_CODE]), tmax=int(w[C.S_TMAX]), nsplit_max=int(w[C.S_NSPLIT_MAX]))
+        self.session_name = C.read_name(w)
+        self.seg = shm.Segment(self.session_name)
+        self.v = lay.views(self.seg)
+        self.code = lay.code
+        rows = (lay.q_heads // lay.kv_heads) * lay.tmax
+        self.S = np.zeros((rows, kernel.BLOCK), np.float32)   # private scratch
+        self.kf = np.zeros(lay.head_dim, np.float32)
+
+    def close_session(self):
+        if self.v is not None:
+            self.v = None
+            self.seg.close()
+        self.session_name = None
+
+    def attend(self):
+        w, f, v = self.words, self.floats, self.v
+        kernel.run_share(self.rank, self.nworkers, int(w[C.LAYER]), int(w[C.QLEN]), int(w[C.WINDOW]),
+                         int(w[C.NSPLIT]), np.float32(f[C.F_SCALE]), np.float32(f[C.F_SOFTCAP]), self.code,
+                         v["q"], v["knew"], v["vnew"], v["K"], v["V"], v["lengths"],
+                         v["part_o"], v["part_m"], v["part_l"], self.S, self.kf)
+
+    def orphaned(self):
+        if os.getppid() == self.parent_pid:
+            return False
+        if self.rank == 0:  # the parent cannot clean up any more: do it for it
+            if self.session_name:
+                shm.unlink(self.session_name)
+            shm.unlink(self.ctrl.name)
+        return True
+
+    def run(self):
+        w, last, idle_since = self.words, 0, None
+        while True:
+            seq = atomics.spin_until_changed(w, C.SEQ, last, self.spin)
+            if seq == last:  # idle: back off, and notice a dead parent
+                if self.orphaned():
+                    return
+                now = time.perf_counter()
+                idle_since = idle_since or now
+                if now - idle_since < YIELD_SECONDS:
+                    os.sched_yield()
+                else:
+                    time.sleep(min(MAX_SLEEP, (now - idle_since) / 10))
+                continue
+            idle_since, last = None, seq
+            cmd = int(w[C.CMD])
+            try:
+                if cmd == C.CMD_ATTN:
+                    self.attend()
+                elif cmd == C.CMD_OPEN:
+                    self.open_session()
+                elif cmd == C.CMD_CLOSE:
+                    self.close_session()
+                elif cmd == C.CMD_EXIT:
+                    self.close_session()
+                    atomics.store(w, C.done_word(self.rank), seq)
+                    return
+            except Exception:
+                traceback.print_exc()
+                atomics.store(w, C.err_word(self.rank), seq)
+            atomics.store(w, C.done_word(self.rank), seq)
+
+
+def main(argv):
+    ctrl_name, rank, nworkers, core, parent_pid, spin = argv[0], *map(int, argv[1:6])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    if core >= 0:
+        os.sched_setaffinity(0, {core})
+    atomics.warm_up()
+    kernel.warm_up()
+    Worker(ctrl_name, rank, nworkers, parent_pid, spin).run()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,77 @@
+"""Byte layout of one generate call's shared segment: the KV cache and the decode staging.
+
+Both sides build the same `SessionLayout` from the same shape numbers, so the
+parent and the workers agree on every offset. numpy only (workers import it).
+
+  array    shape                          dtype    written by              read by
+  lengths  [B]                            int64    main (after each step)  workers
+  q        [B, Hq, Tmax, D]               f32      main (each layer)       workers
+  knew     [B, Hkv, Tmax, D]              storage  main (each layer)       workers (append)
+  vnew     [B, Hkv, Tmax, D]              storage  main (each layer)       workers (append)
+  part_o   [B, Hkv, NS, G*Tmax, D]        f32      workers                 main (merge)
+  part_m   [B, Hkv, NS, G*Tmax]           f32      workers                 main (merge)
+  part_l   [B, Hkv, NS, G*Tmax]           f32      workers                 main (merge)
+  K, V     [layers, B, Hkv, cap, D]       storage  main (prefill), workers (decode append)
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+from hetero.cpu_attention.kernel import NP_STORAGE
+
+ALIGN = 4096
+
+
+def _round(n, a=ALIGN):
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class SessionLayout:
+    batch: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    cap: int          # KV rows per request (real prompt + max_new_tokens)
+    layers: int
+    code: int         # storage dtype code (kernel.F32 / BF16 / F16)
+    tmax: int = 1     # query tokens per decode step
+    nsplit_max: int = 16
+
+    def arrays(self):
+        B, Hq, Hkv, D, T, NS = self.batch, self.q_heads, self.kv_heads, self.head_dim, self.tmax, self.nsplit_max
+        rows = (Hq // Hkv) * T
+        st = NP_STORAGE[self.code]
+        return [
+            ("lengths", (B,), np.int64),
+            ("q", (B, Hq, T, D), np.float32),
+            ("knew", (B, Hkv, T, D), st),
+            ("vnew", (B, Hkv, T, D), st),
+            ("part_o", (B, Hkv, NS, rows, D), np.float32),
+            ("part_m", (B, Hkv, NS, rows), np.float32),
+            ("part_l", (B, Hkv, NS, rows), np.float32),
+            ("K", (self.layers, B, Hkv, self.cap, D), st),
+            ("V", (self.layers, B, Hkv, self.cap, D), st),
+        ]
+
+    def offsets(self):
+        off, out = 0, {}
+        for name, shape, dt in self.arrays():
+            out[name] = (off, shape, dt)
+            off = _round(off + int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize)
+        return out, off
+
+    @property
+    def nbytes(self):
+        return self.offsets()[1]
+
+    @property
+    def kv_bytes(self):
+        return 2 * self.layers * self.batch * self.kv_heads * self.cap * self.head_dim * np.dtype(NP_STORAGE[self.code]).itemsize
+
+    def views(self, segment):
+        """name -> numpy view into `segment` (a hetero.ipc.shm.Segment)."""
+        offs, total = self.offsets()
+        if total > segment.size:
+            raise ValueError(f"segment {segment.name} has {segment.size} bytes, layout needs {total}")
+        return {n: segment.array(o, s, d) for n, (o, s, d) in offs.items()}

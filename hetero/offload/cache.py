@@ -1,0 +1,56 @@
+"""A transformers `Cache` whose storage is the shared-memory KV arena of a KVSession.
+
+`update()` hands the new k/v to the session (prefill: offload to the arena;
+decode: stage for the workers) and returns only the new k/v, which is all the
+attention function needs. Mask sizes report the padded length, as DynamicCache
+does, so transformers builds the same masks as for its own cache.
+"""
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class HeteroLayer(CacheLayerMixin):
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, session, layer_idx, sliding):
+        super().__init__()
+        self.session, self.layer_idx, self.is_sliding = session, layer_idx, sliding
+        self.seen = 0  # positions seen, left pads included
+
+    def lazy_initialization(self, key_states, value_states):
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.session.prefilled:
+            self.session.stage_kv(key_states, value_states)
+        else:
+            self.session.store_prefill(self.layer_idx, key_states, value_states)
+        self.seen += key_states.shape[-2]
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length):
+        return self.seen + query_length, 0
+
+    def get_seq_length(self):
+        return self.seen
+
+    def get_max_length(self):
+        return -1
+
+    def reset(self):
+        raise NotImplementedError("a HeteroCache lives for one generate call and cannot be reset")
+
+
+class HeteroCache(Cache):
+    def __init__(self, session):
+        spec = session.spec
+        super().__init__(layers=[HeteroLayer(session, i, spec.sliding[i]) for i in range(spec.layers)])
+        self.session = session
+
+    def _unsupported(self, *args, **kwargs):
+        raise NotImplementedError("beam search, cropping and batch reshuffling are not supported by the hetero KV cache")
+
+    reorder_cache = crop = batch_repeat_interleave = batch_select_indices = _unsupported

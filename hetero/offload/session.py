@@ -1,0 +1,115 @@
+"""Parent side of one generate call: the shared KV arena, prefill offload, decode steps.
+
+The session creates (and alone unlinks) the segment described by
+`SessionLayout`, maps it in the workers (CMD_OPEN), and exposes torch views of
+it. Prefill writes each layer's real (unpadded) KV rows straight into the
+arena; a decode step stages q/k/v, runs one CMD_ATTN job and merges the
+workers' partials. Per-request lengths count real tokens only: request b's
+row j holds its j-th real token, so left padding never reaches the cache.
+"""
+import numpy as np
+import torch
+
+from hetero.cpu_attention.kernel import BF16, F16, F32, choose_nsplit
+from hetero.ipc import control as C, shm
+from hetero.offload.arena import SessionLayout
+
+STORAGE_CODES = {torch.float32: F32, torch.bfloat16: BF16, torch.float16: F16}
+
+
+class KVSession:
+    def __init__(self, pool, spec, pads, real_lens, cap):
+        self.pool, self.spec = pool, spec
+        self.batch = len(pads)
+        self.pads = [int(p) for p in pads]            # left pads per request
+        self.layout = SessionLayout(batch=self.batch, q_heads=spec.q_heads, kv_heads=spec.kv_heads,
+                                    head_dim=spec.head_dim, cap=cap, layers=spec.layers,
+                                    code=STORAGE_CODES[spec.dtype])
+        self.prefilled = False
+        self.opened = False
+        self.seg = shm.Segment(shm.new_name("kv"), self.layout.nbytes, create=True)
+        try:
+            v = self.layout.views(self.seg)
+            self.lengths = v["lengths"]                 # numpy, real rows per request
+            self.q = torch.from_numpy(v["q"])           # [B, Hq, Tmax, D] f32
+            self.knew, self.vnew, self.K, self.V = (self._storage(v[n]) for n in ("knew", "vnew", "K", "V"))
+            self.part_o, self.part_m, self.part_l = (torch.from_numpy(v[n]) for n in ("part_o", "part_m", "part_l"))
+            self.lengths[:] = 0
+            self._real_lens = np.asarray(real_lens, np.int64)
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    def _storage(self, arr):
+        t = torch.from_numpy(arr)
+        return t if arr.dtype == np.float32 else t.view(self.spec.dtype)
+
+    def _open(self):
+        w, lay = self.pool.words, self.layout
+        w[C.S_BATCH], w[C.S_HQ], w[C.S_HKV], w[C.S_HDIM] = lay.batch, lay.q_heads, lay.kv_heads, lay.head_dim
+        w[C.S_CAP], w[C.S_LAYERS], w[C.S_CODE], w[C.S_TMAX], w[C.S_NSPLIT_MAX] = (
+            lay.cap, lay.layers, lay.code, lay.tmax, lay.nsplit_max)
+        C.write_name(w, self.seg.name)
+        self.pool.run(C.CMD_OPEN)
+        self.opened = True
+
+    # ---- prefill: the model's own attention runs; we offload its KV layer by layer
+    def store_prefill(self, layer, key, value):
+        """key/value: [B, Hkv, S, D] on the model's device (S includes left pads)."""
+        S = key.shape[2]
+        for b, pad in enumerate(self.pads):
+            n = S - pad
+            self.K[layer, b, :, :n].copy_(key[b, :, pad:], non_blocking=False)
+            self.V[layer, b, :, :n].copy_(value[b, :, pad:], non_blocking=False)
+
+    def finish_prefill(self):
+        """Called after the last layer's prefill attention: later forwards are decode steps."""
+        self.lengths[:] = self._real_lens
+        self.prefilled = True
+
+    # ---- decode
+    def stage_kv(self, key, value):
+        """key/value: [B, Hkv, T, D], the new rows of this step (workers append them)."""
+        T = key.shape[2]
+        self.knew[:, :, :T].copy_(key)
+        self.vnew[:, :, :T].copy_(value)
+
+    def attend(self, layer, query, window, scale, softcap):
+        """query [B, Hq, T, D] -> attention output [B, T, Hq, D] over the CPU KV cache."""
+        B, Hq, T, D = query.shape
+        if T > self.layout.tmax:
+            raise NotImplementedError(f"decode steps of {T} query tokens (at most {self.layout.tmax} supported)")
+        G, Hkv = Hq // self.spec.kv_heads, self.spec.kv_heads
+        self.q[:, :, :T].copy_(query)
+        nsplit = choose_nsplit(B, Hkv, int(self.lengths.max()), self.pool.n, self.layout.nsplit_max)
+        w, f = self.pool.words, self.pool.floats
+        w[C.LAYER], w[C.QLEN], w[C.WINDOW], w[C.NSPLIT] = layer, T, window or 0, nsplit
+        f[C.F_SCALE], f[C.F_SOFTCAP] = scale, softcap or 0.0
+        self.pool.run(C.CMD_ATTN)
+        rows = G * T
+        o = self.part_o[:, :, :nsplit, :rows]          # [B, Hkv, ns, G*T, D]
+        m = self.part_m[:, :, :nsplit, :rows]          # [B, Hkv, ns, G*T]
+        l = self.part_l[:, :, :nsplit, :rows]
+        if nsplit == 1:
+            out = o[:, :, 0] / l[:, :, 0, :, None]
+        else:
+            wgt = torch.exp(m - m.amax(2, keepdim=True))
+            out = (wgt[..., None] * o).sum(2) / (wgt * l).sum(2)[..., None]
+        out = out.view(B, Hkv, G, T, D).reshape(B, Hq, T, D)   # q head = h*G + g
+        if layer == self.spec.layers - 1:
+            self.lengths += T
+        return out.transpose(1, 2).to(query.dtype)
+
+    def close(self):
+        """Unmap in the workers and unlink. Idempotent; safe after a worker died."""
+        if self.opened:
+            self.opened = False
+            if self.pool.alive:
+                try:
+                    self.pool.run(C.CMD_CLOSE, timeout=5.0)
+                except Exception:
+                    pass
+        self.q = self.knew = self.vnew = self.K = self.V = None
+        self.part_o = self.part_m = self.part_l = self.lengths = None
+        self.seg.close()
