@@ -1,9 +1,21 @@
-"""hetero: heterogeneous CPU-GPU long-context inference for transformers causal LMs."""
-from hetero.config import HeteroConfig
-from hetero.errors import (CapacityError, GeneratorClosedError, HeteroError, UnsupportedModelError,
-                           WorkerDiedError, WorkerError)
-from hetero.generator import HeteroGenerator
+"""hetero: heterogeneous CPU-GPU long-context inference for transformers causal LMs.
 
-__all__ = ["HeteroGenerator", "HeteroConfig", "HeteroError", "UnsupportedModelError", "CapacityError",
-           "WorkerError", "WorkerDiedError", "GeneratorClosedError"]
+Names are imported lazily: CPU worker processes import `hetero.ipc.worker`,
+which must not pull torch or transformers in through this package.
+"""
+import importlib
+
+_EXPORTS = {
+    "HeteroGenerator": "hetero.generator",
+    "HeteroConfig": "hetero.config",
+    **{name: "hetero.errors" for name in ("HeteroError", "UnsupportedModelError", "CapacityError", "WorkerError",
+                                          "WorkerDiedError", "GeneratorClosedError")},
+}
+__all__ = list(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'hetero' has no attribute {name!r}")

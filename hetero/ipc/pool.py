@@ -98,7 +98,7 @@ class WorkerPool:
         self.closed = True
         atexit.unregister(self.close)
         try:
-            if self.procs and all(p.poll() is None for p in self.procs):
+            if any(p.poll() is None for p in self.procs):  # survivors read EXIT; the dead ignore it
                 self.words[C.CMD] = C.CMD_EXIT
                 self.seq += 1
                 atomics.store(self.words, C.SEQ, self.seq)

@@ -1,0 +1,204 @@
+"""Bad input, dead workers, exceptions and killed parents: clear errors, nothing leaked or hung."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from hetero import (CapacityError, GeneratorClosedError, HeteroConfig, HeteroGenerator, UnsupportedModelError,
+                    WorkerDiedError)
+from tests.conftest import build_model, our_segments, padded_batch
+
+
+def only_ctrl_segment(gen):
+    """While a generator is idle only its pool's control segment exists."""
+    return our_segments(os.getpid()) == [gen._pool.ctrl.name[1:]]
+
+
+def test_bad_inputs_raise_and_generator_stays_usable(llama, llama_gen):
+    ids, mask = padded_batch()
+    good = llama_gen.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0)
+    bad_calls = [
+        (ValueError, "empty prompt", dict(input_ids=torch.zeros(1, 0, dtype=torch.long))),
+        (ValueError, "empty prompt", dict(input_ids=ids, attention_mask=torch.zeros_like(mask))),
+        (ValueError, r"\[batch, seq_len\]", dict(input_ids=ids[0])),
+        (TypeError, "integer token ids", dict(input_ids=ids.float())),
+        (ValueError, "model is on cpu", dict(input_ids=ids.to("meta"))),
+        (ValueError, "does not match", dict(input_ids=ids, attention_mask=mask[:, 1:])),
+        (TypeError, "0/1", dict(input_ids=ids, attention_mask=mask.float())),
+        (ValueError, "only hold 0 and 1", dict(input_ids=ids, attention_mask=mask * 2)),
+        (ValueError, "left-padded", dict(input_ids=ids, attention_mask=mask.flip(1))),
+        (CapacityError, "max_position_embeddings \\(256\\)", dict(input_ids=ids, max_new_tokens=250)),
+        (ValueError, "max_new_tokens", dict(input_ids=ids, max_new_tokens=0)),
+        (TypeError, r"unsupported arguments \['num_beams'\]", dict(input_ids=ids, num_beams=4)),
+    ]
+    for exc, msg, kw in bad_calls:
+        kw = {"max_new_tokens": 4, **kw}
+        with pytest.raises(exc, match=msg):
+            llama_gen.generate(**kw)
+        assert only_ctrl_segment(llama_gen)
+    again = llama_gen.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0)
+    assert torch.equal(good, again)
+
+
+def test_cache_capacity_and_ram_limits(llama):
+    ids, mask = padded_batch()
+    with HeteroGenerator(llama, config=HeteroConfig(cpu_workers=1, max_cache_tokens=16)) as gen:
+        with pytest.raises(CapacityError, match=r"needs 22 KV rows .* max_cache_tokens=16"):
+            gen.generate(ids, attention_mask=mask, max_new_tokens=10)
+        gen.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0)  # 16 rows fit
+    with HeteroGenerator(llama, config=HeteroConfig(cpu_workers=1, ram_fraction=1e-9)) as gen:
+        with pytest.raises(CapacityError, match=r"needs .* GiB .* only .* GiB of RAM is available"):
+            gen.generate(ids, attention_mask=mask, max_new_tokens=4)
+
+
+def test_bad_config_values():
+    for kw, msg in [({"cpu_workers": 0}, "cpu_workers"), ({"ram_fraction": 2}, "ram_fraction"),
+                    ({"worker_cores": (10**6,)}, "not usable"), ({"max_cache_tokens": -1}, "max_cache_tokens")]:
+        with pytest.raises(ValueError, match=msg):
+            HeteroConfig(**kw)
+
+
+def test_unsupported_models():
+    from transformers import MambaConfig, MambaForCausalLM, T5Config, T5ForConditionalGeneration
+
+    with pytest.raises(UnsupportedModelError, match="PreTrainedModel"):
+        HeteroGenerator(torch.nn.Linear(2, 2))
+    mamba = MambaForCausalLM(MambaConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1))
+    with pytest.raises(UnsupportedModelError, match="AttentionInterface|layer types|attention"):
+        HeteroGenerator(mamba)
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=32, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8))
+    with pytest.raises(UnsupportedModelError, match="encoder-decoder"):
+        HeteroGenerator(t5)
+    llama64 = build_model("llama")[0].to(torch.float64)
+    with pytest.raises(UnsupportedModelError, match="float64"):
+        HeteroGenerator(llama64)
+
+
+def test_generate_after_close(llama):
+    gen = HeteroGenerator(llama, cpu_workers=1)
+    name, procs = gen._pool.ctrl.name[1:], gen._pool.procs
+    gen.close()
+    gen.close()
+    with pytest.raises(GeneratorClosedError):
+        gen.generate(padded_batch()[0], max_new_tokens=2)
+    assert name not in our_segments()
+    assert all(p.poll() is not None for p in procs)
+
+
+class _Streamer:
+    """A transformers streamer whose put() runs `action` on the n-th decode token."""
+
+    def __init__(self, n, action):
+        self.n, self.action, self.calls = n, action, 0
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls == self.n + 1:  # the first put() is the prompt
+            self.action()
+
+    def end(self):
+        pass
+
+
+def test_exception_inside_generate_leaks_nothing(llama, llama_gen):
+    def boom():
+        raise RuntimeError("user callback failed")
+
+    ids, mask = padded_batch()
+    with pytest.raises(RuntimeError, match="user callback failed"):
+        llama_gen.generate(ids, attention_mask=mask, max_new_tokens=8, streamer=_Streamer(3, boom), pad_token_id=0)
+    assert only_ctrl_segment(llama_gen)
+    assert llama_gen.generate(ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0).shape[1] == ids.shape[1] + 3
+
+
+def test_worker_killed_during_decode_raises_fast(llama):
+    ids, mask = padded_batch()
+    before = our_segments(os.getpid())
+    gen = HeteroGenerator(llama, cpu_workers=2)
+    victim = gen._pool.procs[1]
+    killed = {}
+
+    def kill():
+        os.kill(victim.pid, signal.SIGKILL)
+        killed["t"] = time.perf_counter()
+
+    try:
+        with pytest.raises(WorkerDiedError, match=rf"worker 1 \(pid {victim.pid}.*SIGKILL"):
+            gen.generate(ids, attention_mask=mask, max_new_tokens=8, streamer=_Streamer(2, kill), pad_token_id=0)
+        assert time.perf_counter() - killed["t"] < 2.0
+        assert our_segments(os.getpid()) == before      # the broken pool and the session are gone
+        # the next generate starts a fresh pool and is correct
+        out = gen.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0)
+        llama.set_attn_implementation("sdpa")
+        assert torch.equal(out, llama.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0))
+    finally:
+        gen.close()
+    assert our_segments(os.getpid()) == before
+
+
+def test_two_generators_in_one_process(llama):
+    ids, mask = padded_batch()
+    other = build_model("qwen3")[0]
+    before = our_segments(os.getpid())
+    with HeteroGenerator(llama, cpu_workers=1) as a, HeteroGenerator(other, cpu_workers=1) as b:
+        assert a._pool.ctrl.name != b._pool.ctrl.name
+        ra = a.generate(ids, attention_mask=mask, max_new_tokens=5, pad_token_id=0)
+        rb = b.generate(ids, attention_mask=mask, max_new_tokens=5, pad_token_id=0)
+    llama.set_attn_implementation("sdpa")
+    other.set_attn_implementation("sdpa")
+    assert torch.equal(ra, llama.generate(ids, attention_mask=mask, max_new_tokens=5, pad_token_id=0))
+    assert torch.equal(rb, other.generate(ids, attention_mask=mask, max_new_tokens=5, pad_token_id=0))
+    assert our_segments(os.getpid()) == before
+
+
+PARENT = textwrap.dedent("""
+    import sys, time, torch
+    sys.path.insert(0, {root!r})
+    from tests.conftest import build_model, padded_batch
+    from hetero import HeteroGenerator
+    gen = HeteroGenerator(build_model("llama")[0], cpu_workers=2)
+    ids, mask = padded_batch()
+
+    class Hang:
+        n = 0
+        def put(self, v):
+            self.n += 1
+            if self.n == 3:  # mid-decode, with the KV segment open
+                print("PIDS", *[p.pid for p in gen._pool.procs], flush=True)
+                time.sleep(600)
+        def end(self): pass
+
+    gen.generate(ids, attention_mask=mask, max_new_tokens=8, streamer=Hang(), pad_token_id=0)
+""")
+
+
+def test_parent_killed_leaves_no_segments_and_no_workers():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    parent = subprocess.Popen([sys.executable, "-c", PARENT.format(root=root)], stdout=subprocess.PIPE, text=True)
+    try:
+        line = parent.stdout.readline()
+        assert line.startswith("PIDS"), line
+        workers = [int(p) for p in line.split()[1:]]
+        assert len(our_segments(parent.pid)) == 2           # control + KV session
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and (our_segments(parent.pid) or any(_alive(p) for p in workers)):
+        time.sleep(0.05)
+    assert our_segments(parent.pid) == []
+    assert not any(_alive(p) for p in workers)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:   # a zombie has exited
+        return f.read().split(")")[-1].split()[0] != "Z"

@@ -1,0 +1,65 @@
+"""Atomic flags, the worker pool and segment hygiene, with real processes and /dev/shm."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from hetero.errors import WorkerDiedError
+from hetero.ipc import atomics, control as C, shm
+from hetero.ipc.pool import WorkerPool
+
+
+def test_atomics_roundtrip():
+    a = np.zeros(16, np.int64)
+    atomics.store(a, 8, 42)
+    assert atomics.load(a, 8) == 42 and a[8] == 42
+    assert atomics.spin_until_changed(a, 8, 42, 10) == 42       # unchanged: returns old after the budget
+    assert atomics.spin_until_changed(a, 8, 0, 10) == 42
+    assert atomics.spin_until_all(a, 0, 2, 8, 0, 10) is False   # a[8] != 0
+    assert atomics.spin_until_all(a, 8, 1, 8, 42, 10) is True
+
+
+def test_pool_round_trips_and_dead_worker_detection():
+    pool = WorkerPool(2, [0, 1] if os.cpu_count() > 1 else [0])
+    try:
+        name = pool.ctrl.name
+        assert os.path.exists("/dev/shm" + name)
+        for _ in range(50):
+            pool.run(C.CMD_PING)
+        assert all(pool.words[C.done_word(r)] == pool.seq for r in range(2))
+        victim = pool.procs[1]
+        victim.kill()
+        victim.wait()
+        t0 = time.perf_counter()
+        with pytest.raises(WorkerDiedError, match=r"worker 1 \(pid %d.*SIGKILL" % victim.pid):
+            pool.run(C.CMD_PING)
+        assert time.perf_counter() - t0 < 2.0
+        assert not pool.alive
+    finally:
+        pool.close()
+        pool.close()  # idempotent
+    assert not os.path.exists("/dev/shm" + name)
+    assert all(p.poll() is not None for p in pool.procs)
+
+
+def test_segment_names_unique_and_sweep_only_dead_owners():
+    a, b = shm.Segment(shm.new_name("t"), 64, create=True), shm.Segment(shm.new_name("t"), 64, create=True)
+    try:
+        assert a.name != b.name
+        # a segment "left" by a process that no longer exists
+        p = subprocess.Popen([sys.executable, "-c", "pass"])
+        p.wait()
+        dead = f"/{shm.PREFIX}{p.pid}_abc_kv"
+        import posix_ipc
+        posix_ipc.SharedMemory(dead, posix_ipc.O_CREX, size=64).close_fd()
+        removed = shm.sweep_stale()
+        assert dead[1:] in removed
+        assert a.name[1:] in shm.list_ours() and b.name[1:] in shm.list_ours()   # ours are alive: kept
+    finally:
+        a.close()
+        b.close()
+    assert a.name[1:] not in shm.list_ours()

@@ -1,0 +1,113 @@
+"""The numba decode-attention kernel against a torch reference."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from hetero.cpu_attention import kernel as K
+
+TORCH = {K.F32: torch.float32, K.BF16: torch.bfloat16, K.F16: torch.float16}
+
+
+def reference(q, k, v, L, T, window, scale, softcap):
+    """q [Hq, T, D] f32; k/v [Hkv, L+T, D] f32 -> [Hq, T, D]; token t is at position L+t."""
+    G = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(G, 0), v.repeat_interleave(G, 0)
+    s = (q @ k.transpose(1, 2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    pos = L + torch.arange(T)[:, None]
+    j = torch.arange(L + T)[None, :]
+    allowed = j <= pos
+    if window:
+        allowed &= j > pos - window
+    s = s.masked_fill(~allowed, -math.inf)
+    return torch.softmax(s, -1) @ v
+
+
+def run_kernel(q, kst, vst, lengths, T, window, scale, softcap, code, nworkers, nsplit):
+    """Drive run_share exactly as the workers do, with the new rows staged in knew/vnew."""
+    B, Hq, _, D = q.shape
+    Hkv = kst.shape[1]
+    G = Hq // Hkv
+    as_np = (lambda t: t.contiguous().view(torch.uint16).numpy().copy()) if code else (lambda t: t.contiguous().numpy().copy())
+    Kc, Vc = as_np(kst)[None], as_np(vst)[None]        # [1 layer, B, Hkv, cap, D]
+    knew = np.stack([Kc[0, b, :, lengths[b]:lengths[b] + T] for b in range(B)])
+    vnew = np.stack([Vc[0, b, :, lengths[b]:lengths[b] + T] for b in range(B)])
+    for b in range(B):                                   # the workers must append these themselves
+        Kc[0, b, :, lengths[b]:] = 0
+        Vc[0, b, :, lengths[b]:] = 0
+    po = np.full((B, Hkv, nsplit, G * T, D), np.nan, np.float32)
+    pm = np.full((B, Hkv, nsplit, G * T), np.nan, np.float32)
+    pl = pm.copy()
+    for r in range(nworkers):
+        K.run_share(r, nworkers, 0, T, window, nsplit, np.float32(scale), np.float32(softcap or 0), code,
+                    q.numpy(), knew, vnew, Kc, Vc, np.asarray(lengths, np.int64), po, pm, pl,
+                    np.zeros((G * T, K.BLOCK), np.float32), np.zeros(D, np.float32))
+    po, pm, pl = map(torch.from_numpy, (po, pm, pl))
+    w = torch.exp(pm - pm.amax(2, keepdim=True))
+    out = (w[..., None] * po).sum(2) / (w * pl).sum(2)[..., None]      # [B, Hkv, G*T, D]
+    return out.view(B, Hkv, G, T, D).reshape(B, Hq, T, D), Kc, Vc
+
+
+CASES = [  # (Hq, Hkv, D, lengths, T, window, softcap)
+    (8, 8, 64, (37, 100), 1, 0, None),        # MHA (group 1)
+    (16, 4, 128, (257, 64), 1, 0, None),      # group 4, head dim 128
+    (32, 4, 64, (95, 3), 1, 0, None),         # group 8
+    (8, 2, 64, (130, 61), 1, 17, None),       # sliding window
+    (8, 2, 128, (77, 200), 1, 0, 20.0),       # softcap
+    (8, 2, 64, (50, 91), 4, 9, 30.0),         # q_len 4 + window + softcap
+    (4, 1, 64, (1, 33), 3, 0, None),          # tiny context, q_len 3
+]
+
+
+@pytest.mark.parametrize("code", [K.F32, K.BF16, K.F16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+@pytest.mark.parametrize("nworkers,nsplit", [(1, 1), (3, 4)])
+def test_kernel_matches_reference(case, code, nworkers, nsplit):
+    Hq, Hkv, D, lengths, T, window, softcap = case
+    g = torch.Generator().manual_seed(hash((case, code)) % 2**31)
+    B, cap = len(lengths), max(lengths) + T + 5
+    q = torch.randn(B, Hq, T, D, generator=g)
+    kst = (torch.randn(B, Hkv, cap, D, generator=g) * 2).to(TORCH[code])
+    vst = torch.randn(B, Hkv, cap, D, generator=g).to(TORCH[code])
+    scale = D ** -0.5
+    out, Kc, Vc = run_kernel(q, kst, vst, lengths, T, window, scale, softcap, code, nworkers, nsplit)
+    for b, L in enumerate(lengths):
+        ref = reference(q[b], kst[b, :, :L + T].float(), vst[b, :, :L + T].float(), L, T, window, scale, softcap)
+        torch.testing.assert_close(out[b], ref, atol=2e-5, rtol=1e-4)
+        # the appended rows are bit-identical to the staged ones
+        stored = Kc[0, b, :, L:L + T]
+        expect = kst[b, :, L:L + T]
+        expect = expect.view(torch.uint16).numpy() if code else expect.numpy()
+        np.testing.assert_array_equal(stored, expect)
+
+
+def test_fp16_conversion_is_exact_for_every_bit_pattern():
+    bits = np.arange(2**16, dtype=np.uint16)
+    want = torch.from_numpy(bits.view(np.float16).astype(np.float32))
+    got = torch.from_numpy(_convert_all(bits))
+    finite = torch.isfinite(want)
+    assert torch.equal(got[finite], want[finite])
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.equal(torch.isinf(got), torch.isinf(want))
+
+
+def _convert_all(bits):
+    from numba import njit
+
+    @njit
+    def conv(x, out):
+        for i in range(x.size):
+            out[i] = K.f16_bits_to_f32(x[i])
+
+    out = np.empty(bits.size, np.float32)
+    conv(bits, out)
+    return out
+
+
+def test_choose_nsplit():
+    assert K.choose_nsplit(1, 8, 32768, 15, 16) == 2          # 8 units for 15 workers -> split in 2
+    assert K.choose_nsplit(1, 2, 300, 8, 16) == 1             # too short to split
+    assert K.choose_nsplit(4, 8, 100000, 3, 16) == 1          # enough units already
+    assert K.choose_nsplit(1, 1, 100000, 64, 16) == 16        # capped by the partial buffer
