@@ -1,4 +1,5 @@
 """HeteroGenerator: HF-style generate() with the KV cache and decode attention on CPU workers."""
+import contextlib
 import copy
 from dataclasses import replace
 
@@ -141,20 +142,28 @@ class HeteroGenerator:
                             f"input_ids, attention_mask, max_new_tokens, {', '.join(sorted(GENERATE_KWARGS))}")
         attention_mask, max_new_tokens = self._check_inputs(input_ids, attention_mask, max_new_tokens)
         pads, real, cap = self._plan_cache(attention_mask, max_new_tokens)
-        pool = self._ensure_pool()
-        session = KVSession(pool, self.spec, pads, real, cap)
         # a checkpoint may ship cache_implementation="static": ours replaces it
         gen_config = copy.deepcopy(self.model.generation_config)
         gen_config.cache_implementation = None
         objects = {k: kwargs.pop(k) for k in PASS_THROUGH if k in kwargs}
         gen_config.update(max_new_tokens=max_new_tokens, num_beams=1, **kwargs)
+        with self.activated(self.new_session(pads, real, cap)) as cache, torch.inference_mode():
+            return self.model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache,
+                                       generation_config=gen_config, **objects)
+
+    def new_session(self, pads, real_lens, cap):
+        """A KV session (shared arena mapped in the workers) for len(pads) requests of `cap` rows each."""
+        return KVSession(self._ensure_pool(), self.spec, pads, real_lens, cap)
+
+    @contextlib.contextmanager
+    def activated(self, session):
+        """Route the model's attention to `session` and yield its HeteroCache; always closes the session
+        and restores the model's attention implementation."""
         token = attention.active_session.set(session)
         previous = self.model.config._attn_implementation
-        self.model.set_attn_implementation(attention.NAME)
         try:
-            with torch.inference_mode():
-                return self.model.generate(input_ids, attention_mask=attention_mask, past_key_values=HeteroCache(session),
-                                           generation_config=gen_config, **objects)
+            self.model.set_attn_implementation(attention.NAME)
+            yield HeteroCache(session)
         except WorkerError:
             self._pool.close()  # restarted by the next generate
             raise

@@ -53,7 +53,11 @@ def _to_f32(x, code):
         return impl
 
 
-@njit(cache=True)
+# Reassociation lets LLVM vectorize the dot products and P.V sums; no nnan/ninf: masking uses -inf.
+FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+
+
+@njit(cache=True, fastmath=FASTMATH)
 def attend_unit(q, kc, vc, b, h, G, T, c0, c1, L, window, scale, softcap, code,
                 o, m, l, S, kf):
     """Attention of query rows (b, heads h*G..h*G+G-1, tokens 0..T-1) over KV rows [c0, c1).

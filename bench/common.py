@@ -1,0 +1,58 @@
+"""Shared benchmark helpers: machine description, streaming-read bandwidth bound, JSON results."""
+import json
+import os
+import platform
+import subprocess
+import time
+
+import numpy as np
+from numba import njit
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def _run(cmd):
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def machine():
+    import torch
+    import transformers
+
+    return {
+        "platform": platform.platform(), "python": platform.python_version(), "cpus_usable": len(os.sched_getaffinity(0)),
+        "lscpu": _run(["lscpu"]), "nvidia_smi": _run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv"]),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "commit": _run(["git", "-C", os.path.dirname(RESULTS), "rev-parse", "--short", "HEAD"]),
+    }
+
+
+@njit(cache=True, fastmath=True)  # reassociation: vector adds, so memory (not add latency) is the limit
+def _stream_sum(a):
+    s = np.float32(0.0)
+    for i in range(a.size):
+        s += a[i]
+    return s
+
+
+def stream_read_gbps(nbytes=512 << 20, repeats=5):
+    """Single-core streaming read bandwidth (GB/s) of a numba sum over a buffer larger than the caches."""
+    a = np.ones(nbytes // 4, np.float32)
+    _stream_sum(a[:1024])
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        _stream_sum(a)
+        best = min(best, time.perf_counter() - t)
+    return a.nbytes / best / 1e9
+
+
+def write_json(name, payload):
+    os.makedirs(RESULTS, exist_ok=True)
+    path = os.path.join(RESULTS, name)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+    return path
