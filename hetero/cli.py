@@ -4,6 +4,28 @@ import os
 import time
 
 
+class _Clock:
+    """A transformers streamer that timestamps tokens: prefill time and median decode time per token."""
+
+    def __init__(self):
+        self.stamps = []
+
+    def put(self, value):
+        self.stamps.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+    @property
+    def prefill(self):
+        return self.stamps[1] - self.stamps[0]   # put(prompt) ... put(first token)
+
+    @property
+    def per_token_ms(self):
+        gaps = sorted(b - a for a, b in zip(self.stamps[1:], self.stamps[2:]))
+        return 1e3 * gaps[len(gaps) // 2] if gaps else float("nan")
+
+
 def demo(args):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -25,17 +47,17 @@ def demo(args):
     print(f"random-weight Llama ({cfg.num_hidden_layers} layers, {cfg.num_attention_heads} heads), "
           f"prompts of {lengths} tokens, {args.new_tokens} new tokens, greedy")
     kw = dict(attention_mask=mask, max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
-    t = time.perf_counter()
-    ref = model.generate(ids, **kw)
-    t_hf = time.perf_counter() - t
+    hf_clock = _Clock()
+    ref = model.generate(ids, streamer=hf_clock, **kw)
     with HeteroGenerator(model, cpu_workers=args.workers) as gen:
-        t = time.perf_counter()
-        out = gen.generate(ids, **kw)
-        t_het = time.perf_counter() - t
+        het_clock = _Clock()
+        out = gen.generate(ids, streamer=het_clock, **kw)
         workers = gen.cpu_workers
     same = torch.equal(out, ref)
-    print(f"HF generate (sdpa + DynamicCache):     {t_hf:6.2f} s")
-    print(f"hetero ({workers} CPU worker(s), KV in /dev/shm): {t_het:6.2f} s   ratio {t_hf / t_het:.2f}x")
+    print(f"{'':38s} {'prefill (s)':>12s} {'decode ms/token':>16s}")
+    print(f"{'HF generate (sdpa + DynamicCache)':38s} {hf_clock.prefill:12.2f} {hf_clock.per_token_ms:16.1f}")
+    print(f"{f'hetero ({workers} CPU worker(s), KV in /dev/shm)':38s} {het_clock.prefill:12.2f} {het_clock.per_token_ms:16.1f}"
+          f"   decode speedup {hf_clock.per_token_ms / het_clock.per_token_ms:.2f}x")
     print(f"tokens identical to HF: {same}")
     print("first request's new tokens:", out[0, -args.new_tokens:].tolist())
     return 0 if same else 1

@@ -1,0 +1,1 @@
+"""Layer-wise KV prefetch CPU->GPU for prefills that continue a context (not built yet)."""
