@@ -56,11 +56,10 @@ def run_hf(model, keys, values, L, steps):
 
 
 def run_hetero(gen, keys, values, L, steps):
-    session = gen.new_session(pads=[0], real_lens=[L], cap=L + steps)
-    session.K[:, :, :, :L].copy_(keys)
-    session.V[:, :, :, :L].copy_(values)
-    session.finish_prefill()
-    with gen.activated(session) as cache:
+    with gen.kv_context(pads=[0], real_lens=[L], cap=L + steps) as cache:
+        cache.session.K[:, :, :, :L].copy_(keys)
+        cache.session.V[:, :, :, :L].copy_(values)
+        cache.session.finish_prefill()
         for layer in cache.layers:
             layer.seen = L
         return decode_loop(gen.model, cache, L, steps)

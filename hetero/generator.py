@@ -1,6 +1,7 @@
 """HeteroGenerator: HF-style generate() with the KV cache and decode attention on CPU workers."""
 import contextlib
 import copy
+import threading
 from dataclasses import replace
 
 import psutil
@@ -40,6 +41,7 @@ class HeteroGenerator:
         self.model = model
         self._pool = None
         self._closed = False
+        self._lock = threading.Lock()  # one generate at a time: the pool has one control block
         attention.register()
         self._ensure_pool()
 
@@ -147,30 +149,34 @@ class HeteroGenerator:
         gen_config.cache_implementation = None
         objects = {k: kwargs.pop(k) for k in PASS_THROUGH if k in kwargs}
         gen_config.update(max_new_tokens=max_new_tokens, num_beams=1, **kwargs)
-        with self.activated(self.new_session(pads, real, cap)) as cache, torch.inference_mode():
+        with self.kv_context(pads, real, cap) as cache, torch.inference_mode():
             return self.model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache,
                                        generation_config=gen_config, **objects)
 
-    def new_session(self, pads, real_lens, cap):
-        """A KV session (shared arena mapped in the workers) for len(pads) requests of `cap` rows each."""
-        return KVSession(self._ensure_pool(), self.spec, pads, real_lens, cap)
-
     @contextlib.contextmanager
-    def activated(self, session):
-        """Route the model's attention to `session` and yield its HeteroCache; always closes the session
-        and restores the model's attention implementation."""
-        token = attention.active_session.set(session)
-        previous = self.model.config._attn_implementation
+    def kv_context(self, pads, real_lens, cap):
+        """Open a KV session (shared arena mapped in the workers) for len(pads) requests of `cap` rows,
+        route the model's attention to it and yield its HeteroCache (`cache.session`). On exit the
+        session is closed and the model's attention implementation restored, whatever happened."""
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError("this HeteroGenerator is already generating (in another thread); "
+                               "use one generator per thread")
         try:
-            self.model.set_attn_implementation(attention.NAME)
-            yield HeteroCache(session)
-        except WorkerError:
-            self._pool.close()  # restarted by the next generate
-            raise
+            session = KVSession(self._ensure_pool(), self.spec, pads, real_lens, cap)
+            token = attention.active_session.set(session)
+            previous = self.model.config._attn_implementation
+            try:
+                self.model.set_attn_implementation(attention.NAME)
+                yield HeteroCache(session)
+            except WorkerError:
+                self._pool.close()  # restarted by the next generate
+                raise
+            finally:
+                self.model.set_attn_implementation(previous)
+                attention.active_session.reset(token)
+                session.close()
         finally:
-            self.model.set_attn_implementation(previous)
-            attention.active_session.reset(token)
-            session.close()
+            self._lock.release()
 
     def close(self):
         """Stop the workers and free every shared segment. Idempotent."""

@@ -202,3 +202,28 @@ def _alive(pid):
         return False
     with open(f"/proc/{pid}/stat") as f:   # a zombie has exited
         return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_concurrent_generate_on_one_generator_is_refused(llama, llama_gen):
+    import threading
+
+    ids, mask = padded_batch()
+    started, release, errors = threading.Event(), threading.Event(), []
+
+    def slow():
+        started.set()
+        release.wait(10)
+
+    def first():
+        llama_gen.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, streamer=_Streamer(1, slow))
+
+    t = threading.Thread(target=first)
+    t.start()
+    assert started.wait(10)
+    try:
+        with pytest.raises(RuntimeError, match="already generating"):
+            llama_gen.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0)
+    finally:
+        release.set()
+        t.join(10)
+    assert only_ctrl_segment(llama_gen)

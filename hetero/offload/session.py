@@ -99,7 +99,7 @@ class KVSession:
         out = out.view(B, Hkv, G, T, D).reshape(B, Hq, T, D)   # q head = h*G + g
         if layer == self.spec.layers - 1:
             self.lengths += T
-        return out.transpose(1, 2).to(query.dtype)
+        return out.transpose(1, 2).to(query.device, query.dtype)
 
     def close(self):
         """Unmap in the workers and unlink. Idempotent; safe after a worker died."""
