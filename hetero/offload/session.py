@@ -66,7 +66,13 @@ class KVSession:
     def finish_prefill(self):
         """Called after the last layer's prefill attention: later forwards are decode steps."""
         self.lengths[:] = self._real_lens
+        self._plan_step()
         self.prefilled = True
+
+    def _plan_step(self):
+        """Split count for the next decode step: lengths change once per step, not per layer."""
+        self.nsplit = choose_nsplit(self.batch, self.spec.kv_heads, int(self.lengths.max()), self.pool.n,
+                                    self.layout.nsplit_max)
 
     # ---- decode
     def stage_kv(self, key, value):
@@ -82,7 +88,7 @@ class KVSession:
             raise NotImplementedError(f"decode steps of {T} query tokens (at most {self.layout.tmax} supported)")
         G, Hkv = Hq // self.spec.kv_heads, self.spec.kv_heads
         self.q[:, :, :T].copy_(query)
-        nsplit = choose_nsplit(B, Hkv, int(self.lengths.max()), self.pool.n, self.layout.nsplit_max)
+        nsplit = self.nsplit
         w, f = self.pool.words, self.pool.floats
         w[C.LAYER], w[C.QLEN], w[C.WINDOW], w[C.NSPLIT] = layer, T, window or 0, nsplit
         f[C.F_SCALE], f[C.F_SOFTCAP] = scale, softcap or 0.0
@@ -99,6 +105,7 @@ class KVSession:
         out = out.view(B, Hkv, G, T, D).reshape(B, Hq, T, D)   # q head = h*G + g
         if layer == self.spec.layers - 1:
             self.lengths += T
+            self._plan_step()
         return out.transpose(1, 2).to(query.device, query.dtype)
 
     def close(self):
