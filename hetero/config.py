@@ -18,6 +18,8 @@ class HeteroConfig:
     ram_fraction: float = 0.8             # share of available RAM one generate's KV arena may take
     spin_budget: int = 20000              # atomic polls before a waiter backs off
     start_timeout: float = 300.0          # seconds for workers to start (numba compiles on a cold cache)
+    profile: str = "auto"                 # "auto": plan decode steps from a measured profile (cached on disk,
+                                          # measured on first use); "off": every worker, a fixed split rule
 
     def __post_init__(self):
         _check_int("cpu_workers", self.cpu_workers, 1)
@@ -27,6 +29,8 @@ class HeteroConfig:
             raise ValueError(f"HeteroConfig.ram_fraction must be in (0, 1], got {self.ram_fraction!r}")
         if not (isinstance(self.start_timeout, (int, float)) and self.start_timeout > 0):
             raise ValueError(f"HeteroConfig.start_timeout must be > 0 seconds, got {self.start_timeout!r}")
+        if self.profile not in ("auto", "off"):
+            raise ValueError(f"HeteroConfig.profile must be 'auto' or 'off', got {self.profile!r}")
         if self.worker_cores is not None:
             usable = os.sched_getaffinity(0)
             cores = tuple(self.worker_cores)

@@ -12,6 +12,8 @@ from hetero.config import HeteroConfig
 from hetero.errors import CapacityError, GeneratorClosedError, WorkerError
 from hetero.ipc.pool import WorkerPool
 from hetero.model_spec import inspect_model
+from hetero.cpu_attention.planner import ProfiledPlanner, StaticPlanner
+from hetero.cpu_attention.simd import BK
 from hetero.offload.arena import SessionLayout
 from hetero.offload.cache import HeteroCache
 from hetero.offload.session import STORAGE_CODES, KVSession
@@ -40,6 +42,7 @@ class HeteroGenerator:
         self.spec = inspect_model(model)
         self.model = model
         self._pool = None
+        self._planner = None
         self._closed = False
         self._lock = threading.Lock()  # one generate at a time: the pool has one control block
         attention.register()
@@ -67,7 +70,21 @@ class HeteroGenerator:
             n, cores = self.config.resolve_workers()
             self._pool = WorkerPool(n, cores, spin_budget=self.config.spin_budget,
                                     start_timeout=self.config.start_timeout)
+            self._planner = None
         return self._pool
+
+    def _ensure_planner(self, pool):
+        """The decode planner: from the machine's measured profile (cached on disk) unless profile='off'."""
+        if self._planner is None:
+            if self.config.profile == "off":
+                self._planner = StaticPlanner(pool.n)
+            else:
+                from hetero.profile import load_or_measure
+
+                cores = [pool.cores[r % len(pool.cores)] for r in range(pool.n)] if pool.cores else []
+                profile, _ = load_or_measure(pool, self.spec, cores)
+                self._planner = ProfiledPlanner(profile, pool.n)
+        return self._planner
 
     # ---- validation at the boundary
     def _check_inputs(self, input_ids, attention_mask, max_new_tokens):
@@ -117,9 +134,10 @@ class HeteroGenerator:
     def _plan_cache(self, attention_mask, max_new_tokens):
         real = attention_mask.sum(1).cpu()
         cap = int(real.max()) + max_new_tokens
+        cap = -(-cap // BK) * BK                           # whole blocks
         limit = self.config.max_cache_tokens
-        if limit is not None and cap > limit:
-            raise CapacityError(f"a request needs {cap} KV rows (prompt {int(real.max())} + {max_new_tokens} new) "
+        if limit is not None and int(real.max()) + max_new_tokens > limit:
+            raise CapacityError(f"a request needs {int(real.max()) + max_new_tokens} KV rows (prompt {int(real.max())} + {max_new_tokens} new) "
                                 f"but the cache capacity is max_cache_tokens={limit}")
         s = self.spec
         layout = SessionLayout(batch=len(real), q_heads=s.q_heads, kv_heads=s.kv_heads, head_dim=s.head_dim,
@@ -162,7 +180,8 @@ class HeteroGenerator:
             raise RuntimeError("this HeteroGenerator is already generating (in another thread); "
                                "use one generator per thread")
         try:
-            session = KVSession(self._ensure_pool(), self.spec, pads, real_lens, cap)
+            pool = self._ensure_pool()
+            session = KVSession(pool, self.spec, pads, real_lens, cap, planner=self._ensure_planner(pool))
             token = attention.active_session.set(session)
             previous = self.model.config._attn_implementation
             try:

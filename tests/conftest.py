@@ -1,9 +1,15 @@
 """Tiny real transformers models built from configs (no hub access), shared by the tests."""
+import os
+import tempfile
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hetero.ipc import shm
+
+# planner profiles measured by the tests go to a throw-away cache, not the user's
+os.environ["HETERO_CACHE_DIR"] = tempfile.mkdtemp(prefix="hetero-test-cache-")
 
 VOCAB = 160
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

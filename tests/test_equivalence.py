@@ -77,6 +77,6 @@ def test_kv_stored_in_model_dtype(llama):
     from hetero.offload.arena import SessionLayout
     from hetero.offload.session import STORAGE_CODES
 
-    lay32 = SessionLayout(1, 4, 2, 16, 100, 2, STORAGE_CODES[torch.float32])
-    lay16 = SessionLayout(1, 4, 2, 16, 100, 2, STORAGE_CODES[torch.bfloat16])
-    assert lay32.kv_bytes == 2 * lay16.kv_bytes == 2 * 2 * 2 * 100 * 16 * 4
+    lay32 = SessionLayout(1, 4, 2, 16, 128, 2, STORAGE_CODES[torch.float32])
+    lay16 = SessionLayout(1, 4, 2, 16, 128, 2, STORAGE_CODES[torch.bfloat16])
+    assert lay32.kv_bytes == 2 * lay16.kv_bytes == 2 * 2 * 2 * 128 * 16 * 4

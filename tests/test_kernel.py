@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hetero.cpu_attention import kernel as K
+from hetero.cpu_attention.simd import BK, W
 
 TORCH = {K.F32: torch.float32, K.BF16: torch.bfloat16, K.F16: torch.float16}
 
@@ -26,29 +27,51 @@ def reference(q, k, v, L, T, window, scale, softcap):
     return torch.softmax(s, -1) @ v
 
 
+def to_blocks(rows, cap):
+    """[B, Hkv, n, D] numpy rows -> blocked K [B, Hkv, nblk, D, BK] and V [B, Hkv, nblk, D/W, BK, W] (zero-padded)."""
+    B, Hkv, n, D = rows.shape
+    nblk = cap // BK
+    padded = np.zeros((B, Hkv, nblk * BK, D), rows.dtype)
+    padded[:, :, :n] = rows
+    kb = padded.reshape(B, Hkv, nblk, BK, D).transpose(0, 1, 2, 4, 3)
+    vb = padded.reshape(B, Hkv, nblk, BK, D // W, W).transpose(0, 1, 2, 4, 3, 5)
+    return np.ascontiguousarray(kb), np.ascontiguousarray(vb)
+
+
+def from_blocks(kb, vb):
+    """Inverse of to_blocks: rows [B, Hkv, nblk*BK, D] of K and of V."""
+    B, Hkv, nblk, D, _ = kb.shape
+    return (kb.transpose(0, 1, 2, 4, 3).reshape(B, Hkv, nblk * BK, D),
+            vb.transpose(0, 1, 2, 4, 3, 5).reshape(B, Hkv, nblk * BK, D))
+
+
 def run_kernel(q, kst, vst, lengths, T, window, scale, softcap, code, nworkers, nsplit):
     """Drive run_share exactly as the workers do, with the new rows staged in knew/vnew."""
     B, Hq, _, D = q.shape
-    Hkv = kst.shape[1]
+    Hkv, cap = kst.shape[1], -(-kst.shape[2] // BK) * BK
     G = Hq // Hkv
     as_np = (lambda t: t.contiguous().view(torch.uint16).numpy().copy()) if code else (lambda t: t.contiguous().numpy().copy())
-    Kc, Vc = as_np(kst)[None], as_np(vst)[None]        # [1 layer, B, Hkv, cap, D]
-    knew = np.stack([Kc[0, b, :, lengths[b]:lengths[b] + T] for b in range(B)])
-    vnew = np.stack([Vc[0, b, :, lengths[b]:lengths[b] + T] for b in range(B)])
+    krows, vrows = as_np(kst), as_np(vst)               # [B, Hkv, n, D]
+    knew = np.stack([krows[b, :, lengths[b]:lengths[b] + T] for b in range(B)])
+    vnew = np.stack([vrows[b, :, lengths[b]:lengths[b] + T] for b in range(B)])
     for b in range(B):                                   # the workers must append these themselves
-        Kc[0, b, :, lengths[b]:] = 0
-        Vc[0, b, :, lengths[b]:] = 0
+        krows[b, :, lengths[b]:] = 0
+        vrows[b, :, lengths[b]:] = 0
+    kb, _ = to_blocks(krows, cap)
+    _, vb = to_blocks(vrows, cap)
+    Kc, Vc = kb[None], vb[None]                          # one layer
     po = np.full((B, Hkv, nsplit, G * T, D), np.nan, np.float32)
     pm = np.full((B, Hkv, nsplit, G * T), np.nan, np.float32)
     pl = pm.copy()
     for r in range(nworkers):
         K.run_share(r, nworkers, 0, T, window, nsplit, np.float32(scale), np.float32(softcap or 0), code,
                     q.numpy(), knew, vnew, Kc, Vc, np.asarray(lengths, np.int64), po, pm, pl,
-                    np.zeros((G * T, K.BLOCK), np.float32), np.zeros(D, np.float32))
+                    np.zeros((G * T, D), np.float32), np.zeros((G * T, BK), np.float32))
     po, pm, pl = map(torch.from_numpy, (po, pm, pl))
     w = torch.exp(pm - pm.amax(2, keepdim=True))
     out = (w[..., None] * po).sum(2) / (w * pl).sum(2)[..., None]      # [B, Hkv, G*T, D]
-    return out.view(B, Hkv, G, T, D).reshape(B, Hq, T, D), Kc, Vc
+    Kr, Vr = from_blocks(Kc[0], Vc[0])
+    return out.view(B, Hkv, G, T, D).reshape(B, Hq, T, D), Kr, Vr
 
 
 CASES = [  # (Hq, Hkv, D, lengths, T, window, softcap)
@@ -78,10 +101,10 @@ def test_kernel_matches_reference(case, code, nworkers, nsplit):
         ref = reference(q[b], kst[b, :, :L + T].float(), vst[b, :, :L + T].float(), L, T, window, scale, softcap)
         torch.testing.assert_close(out[b], ref, atol=2e-5, rtol=1e-4)
         # the appended rows are bit-identical to the staged ones
-        stored = Kc[0, b, :, L:L + T]
-        expect = kst[b, :, L:L + T]
-        expect = expect.view(torch.uint16).numpy() if code else expect.numpy()
-        np.testing.assert_array_equal(stored, expect)
+        for stored, src in ((Kc, kst), (Vc, vst)):
+            expect = src[b, :, L:L + T]
+            expect = expect.view(torch.uint16).numpy() if code else expect.numpy()
+            np.testing.assert_array_equal(stored[b, :, L:L + T], expect)
 
 
 def test_fp16_conversion_is_exact_for_every_bit_pattern():
@@ -106,8 +129,3 @@ def _convert_all(bits):
     return out
 
 
-def test_choose_nsplit():
-    assert K.choose_nsplit(1, 8, 32768, 15, 16) == 2          # 8 units for 15 workers -> split in 2
-    assert K.choose_nsplit(1, 2, 300, 8, 16) == 1             # too short to split
-    assert K.choose_nsplit(4, 8, 100000, 3, 16) == 1          # enough units already
-    assert K.choose_nsplit(1, 1, 100000, 64, 16) == 16        # capped by the partial buffer

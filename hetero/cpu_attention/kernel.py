@@ -3,10 +3,16 @@
 Storage dtypes: float32 arrays, or uint16 arrays holding bf16 (code 1) or fp16
 (code 2) bits, widened to fp32 in registers (numba has no CPU float16).
 
+Cache layout (per layer, request, kv head), in blocks of BK = 32 rows:
+  K  [nblk, D, BK]        a block's keys transposed: its BK scores are two vectors
+  V  [nblk, D/W, BK, W]   a block's values in W=16-wide column panels
+so the inner products run register-tiled (see simd.py) and every block is one
+contiguous read.
+
 A *unit* is (request b, kv head h, sequence split s). For one unit the kernel
-reads each K/V row once and uses it for all G = Hq/Hkv query heads and all T
+reads each K/V block once and uses it for all G = Hq/Hkv query heads and all T
 query tokens (rows r = g*T + t), with an online (streaming) softmax. It writes
-an unnormalised partial (o, m, l); `merge_partials` combines splits exactly:
+an unnormalised partial (o, m, l); the parent combines splits exactly:
     out = sum_s exp(m_s - M) o_s / sum_s exp(m_s - M) l_s,  M = max_s m_s.
 This module imports no torch: workers load it.
 """
@@ -16,11 +22,12 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
+from hetero.cpu_attention import simd
+from hetero.cpu_attention.simd import BK, W
 from hetero.ipc.atomics import u32_as_f32
 
 F32, BF16, F16 = 0, 1, 2           # storage dtype codes
 NP_STORAGE = {F32: np.float32, BF16: np.uint16, F16: np.uint16}
-BLOCK = 32                         # KV rows per softmax block
 
 
 @njit(cache=True)
@@ -53,135 +60,202 @@ def _to_f32(x, code):
         return impl
 
 
-# Reassociation lets LLVM vectorize the dot products and P.V sums; no nnan/ninf: masking uses -inf.
+# Reassociation lets LLVM vectorize the softmax loops; no nnan/ninf: masking uses -inf.
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+EXP_MIN = np.float32(-87.0)
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def exp_neg(x):
+    """exp(x) for x <= 0 (0 below -87), branch-free so the softmax loops vectorize.
+    2**n * e**(f ln2) with |f| <= 1/2 and a degree-7 Taylor polynomial: < 1 ulp off."""
+    xc = max(x, EXP_MIN)
+    t = xc * np.float32(1.4426950408889634)
+    n = math.floor(t + np.float32(0.5))
+    y = (t - n) * np.float32(0.6931471805599453)
+    p = np.float32(1 / 5040)
+    p = p * y + np.float32(1 / 720)
+    p = p * y + np.float32(1 / 120)
+    p = p * y + np.float32(1 / 24)
+    p = p * y + np.float32(1 / 6)
+    p = p * y + np.float32(0.5)
+    p = p * y + np.float32(1.0)
+    p = p * y + np.float32(1.0)
+    r = p * u32_as_f32(np.uint32(np.int32(n) + np.int32(127)) << np.uint32(23))
+    return r if x >= EXP_MIN else np.float32(0.0)
+
+
+@njit(inline="always")
+def _scores(qs, R, kt, blk, S, code):
+    r = 0
+    while r + 4 <= R:
+        simd.qk4(qs, r, kt, blk, S, code)
+        r += 4
+    if r + 2 <= R:
+        simd.qk2(qs, r, kt, blk, S, code)
+        r += 2
+    if r < R:
+        simd.qk1(qs, r, kt, blk, S, code)
+
+
+@njit(inline="always")
+def _accumulate(S, R, vt, blk, n, o, code):
+    r = 0
+    while r + 4 <= R:
+        simd.pv4(S, r, vt, blk, n, o, code)
+        r += 4
+    if r + 2 <= R:
+        simd.pv2(S, r, vt, blk, n, o, code)
+        r += 2
+    if r < R:
+        simd.pv1(S, r, vt, blk, n, o, code)
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def attend_unit(q, kc, vc, b, h, G, T, c0, c1, L, window, scale, softcap, code,
-                o, m, l, S, kf):
-    """Attention of query rows (b, heads h*G..h*G+G-1, tokens 0..T-1) over KV rows [c0, c1).
-
-    q: [B, Hq, Tmax, D] f32; kc/vc: [cap, D] storage; token t sits at position L+t and
-    sees rows j <= L+t (and j > L+t-window when window > 0).
-    Writes o [G*T, D] (unnormalised), m [G*T], l [G*T]. S [G*T, BLOCK] and kf [D] are scratch.
+def attend_unit(qs, R, T, kt, vt, blk0, blk1, lo, hi, L, window, softcap, code, o, m, l, S):
+    """Attention of query rows r < R (r = g*T + t, pre-scaled in qs [>=R, D]) over KV rows
+    [lo, hi) in blocks [blk0, blk1). Token t sits at position L+t and sees rows j <= L+t
+    (and j > L+t-window when window > 0).
+    kt [nblk, D, BK] / vt [nblk, D/W, BK, W] storage; writes o [>=R, D] (unnormalised),
+    m/l [>=R]; S [>=R, BK] is scratch.
     """
-    D = kc.shape[1]
-    rows = G * T
-    for r in range(rows):
+    D = o.shape[1]
+    for r in range(R):
         m[r] = -np.inf
         l[r] = 0.0
         for d in range(D):
             o[r, d] = 0.0
-    for j0 in range(c0, c1, BLOCK):
-        n = min(BLOCK, c1 - j0)
-        # scores S[r, jj] = scale * q_r . k_{j0+jj}, masked
-        for jj in range(n):
-            j = j0 + jj
-            for d in range(D):
-                kf[d] = to_f32(kc[j, d], code)
-            for g in range(G):
-                for t in range(T):
-                    r = g * T + t
-                    pos = L + t
-                    if j > pos or (window > 0 and j <= pos - window):
+    for blk in range(blk0, blk1):
+        j0 = blk * BK
+        _scores(qs, R, kt, blk, S, code)
+        if softcap > 0.0:
+            for r in range(R):
+                for jj in range(BK):
+                    S[r, jj] = softcap * math.tanh(S[r, jj] / softcap)
+        # mask only the blocks that cross a boundary: range ends, causal edge, window edge
+        if j0 < lo or j0 + BK > hi or j0 + BK - 1 > L or (window > 0 and j0 <= L + T - 1 - window):
+            for r in range(R):
+                pos = L + r % T
+                for jj in range(BK):
+                    j = j0 + jj
+                    if j < lo or j >= hi or j > pos or (window > 0 and j <= pos - window):
                         S[r, jj] = -np.inf
-                        continue
-                    acc = np.float32(0.0)
-                    for d in range(D):
-                        acc += q[b, h * G + g, t, d] * kf[d]
-                    sc = acc * scale
-                    if softcap > 0.0:
-                        sc = softcap * math.tanh(sc / softcap)
-                    S[r, jj] = sc
-        # online softmax: rescale running sums to the new max, turn S into probabilities
-        for r in range(rows):
-            bm = -np.inf
-            for jj in range(n):
+        # online softmax: rescale the running sums to the new max, S becomes probabilities
+        for r in range(R):
+            bm = m[r]
+            for jj in range(BK):
                 bm = max(bm, S[r, jj])
-            if bm == -np.inf:
-                for jj in range(n):
+            if bm == -np.inf:            # nothing visible yet in this row
+                for jj in range(BK):
                     S[r, jj] = 0.0
                 continue
-            mn = max(m[r], bm)
-            if m[r] != mn:
-                alpha = np.float32(math.exp(m[r] - mn)) if m[r] != -np.inf else np.float32(0.0)
-                l[r] *= alpha
+            alpha = exp_neg(m[r] - bm)
+            m[r] = bm
+            s = np.float32(0.0)
+            for jj in range(BK):
+                p = exp_neg(S[r, jj] - bm)
+                S[r, jj] = p
+                s += p
+            l[r] = l[r] * alpha + s
+            if alpha != 1.0:
                 for d in range(D):
                     o[r, d] *= alpha
-                m[r] = mn
-            for jj in range(n):
-                p = np.float32(math.exp(S[r, jj] - mn))
-                S[r, jj] = p
-                l[r] += p
-        # o += P V, each V row read once for all rows
-        for jj in range(n):
-            j = j0 + jj
-            for d in range(D):
-                kf[d] = to_f32(vc[j, d], code)
-            for r in range(rows):
-                p = S[r, jj]
-                if p != 0.0:
-                    for d in range(D):
-                        o[r, d] += p * kf[d]
+        _accumulate(S, R, vt, blk, min(BK, hi - j0), o, code)
+
+
+@njit(cache=True)
+def put_row(K, V, layer, b, h, j, k, v):
+    """Write one KV row (k/v [D]) at row j of the blocked layout."""
+    blk, jj = j // BK, j % BK
+    for d in range(k.shape[0]):
+        K[layer, b, h, blk, d, jj] = k[d]
+        V[layer, b, h, blk, d // W, jj, d % W] = v[d]
+
+
+@njit(cache=True)
+def unit_span(L, T, window, nsplit, s):
+    """Blocks [blk0, blk1) and rows [lo, hi) of split s of a request with L cached rows."""
+    lo = max(0, L - window + 1) if window > 0 else 0
+    first = lo // BK
+    nblk = (L + T + BK - 1) // BK - first
+    blk0 = first + s * nblk // nsplit
+    blk1 = first + (s + 1) * nblk // nsplit
+    return blk0, blk1, max(lo, blk0 * BK), min(L + T, blk1 * BK)
+
+
+@njit(cache=True)
+def share_bounds(rank, nworkers, lengths, Hkv, T, window, nsplit):
+    """Units [u0, u1) of worker `rank`: contiguous ranges balanced by cost (blocks + 1)."""
+    B = lengths.shape[0]
+    total = 0
+    for b in range(B):
+        for s in range(nsplit):
+            blk0, blk1, _, _ = unit_span(lengths[b], T, window, nsplit, s)
+            total += (blk1 - blk0 + 1) * Hkv
+    u0, u1, acc = -1, -1, 0
+    for b in range(B):
+        for h in range(Hkv):
+            for s in range(nsplit):
+                blk0, blk1, _, _ = unit_span(lengths[b], T, window, nsplit, s)
+                c = blk1 - blk0 + 1
+                w = (2 * acc + c) * nworkers // (2 * total)   # owner: where the unit's midpoint falls
+                u = (b * Hkv + h) * nsplit + s
+                if w == rank:
+                    if u0 < 0:
+                        u0 = u
+                    u1 = u + 1
+                acc += c
+    if u0 < 0:
+        return 0, 0
+    return u0, u1
 
 
 @njit(cache=True)
 def run_share(rank, nworkers, layer, T, window, nsplit, scale, softcap, code,
-              q, knew, vnew, K, V, lengths, part_o, part_m, part_l, S, kf):
+              q, knew, vnew, K, V, lengths, part_o, part_m, part_l, qs, S):
     """One worker's share of a decode step for one layer.
 
-    Units u = (b*Hkv + h)*nsplit + s are dealt in contiguous ranges over workers.
-    Split s of (b, h) covers an even slice of the old rows [lo, L); the last split
-    also appends the T new k/v rows at [L, L+T) first and covers them, so no
+    Units u = (b*Hkv + h)*nsplit + s, dealt in cost-balanced contiguous ranges.
+    Split s of (b, h) covers whole blocks; before reading, it appends those of the T
+    new rows (staged in knew/vnew, at rows L..L+T-1) that fall in its blocks, so no
     worker reads a row another worker is writing.
-    q [B,Hq,Tmax,D] f32; knew/vnew [B,Hkv,Tmax,D]; K/V [layers,B,Hkv,cap,D];
-    part_o [B,Hkv,NS,rows,D]; part_m/part_l [B,Hkv,NS,rows].
+    q [B,Hq,Tmax,D] f32; knew/vnew [B,Hkv,Tmax,D]; K [layers,B,Hkv,nblk,D,BK];
+    V [layers,B,Hkv,nblk,D/W,BK,W]; part_o [B,Hkv,NS,rows,D]; part_m/l [B,Hkv,NS,rows];
+    qs [rows, D] and S [rows, BK] are the worker's scratch.
     """
-    B = q.shape[0]
     Hq = q.shape[1]
     Hkv = K.shape[2]
-    D = K.shape[4]
+    D = q.shape[3]
     G = Hq // Hkv
-    units = B * Hkv * nsplit
-    u0 = rank * units // nworkers
-    u1 = (rank + 1) * units // nworkers
+    R = G * T
+    u0, u1 = share_bounds(rank, nworkers, lengths, Hkv, T, window, nsplit)
     for u in range(u0, u1):
         s = u % nsplit
-        bh = u // nsplit
-        h = bh % Hkv
-        b = bh // Hkv
+        h = (u // nsplit) % Hkv
+        b = u // (nsplit * Hkv)
         L = lengths[b]
-        lo = 0
-        if window > 0:
-            lo = max(0, L - window + 1)
-        c0 = lo + s * (L - lo) // nsplit
-        c1 = lo + (s + 1) * (L - lo) // nsplit
-        if s == nsplit - 1:
+        blk0, blk1, lo, hi = unit_span(L, T, window, nsplit, s)
+        for t in range(T):
+            if lo <= L + t < hi:
+                put_row(K, V, layer, b, h, L + t, knew[b, h, t], vnew[b, h, t])
+        for g in range(G):                     # qs[g*T + t] = scale * q[b, h*G + g, t]
             for t in range(T):
                 for d in range(D):
-                    K[layer, b, h, L + t, d] = knew[b, h, t, d]
-                    V[layer, b, h, L + t, d] = vnew[b, h, t, d]
-            c1 = L + T
-        attend_unit(q, K[layer, b, h], V[layer, b, h], b, h, G, T, c0, c1, L, window, scale,
-                    softcap, code, part_o[b, h, s], part_m[b, h, s], part_l[b, h, s], S, kf)
-
-
-def choose_nsplit(batch, kv_heads, max_len, nworkers, nsplit_max, min_rows=256):
-    """Sequence splits per (request, kv head): enough units to feed every worker, but
-    no split shorter than `min_rows` rows. (The profiled planner replaces this.)"""
-    want = -(-nworkers // (batch * kv_heads))
-    return int(max(1, min(want, max_len // min_rows, nsplit_max)))
+                    qs[g * T + t, d] = q[b, h * G + g, t, d] * scale
+        attend_unit(qs, R, T, K[layer, b, h], V[layer, b, h], blk0, blk1, lo, hi, L, window, softcap,
+                    code, part_o[b, h, s], part_m[b, h, s], part_l[b, h, s], S)
 
 
 def warm_up():
     """Compile (or load from cache) both storage signatures on tiny inputs."""
     for dt, code in ((np.float32, F32), (np.uint16, BF16)):
-        q = np.zeros((1, 2, 1, 4), np.float32)
-        kv = np.zeros((1, 1, 1, 8, 4), dt)
-        new = np.zeros((1, 1, 1, 4), dt)
-        po = np.zeros((1, 1, 1, 2, 4), np.float32)
+        D = W
+        q = np.zeros((1, 2, 1, D), np.float32)
+        K = np.zeros((1, 1, 1, 1, D, BK), dt)
+        V = np.zeros((1, 1, 1, 1, 1, BK, W), dt)
+        new = np.zeros((1, 1, 1, D), dt)
+        po = np.zeros((1, 1, 1, 2, D), np.float32)
         pm = np.zeros((1, 1, 1, 2), np.float32)
-        run_share(0, 1, 0, 1, 0, 1, np.float32(0.5), np.float32(0.0), code, q, new, new, kv, kv,
-                  np.zeros(1, np.int64), po, pm, pm.copy(), np.zeros((2, BLOCK), np.float32),
-                  np.zeros(4, np.float32))
+        run_share(0, 1, 0, 1, 0, 1, np.float32(0.5), np.float32(0.0), code, q, new, new, K, V,
+                  np.zeros(1, np.int64), po, pm, pm.copy(), np.zeros((2, D), np.float32),
+                  np.zeros((2, BK), np.float32))

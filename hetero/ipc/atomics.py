@@ -87,6 +87,13 @@ def load(flags, idx):
 
 
 @njit(cache=True)
+def post(flags, first, count, stride, value):
+    """Release-store value into flags[first + k*stride] for k < count."""
+    for k in range(count):
+        atomic_store(flags, first + k * stride, value)
+
+
+@njit(cache=True)
 def spin_until_changed(flags, idx, old, budget):
     """Spin until flags[idx] != old; return the new value, or `old` after `budget` polls."""
     for _ in range(budget):
@@ -118,9 +125,10 @@ def warm_up():
     a = np.zeros(16, np.int64)
     store(a, 0, 1)
     load(a, 0)
+    post(a, 0, 2, 8, 0)
     spin_until_changed(a, 0, 1, 1)
     spin_until_all(a, 0, 2, 8, 1, 1)
 
 
-__all__ = ["atomic_load", "atomic_store", "cpu_relax", "u32_as_f32", "store", "load",
+__all__ = ["atomic_load", "atomic_store", "cpu_relax", "u32_as_f32", "store", "load", "post",
            "spin_until_changed", "spin_until_all", "warm_up", "numba"]

@@ -1,19 +1,20 @@
 """Layout of the pool's control segment: int64 words, one 64-byte line per flag.
 
   word  who writes        who reads   meaning
-  SEQ   main (release)    workers     job counter; a new value = a new job
   CMD.. main, before SEQ  workers     the job: command and its integer params
   F_*   main, before SEQ  workers     float params (a float64 view of line 2)
   S_*   main, before OPEN workers     session shape (see hetero.offload.arena)
   NAME  main, before OPEN workers     session segment name, NUL-padded bytes
-  DONE  worker w (release) main       last job finished by w (line DONE_LINE + w)
+  GO    main (release)    worker w    job number for w (line DONE_LINE + w, word 2);
+                                      a new value = a new job. Only the workers a job
+                                      uses are woken: the others never see it.
+  DONE  worker w (release) main       last job finished by w (same line, word 0)
   ERR   worker w, before DONE main    last job that failed in w (same line, word 1)
 """
 import numpy as np
 
 LINE = 8  # int64 words per 64-byte cache line
-SEQ = 0
-CMD, LAYER, QLEN, WINDOW, NSPLIT = 8, 9, 10, 11, 12
+CMD, LAYER, QLEN, WINDOW, NSPLIT, NACTIVE = 8, 9, 10, 11, 12, 13
 F_SCALE, F_SOFTCAP = 16, 17                     # float64 words
 S_BATCH, S_HQ, S_HKV, S_HDIM, S_CAP, S_LAYERS, S_CODE, S_TMAX = range(24, 32)
 S_NSPLIT_MAX = 32
@@ -27,6 +28,10 @@ def done_word(rank):
 
 def err_word(rank):
     return done_word(rank) + 1
+
+
+def go_word(rank):
+    return done_word(rank) + 2
 
 
 def nbytes(nworkers):

@@ -1,8 +1,8 @@
 """Parent side of the process-per-core worker pool.
 
 The parent owns the control segment (creates and unlinks it). A job is: write
-CMD and params, release-store SEQ+1, then spin until every worker's DONE word
-holds the new SEQ. While spinning it polls the workers' liveness, so a dead
+CMD and params, release-store the job number into the GO word of each worker
+it uses (the first `active`), then spin until each of those DONE words holds it. While spinning it polls the workers' liveness, so a dead
 worker raises WorkerDiedError within milliseconds instead of hanging.
 """
 import atexit
@@ -58,16 +58,17 @@ class WorkerPool:
     def alive(self):
         return not self.closed and all(p.poll() is None for p in self.procs)
 
-    def submit(self, cmd):
-        """Publish a job whose params the caller has already written."""
+    def submit(self, cmd, active):
+        """Publish a job whose params the caller has already written to workers 0..active-1."""
         self.words[C.CMD] = cmd
+        self.words[C.NACTIVE] = active
         self.seq += 1
-        atomics.store(self.words, C.SEQ, self.seq)
+        atomics.post(self.words, C.go_word(0), active, C.LINE, self.seq)
         return self.seq
 
-    def wait(self, seq, timeout=None):
+    def wait(self, seq, active, timeout=None):
         start = None
-        while not atomics.spin_until_all(self.words, C.done_word(0), self.n, C.LINE, seq, self.spin):
+        while not atomics.spin_until_all(self.words, C.done_word(0), active, C.LINE, seq, self.spin):
             now = time.perf_counter()
             start = start or now
             for rank, p in enumerate(self.procs):
@@ -81,15 +82,19 @@ class WorkerPool:
                 os.sched_yield()
             else:
                 time.sleep(0.0002)
-        failed = [r for r in range(self.n) if self.words[C.err_word(r)] == seq]
+        failed = [r for r in range(active) if self.words[C.err_word(r)] == seq]
         if failed:
             raise WorkerError(f"CPU worker(s) {failed} failed the {CMD_NAMES.get(int(self.words[C.CMD]))} job; "
                               "their traceback is on stderr")
 
-    def run(self, cmd, timeout=None):
+    def run(self, cmd, timeout=None, active=None):
+        """Run one job on workers 0..active-1 (all by default) and wait for it."""
         if self.closed:
             raise WorkerError("the worker pool is closed")
-        self.wait(self.submit(cmd), timeout)
+        active = self.n if active is None else active
+        if not 1 <= active <= self.n:
+            raise ValueError(f"a job needs 1..{self.n} workers, got {active}")
+        self.wait(self.submit(cmd, active), active, timeout)
 
     def close(self):
         """Stop the workers and unlink the control segment. Idempotent; also runs at exit."""
@@ -99,9 +104,7 @@ class WorkerPool:
         atexit.unregister(self.close)
         try:
             if any(p.poll() is None for p in self.procs):  # survivors read EXIT; the dead ignore it
-                self.words[C.CMD] = C.CMD_EXIT
-                self.seq += 1
-                atomics.store(self.words, C.SEQ, self.seq)
+                self.submit(C.CMD_EXIT, self.n)
             deadline = time.monotonic() + 2.0
             for p in self.procs:
                 try:

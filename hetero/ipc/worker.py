@@ -2,7 +2,7 @@
 
 Started by `WorkerPool` as a fresh interpreter with single-threaded numeric
 libraries, pinned to one core. Imports numpy/numba only (never torch). Loop:
-spin (atomic loads) on the control word SEQ, back off when idle, run the job
+spin (atomic loads) on its own GO word, back off when idle, run the job
 named by CMD, publish DONE. Exits on CMD_EXIT, or when the parent dies (rank
 0 then unlinks the parent's segments, so nothing is left in /dev/shm).
 """
@@ -42,8 +42,8 @@ class Worker:
         self.v = lay.views(self.seg)
         self.code = lay.code
         rows = (lay.q_heads // lay.kv_heads) * lay.tmax
-        self.S = np.zeros((rows, kernel.BLOCK), np.float32)   # private scratch
-        self.kf = np.zeros(lay.head_dim, np.float32)
+        self.qs = np.zeros((rows, lay.head_dim), np.float32)   # private scratch: scaled queries
+        self.S = np.zeros((rows, kernel.BK), np.float32)       # private scratch: scores
 
     def close_session(self):
         if self.v is not None:
@@ -53,10 +53,10 @@ class Worker:
 
     def attend(self):
         w, f, v = self.words, self.floats, self.v
-        kernel.run_share(self.rank, self.nworkers, int(w[C.LAYER]), int(w[C.QLEN]), int(w[C.WINDOW]),
+        kernel.run_share(self.rank, int(w[C.NACTIVE]), int(w[C.LAYER]), int(w[C.QLEN]), int(w[C.WINDOW]),
                          int(w[C.NSPLIT]), np.float32(f[C.F_SCALE]), np.float32(f[C.F_SOFTCAP]), self.code,
                          v["q"], v["knew"], v["vnew"], v["K"], v["V"], v["lengths"],
-                         v["part_o"], v["part_m"], v["part_l"], self.S, self.kf)
+                         v["part_o"], v["part_m"], v["part_l"], self.qs, self.S)
 
     def orphaned(self):
         if os.getppid() == self.parent_pid:
@@ -70,7 +70,7 @@ class Worker:
     def run(self):
         w, last, idle_since = self.words, 0, None
         while True:
-            seq = atomics.spin_until_changed(w, C.SEQ, last, self.spin)
+            seq = atomics.spin_until_changed(w, C.go_word(self.rank), last, self.spin)
             if seq == last:  # idle: back off, and notice a dead parent
                 if self.orphaned():
                     return

@@ -11,13 +11,17 @@ parent and the workers agree on every offset. numpy only (workers import it).
   part_o   [B, Hkv, NS, G*Tmax, D]        f32      workers                 main (merge)
   part_m   [B, Hkv, NS, G*Tmax]           f32      workers                 main (merge)
   part_l   [B, Hkv, NS, G*Tmax]           f32      workers                 main (merge)
-  K, V     [layers, B, Hkv, cap, D]       storage  main (prefill), workers (decode append)
+  K        [layers, B, Hkv, nblk, D, BK]  storage  main (prefill), workers (decode append)
+  V        [layers, B, Hkv, nblk, D/W, BK, W]  storage  (same)
+K and V are blocked (BK = 32 rows per block, nblk = cap / BK; see
+hetero.cpu_attention.kernel for why): row j of a request lives in block j // BK.
 """
 from dataclasses import dataclass
 
 import numpy as np
 
 from hetero.cpu_attention.kernel import NP_STORAGE
+from hetero.cpu_attention.simd import BK, W
 
 ALIGN = 4096
 
@@ -32,11 +36,15 @@ class SessionLayout:
     q_heads: int
     kv_heads: int
     head_dim: int
-    cap: int          # KV rows per request (real prompt + max_new_tokens)
+    cap: int          # KV rows per request (real prompt + max_new_tokens), a multiple of BK
     layers: int
     code: int         # storage dtype code (kernel.F32 / BF16 / F16)
     tmax: int = 1     # query tokens per decode step
     nsplit_max: int = 16
+
+    def __post_init__(self):
+        if self.cap % BK or self.head_dim % W:
+            raise ValueError(f"cap must be a multiple of {BK} and head_dim of {W}, got {self.cap}, {self.head_dim}")
 
     def arrays(self):
         B, Hq, Hkv, D, T, NS = self.batch, self.q_heads, self.kv_heads, self.head_dim, self.tmax, self.nsplit_max
@@ -50,8 +58,8 @@ class SessionLayout:
             ("part_o", (B, Hkv, NS, rows, D), np.float32),
             ("part_m", (B, Hkv, NS, rows), np.float32),
             ("part_l", (B, Hkv, NS, rows), np.float32),
-            ("K", (self.layers, B, Hkv, self.cap, D), st),
-            ("V", (self.layers, B, Hkv, self.cap, D), st),
+            ("K", (self.layers, B, Hkv, self.cap // BK, D, BK), st),
+            ("V", (self.layers, B, Hkv, self.cap // BK, D // W, BK, W), st),
         ]
 
     def offsets(self):

@@ -10,7 +10,9 @@ row j holds its j-th real token, so left padding never reaches the cache.
 import numpy as np
 import torch
 
-from hetero.cpu_attention.kernel import BF16, F16, F32, choose_nsplit
+from hetero.cpu_attention.kernel import BF16, F16, F32
+from hetero.cpu_attention.planner import StaticPlanner
+from hetero.cpu_attention.simd import BK, W
 from hetero.ipc import control as C, shm
 from hetero.offload.arena import SessionLayout
 
@@ -18,8 +20,10 @@ STORAGE_CODES = {torch.float32: F32, torch.bfloat16: BF16, torch.float16: F16}
 
 
 class KVSession:
-    def __init__(self, pool, spec, pads, real_lens, cap):
+    def __init__(self, pool, spec, pads, real_lens, cap, planner=None):
         self.pool, self.spec = pool, spec
+        self.planner = planner or StaticPlanner(pool.n)
+        cap = -(-cap // BK) * BK
         self.batch = len(pads)
         self.pads = [int(p) for p in pads]            # left pads per request
         self.layout = SessionLayout(batch=self.batch, q_heads=spec.q_heads, kv_heads=spec.kv_heads,
@@ -32,7 +36,9 @@ class KVSession:
             v = self.layout.views(self.seg)
             self.lengths = v["lengths"]                 # numpy, real rows per request
             self.q = torch.from_numpy(v["q"])           # [B, Hq, Tmax, D] f32
-            self.knew, self.vnew, self.K, self.V = (self._storage(v[n]) for n in ("knew", "vnew", "K", "V"))
+            self.knew, self.vnew = self._storage(v["knew"]), self._storage(v["vnew"])
+            self.K = self._storage(v["K"])              # [layers, B, Hkv, nblk, D, BK]
+            self.V = self._storage(v["V"])              # [layers, B, Hkv, nblk, D/W, BK, W]
             self.part_o, self.part_m, self.part_l = (torch.from_numpy(v[n]) for n in ("part_o", "part_m", "part_l"))
             self.lengths[:] = 0
             self._real_lens = np.asarray(real_lens, np.int64)
@@ -57,22 +63,40 @@ class KVSession:
     # ---- prefill: the model's own attention runs; we offload its KV layer by layer
     def store_prefill(self, layer, key, value):
         """key/value: [B, Hkv, S, D] on the model's device (S includes left pads)."""
-        S = key.shape[2]
         for b, pad in enumerate(self.pads):
-            n = S - pad
-            self.K[layer, b, :, :n].copy_(key[b, :, pad:], non_blocking=False)
-            self.V[layer, b, :, :n].copy_(value[b, :, pad:], non_blocking=False)
+            self.write_rows(layer, b, key[b, :, pad:], value[b, :, pad:])
+
+    def write_rows(self, layer, b, key, value):
+        """Rows 0..n-1 of request b: key/value [Hkv, n, D] (any device) into the blocked layout."""
+        Hkv, n, D = key.shape
+        full, rem = divmod(n, BK)
+        Kb, Vb = self.K[layer, b], self.V[layer, b]
+        # [Hkv, full*BK, D] -> [Hkv, full, BK, D] -> K [Hkv, full, D, BK]
+        Kb[:, :full].copy_(key[:, :full * BK].reshape(Hkv, full, BK, D).transpose(2, 3))
+        # [Hkv, full*BK, D] -> [Hkv, full, BK, D/W, W] -> V [Hkv, full, D/W, BK, W]
+        Vb[:, :full].copy_(value[:, :full * BK].reshape(Hkv, full, BK, D // W, W).transpose(2, 3))
+        if rem:
+            Kb[:, full, :, :rem].copy_(key[:, full * BK:].transpose(1, 2))
+            Vb[:, full, :, :rem].copy_(value[:, full * BK:].reshape(Hkv, rem, D // W, W).transpose(1, 2))
+
+    def read_rows(self, layer, b, n):
+        """Inverse of write_rows: [Hkv, n, D] copies of request b's first n rows."""
+        Kb, Vb = self.K[layer, b], self.V[layer, b]
+        Hkv, nblk, D, _ = Kb.shape
+        k = Kb.transpose(2, 3).reshape(Hkv, nblk * BK, D)[:, :n]
+        v = Vb.transpose(2, 3).reshape(Hkv, nblk * BK, D)[:, :n]
+        return k.clone(), v.clone()
 
     def finish_prefill(self):
         """Called after the last layer's prefill attention: later forwards are decode steps."""
         self.lengths[:] = self._real_lens
-        self._plan_step()
+        self._planned_T = 1
+        self._plan_step(1)
         self.prefilled = True
 
-    def _plan_step(self):
-        """Split count for the next decode step: lengths change once per step, not per layer."""
-        self.nsplit = choose_nsplit(self.batch, self.spec.kv_heads, int(self.lengths.max()), self.pool.n,
-                                    self.layout.nsplit_max)
+    def _plan_step(self, T=1):
+        """Workers and split count for the next decode step (lengths change once per step, not per layer)."""
+        self.nactive, self.nsplit = self.planner.plan(self.lengths, T, self.layout)
 
     # ---- decode
     def stage_kv(self, key, value):
@@ -88,11 +112,14 @@ class KVSession:
             raise NotImplementedError(f"decode steps of {T} query tokens (at most {self.layout.tmax} supported)")
         G, Hkv = Hq // self.spec.kv_heads, self.spec.kv_heads
         self.q[:, :, :T].copy_(query)
+        if T != self._planned_T:
+            self._plan_step(T)
+            self._planned_T = T
         nsplit = self.nsplit
         w, f = self.pool.words, self.pool.floats
         w[C.LAYER], w[C.QLEN], w[C.WINDOW], w[C.NSPLIT] = layer, T, window or 0, nsplit
         f[C.F_SCALE], f[C.F_SOFTCAP] = scale, softcap or 0.0
-        self.pool.run(C.CMD_ATTN)
+        self.pool.run(C.CMD_ATTN, active=self.nactive)
         rows = G * T
         o = self.part_o[:, :, :nsplit, :rows]          # [B, Hkv, ns, G*T, D]
         m = self.part_m[:, :, :nsplit, :rows]          # [B, Hkv, ns, G*T]
@@ -105,7 +132,7 @@ class KVSession:
         out = out.view(B, Hkv, G, T, D).reshape(B, Hq, T, D)   # q head = h*G + g
         if layer == self.spec.layers - 1:
             self.lengths += T
-            self._plan_step()
+            self._plan_step(T)
         return out.transpose(1, 2).to(query.device, query.dtype)
 
     def close(self):

@@ -1,0 +1,153 @@
+"""How many workers a decode step uses, and how finely it splits the sequence.
+
+A *profile* is measured once per machine and model shape (through the real
+worker pool, on synthetic KV) and cached on disk:
+  block_s     seconds one worker spends per KV block (BK rows) of one kv head
+  unit_s      fixed seconds per unit (request x kv head x split)
+  dispatch_s  round trip main -> n workers -> main with empty work, n = 1..N
+  agg_gbps    KV bytes/s all n workers together reach on a long context, n = 1..N
+  merge_s     parent-side merge of one request's partials per split
+The planner predicts a step's time for every (workers n, splits s) and takes
+the fastest:
+  t(n, s) = dispatch(n) + max(work / n, longest unit, bytes / agg(n)) + merge(s)
+so short contexts stay on few workers and long ones spread over all of them,
+with split-K when requests x kv heads are fewer than the workers.
+"""
+import hashlib
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from hetero.cpu_attention.simd import BK
+
+PROFILE_VERSION = 2   # bump when the kernel or the measurement changes
+
+
+def cache_dir():
+    return os.environ.get("HETERO_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "hetero")
+
+
+def _cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def fingerprint(cores, group, head_dim, code):
+    """What a profile depends on: the machine (CPU model, worker cores, versions) and the shape."""
+    import numba
+
+    return {"version": PROFILE_VERSION, "cpu": _cpu_model(), "machine": platform.machine(),
+            "cores": list(cores), "numba": numba.__version__,
+            "group": int(group), "head_dim": int(head_dim), "code": int(code)}
+
+
+@dataclass
+class Profile:
+    fingerprint: dict
+    block_s: float
+    unit_s: float
+    dispatch_s: list     # index n-1
+    agg_gbps: list       # index n-1
+    merge_s: float       # per request x kv head x extra split
+    block_bytes: int     # KV bytes of one block of one kv head (K and V)
+
+    @property
+    def workers(self):
+        return len(self.dispatch_s)
+
+    def describe(self):
+        fp = self.fingerprint
+        lines = [f"profile for {fp['cpu']} ({len(fp['cores'])} worker cores {fp['cores']}), "
+                 f"group {fp['group']}, head_dim {fp['head_dim']}, storage code {fp['code']}",
+                 f"  one worker: {self.block_s * 1e6:.3f} us per {BK}-row block "
+                 f"({self.block_bytes / self.block_s / 1e9:.1f} GB/s) + {self.unit_s * 1e6:.2f} us per unit",
+                 f"  merge: {self.merge_s * 1e6:.3f} us per extra split per (request, kv head)",
+                 "  workers  dispatch_us  all-worker GB/s"]
+        for n in range(1, self.workers + 1):
+            lines.append(f"  {n:7d}  {self.dispatch_s[n - 1] * 1e6:11.1f}  {self.agg_gbps[n - 1]:15.1f}")
+        return "\n".join(lines)
+
+
+def profile_path(fp):
+    digest = hashlib.sha1(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
+    return os.path.join(cache_dir(), f"profile-{digest}.json")
+
+
+def load_profile(fp):
+    """The cached profile for this fingerprint, or None (missing, unreadable or stale)."""
+    try:
+        with open(profile_path(fp)) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if data.get("fingerprint") != fp:
+        return None
+    try:
+        return Profile(**data)
+    except TypeError:
+        return None
+
+
+def save_profile(profile):
+    path = profile_path(profile.fingerprint)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(asdict(profile), f, indent=1)
+    os.replace(tmp, path)
+    return path
+
+
+def predict(profile, lengths, T, kv_heads, rows, nsplit_max):
+    """Predicted step time [n, s] (seconds) for n = 1..workers, s = 1..nsplit_max."""
+    nblk = (np.asarray(lengths, np.int64) + T + BK - 1) // BK               # [B] blocks per (b, h)
+    s = np.arange(1, nsplit_max + 1)[:, None]                             # [S, 1]
+    row_factor = max(1.0, rows / profile.fingerprint["group"])            # more query rows: more FMAs
+    blk_s = profile.block_s * row_factor
+    unit = np.ceil(nblk[None, :] / s) * blk_s + profile.unit_s            # [S, B]: one unit's time
+    work = kv_heads * (unit * s).sum(1)                                   # [S]: all units
+    longest = unit.max(1)                                                 # [S]
+    nbytes = kv_heads * nblk.sum() * profile.block_bytes
+    n = np.arange(1, profile.workers + 1)[:, None]                        # [N, 1]
+    agg = np.asarray(profile.agg_gbps)[:, None] * 1e9
+    compute = np.maximum(work[None, :] / n, longest[None, :])             # [N, S]
+    merge = profile.merge_s * len(nblk) * kv_heads * (s[:, 0] - 1)[None, :]
+    return np.asarray(profile.dispatch_s)[:, None] + np.maximum(compute, nbytes / agg) + merge
+
+
+class ProfiledPlanner:
+    def __init__(self, profile, nworkers):
+        self.profile, self.nworkers = profile, min(nworkers, profile.workers)
+        self._memo = {}
+
+    def plan(self, lengths, T, layout):
+        nblk = tuple(((np.asarray(lengths) + T + BK - 1) // BK).tolist())
+        key = (nblk, T, layout.kv_heads, layout.nsplit_max)
+        if key not in self._memo:
+            rows = layout.q_heads // layout.kv_heads * T
+            t = predict(self.profile, lengths, T, layout.kv_heads, rows, layout.nsplit_max)[:self.nworkers]
+            n, s = np.unravel_index(int(np.argmin(t)), t.shape)
+            self._memo[key] = (int(n) + 1, int(s) + 1)
+        return self._memo[key]
+
+
+class StaticPlanner:
+    """Without a profile: every worker, and enough splits of >= min_rows rows to feed them."""
+
+    def __init__(self, nworkers, min_rows=256):
+        self.nworkers, self.min_rows = nworkers, min_rows
+
+    def plan(self, lengths, T, layout):
+        want = -(-self.nworkers // (layout.batch * layout.kv_heads))
+        nsplit = max(1, min(want, int(np.max(lengths)) // self.min_rows, layout.nsplit_max))
+        return self.nworkers, int(nsplit)

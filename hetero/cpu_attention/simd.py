@@ -1,0 +1,183 @@
+"""Register-tiled micro-kernels for decode attention, written as LLVM vector IR.
+
+numba's loop vectorizer cannot keep a tile of accumulators in registers across
+an outer loop (it reloads and stores them, because it cannot prove the scratch
+arrays do not alias the cache), so the two inner products of attention are
+emitted here directly as <16 x float> operations. LLVM legalizes the vectors
+for the host (one zmm on AVX-512, two ymm on AVX2, four q-registers on NEON).
+
+KV storage is widened in registers: fp32 loads as is, bf16 is (bits << 16),
+fp16 goes through `fpext half` (vcvtph2ps on x86 with F16C).
+
+  QK[nr](qs, r0, kt, blk, S, code)
+      S[r0+i, :BK] = sum_d qs[r0+i, d] * kt[blk, d, :BK]          i < nr
+      qs [R, D] f32 (scaled queries), kt [nblk, D, BK] storage (K blocks,
+      transposed so a block's BK scores are two vectors), S [R, BK] f32.
+  PV[nr](P, r0, vt, blk, n, o, code)
+      o[r0+i, c*W:(c+1)*W] += sum_{jj<n} P[r0+i, jj] * vt[blk, c, jj, :]   i < nr
+      P [R, BK] f32 (probabilities), vt [nblk, D/W, BK, W] storage (V blocks cut
+      into W-wide column panels, so each pass over a panel reads contiguous
+      memory), o [R, D] f32.
+
+Storage is a float32 array, or a uint16 array of bf16 (code 1) / fp16 (code 2)
+bits; the uint16 variants branch on `code` once per call, outside the loops.
+D must be a multiple of W = 16. All arrays must be C-contiguous. nr is 1, 2 or 4
+query rows per call: a register tile of 2*nr (QK) or nr (PV) accumulators.
+"""
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+W = 16          # lanes per vector
+BK = 2 * W      # KV rows per block (two score vectors per query row)
+
+_F32 = ir.FloatType()
+_I16 = ir.IntType(16)
+_I32 = ir.IntType(32)
+_I64 = ir.IntType(64)
+_VF = ir.VectorType(_F32, W)
+
+
+def _data(context, builder, arrty, arr):
+    ary = context.make_array(arrty)(context, builder, arr)
+    return ary.data, cgutils.unpack_tuple(builder, ary.shape)
+
+
+def _splat(builder, x):
+    v = builder.insert_element(ir.Constant(_VF, ir.Undefined), x, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(_VF, ir.Undefined), ir.Constant(ir.VectorType(_I32, W), [0] * W))
+
+
+def _fmuladd(builder, a, b, c):
+    fnty = ir.FunctionType(_VF, [_VF, _VF, _VF])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, f"llvm.fmuladd.v{W}f32")
+    return builder.call(fn, [a, b, c])
+
+
+def _load_vec(builder, base, offset, conv):
+    """W storage elements at base[offset], widened to <W x float>."""
+    ptr = builder.gep(base, [offset])
+    if conv == "f32":
+        return builder.load(builder.bitcast(ptr, _VF.as_pointer()), align=4)
+    raw = builder.load(builder.bitcast(ptr, ir.VectorType(_I16, W).as_pointer()), align=2)
+    if conv == "bf16":
+        wide = builder.zext(raw, ir.VectorType(_I32, W))
+        wide = builder.shl(wide, ir.Constant(ir.VectorType(_I32, W), [16] * W))
+        return builder.bitcast(wide, _VF)
+    return builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), W)), _VF)
+
+
+def _storage_ok(arr, ndim):
+    return (isinstance(arr, types.Array) and arr.ndim == ndim and arr.layout == "C"
+            and arr.dtype in (types.float32, types.uint16))
+
+
+def _by_storage(context, builder, arrty, code, codety, emit):
+    """emit(conv) once for fp32 storage; for uint16 storage, a runtime branch on code."""
+    if arrty.dtype == types.float32:
+        emit("f32")
+        return
+    c = context.cast(builder, code, codety, types.int64)
+    with builder.if_else(builder.icmp_signed("==", c, ir.Constant(_I64, 2))) as (is_f16, is_bf16):
+        with is_f16:
+            emit("f16")
+        with is_bf16:
+            emit("bf16")
+
+
+def _f32_ok(arr):
+    return isinstance(arr, types.Array) and arr.ndim == 2 and arr.layout == "C" and arr.dtype == types.float32
+
+
+def _make_qk(nr):
+    @intrinsic
+    def qk(typingctx, qs, r0, kt, blk, S, code):
+        if not (_f32_ok(qs) and _f32_ok(S) and _storage_ok(kt, 3)
+                and all(isinstance(x, types.Integer) for x in (r0, blk, code))):
+            return None
+
+        def codegen(context, builder, sig, args):
+            qptr, (_, D) = _data(context, builder, sig.args[0], args[0])
+            kptr, _ = _data(context, builder, sig.args[2], args[2])
+            sptr, _ = _data(context, builder, sig.args[4], args[4])
+            r0v = context.cast(builder, args[1], sig.args[1], types.int64)
+            blkv = context.cast(builder, args[3], sig.args[3], types.int64)
+            kbase = builder.mul(blkv, builder.mul(D, ir.Constant(_I64, BK)))   # start of block blk
+            accs = [cgutils.alloca_once(builder, _VF) for _ in range(2 * nr)]
+            _by_storage(context, builder, sig.args[2], args[5], sig.args[5],
+                        lambda conv: _qk_loop(builder, conv, nr, D, qptr, r0v, kptr, kbase, sptr, accs))
+            return context.get_dummy_value()
+
+        return types.void(qs, r0, kt, blk, S, code), codegen
+
+    return qk
+
+
+def _qk_loop(builder, conv, nr, D, qptr, r0v, kptr, kbase, sptr, accs):
+    for a in accs:
+        builder.store(ir.Constant(_VF, [0.0] * W), a)
+    with cgutils.for_range(builder, D) as loop:
+        d = loop.index
+        koff = builder.add(kbase, builder.mul(d, ir.Constant(_I64, BK)))
+        k0 = _load_vec(builder, kptr, koff, conv)
+        k1 = _load_vec(builder, kptr, builder.add(koff, ir.Constant(_I64, W)), conv)
+        for i in range(nr):
+            row = builder.add(r0v, ir.Constant(_I64, i))
+            qv = _splat(builder, builder.load(builder.gep(qptr, [builder.add(builder.mul(row, D), d)])))
+            builder.store(_fmuladd(builder, qv, k0, builder.load(accs[2 * i])), accs[2 * i])
+            builder.store(_fmuladd(builder, qv, k1, builder.load(accs[2 * i + 1])), accs[2 * i + 1])
+    for i in range(nr):
+        row = builder.add(r0v, ir.Constant(_I64, i))
+        soff = builder.mul(row, ir.Constant(_I64, BK))
+        for half in range(2):
+            p = builder.gep(sptr, [builder.add(soff, ir.Constant(_I64, half * W))])
+            builder.store(builder.load(accs[2 * i + half]), builder.bitcast(p, _VF.as_pointer()), align=4)
+
+
+def _make_pv(nr):
+    @intrinsic
+    def pv(typingctx, P, r0, vt, blk, n, o, code):
+        if not (_f32_ok(P) and _f32_ok(o) and _storage_ok(vt, 4)
+                and all(isinstance(x, types.Integer) for x in (r0, blk, n, code))):
+            return None
+
+        def codegen(context, builder, sig, args):
+            pptr, _ = _data(context, builder, sig.args[0], args[0])
+            vptr, (_, nchunks, _, _) = _data(context, builder, sig.args[2], args[2])
+            optr, (_, D) = _data(context, builder, sig.args[5], args[5])
+            r0v, blkv, nv = (context.cast(builder, args[k], sig.args[k], types.int64) for k in (1, 3, 4))
+            vbase = builder.mul(blkv, builder.mul(D, ir.Constant(_I64, BK)))   # start of block blk
+            accs = [cgutils.alloca_once(builder, _VF) for _ in range(nr)]
+            _by_storage(context, builder, sig.args[2], args[6], sig.args[6],
+                        lambda conv: _pv_loop(builder, conv, nr, D, nchunks, pptr, r0v, vptr, vbase, nv, optr, accs))
+            return context.get_dummy_value()
+
+        return types.void(P, r0, vt, blk, n, o, code), codegen
+
+    return pv
+
+
+def _pv_loop(builder, conv, nr, D, nchunks, pptr, r0v, vptr, vbase, nv, optr, accs):
+    with cgutils.for_range(builder, nchunks) as chunk:
+        col = builder.mul(chunk.index, ir.Constant(_I64, W))
+        optrs = []
+        for i in range(nr):
+            row = builder.add(r0v, ir.Constant(_I64, i))
+            p = builder.bitcast(builder.gep(optr, [builder.add(builder.mul(row, D), col)]), _VF.as_pointer())
+            optrs.append(p)
+            builder.store(builder.load(p, align=4), accs[i])
+        with cgutils.for_range(builder, nv) as loop:
+            jj = loop.index
+            panel = builder.add(vbase, builder.mul(chunk.index, ir.Constant(_I64, BK * W)))
+            v = _load_vec(builder, vptr, builder.add(panel, builder.mul(jj, ir.Constant(_I64, W))), conv)
+            for i in range(nr):
+                row = builder.add(r0v, ir.Constant(_I64, i))
+                pw = builder.load(builder.gep(pptr, [builder.add(builder.mul(row, ir.Constant(_I64, BK)), jj)]))
+                builder.store(_fmuladd(builder, _splat(builder, pw), v, builder.load(accs[i])), accs[i])
+        for i in range(nr):
+            builder.store(builder.load(accs[i]), optrs[i], align=4)
+
+
+qk1, qk2, qk4 = (_make_qk(nr) for nr in (1, 2, 4))
+pv1, pv2, pv4 = (_make_pv(nr) for nr in (1, 2, 4))

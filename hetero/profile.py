@@ -1,0 +1,93 @@
+"""Measure a planner profile (see hetero.cpu_attention.planner) through the real worker pool.
+
+Runs the decode-attention job on synthetic KV in a one-layer arena: one worker
+at growing context lengths (per-core time per block and per unit), all worker
+counts on a long context (the aggregate bandwidth), empty jobs (dispatch cost),
+and the parent's merge. A few seconds; cached on disk per machine and shape.
+"""
+import math
+import time
+
+import numpy as np
+import torch
+
+from hetero.cpu_attention import planner as P
+from hetero.cpu_attention.simd import BK
+from hetero.ipc import control as C
+from hetero.model_spec import ModelSpec
+from hetero.offload.session import STORAGE_CODES, KVSession
+
+PROFILE_KV_HEADS = 8
+PROFILE_ROWS = 16384        # per kv head: 64 MB of bf16 KV at head_dim 128, past the caches
+
+
+def _median_time(fn, reps):
+    fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts))
+
+
+def measure(pool, group, head_dim, dtype, cores, reps=9):
+    """Profile for `pool` and queries of `group` heads per kv head, `head_dim`, KV in `dtype`."""
+    Hkv = PROFILE_KV_HEADS
+    spec = ModelSpec(model_type="profile", layers=1, q_heads=Hkv * group, kv_heads=Hkv, head_dim=head_dim,
+                     dtype=dtype, max_positions=None, sliding=(False,))
+    session = KVSession(pool, spec, pads=[0], real_lens=[1], cap=PROFILE_ROWS + BK)
+    try:
+        g = torch.Generator().manual_seed(0)
+        session.K.copy_(torch.randn(session.K.shape, generator=g).to(session.K.dtype))
+        session.V.copy_(torch.randn(session.V.shape, generator=g).to(session.V.dtype))
+        session.q.copy_(torch.randn(session.q.shape, generator=g))
+        w, f = pool.words, pool.floats
+        f[C.F_SCALE], f[C.F_SOFTCAP] = head_dim ** -0.5, 0.0
+        w[C.LAYER], w[C.QLEN], w[C.WINDOW] = 0, 1, 0
+
+        def attn(L, n, s):
+            session.lengths[:] = L
+            w[C.NSPLIT] = s
+            return _median_time(lambda: pool.run(C.CMD_ATTN, active=n), reps)
+
+        dispatch = [_median_time(lambda n=n: pool.run(C.CMD_PING, active=n), 200) for n in range(1, pool.n + 1)]
+        # one worker, one split: time(L) = dispatch + Hkv * (unit_s + blocks * block_s)
+        sizes = [BK - 1, 4 * BK - 1, 32 * BK - 1, PROFILE_ROWS // 4 - 1, PROFILE_ROWS - 1]
+        blocks = np.array([(L + 1 + BK - 1) // BK for L in sizes], float)
+        per_unit = np.array([max(attn(L, 1, 1) - dispatch[0], 1e-9) / Hkv for L in sizes])
+        block_s, unit_s = np.polyfit(blocks, per_unit, 1)
+        block_s = max(float(block_s), 1e-9)
+        unit_s = max(float(unit_s), 0.0)
+        block_bytes = 2 * BK * head_dim * torch.finfo(dtype).bits // 8
+        L = PROFILE_ROWS - 1
+        nbytes = Hkv * ((L + 1 + BK - 1) // BK) * block_bytes
+        agg = [nbytes / max(attn(L, n, max(1, math.ceil(2 * n / Hkv))) - dispatch[n - 1], 1e-9) / 1e9
+               for n in range(1, pool.n + 1)]
+        # parent merge of the partials, per (request, kv head) and extra split
+        o = torch.randn(1, Hkv, 16, group, head_dim)
+        m, l = torch.randn(1, Hkv, 16, group), torch.rand(1, Hkv, 16, group) + 1
+
+        def merge(s):
+            wgt = torch.exp(m[:, :, :s] - m[:, :, :s].amax(2, keepdim=True))
+            return (wgt[..., None] * o[:, :, :s]).sum(2) / (wgt * l[:, :, :s]).sum(2)[..., None]
+
+        merge_s = max(0.0, (_median_time(lambda: merge(16), 50) - _median_time(lambda: merge(2), 50)) / 14 / Hkv)
+    finally:
+        session.close()
+    fp = P.fingerprint(cores, group, head_dim, STORAGE_CODES[dtype])
+    return P.Profile(fingerprint=fp, block_s=block_s, unit_s=unit_s, dispatch_s=dispatch, agg_gbps=agg,
+                     merge_s=merge_s, block_bytes=block_bytes)
+
+
+def load_or_measure(pool, spec, cores, force=False):
+    """(profile, whether it was measured now). Cached per machine + shape in planner.cache_dir()."""
+    group = spec.q_heads // spec.kv_heads
+    fp = P.fingerprint(cores, group, spec.head_dim, STORAGE_CODES[spec.dtype])
+    if not force:
+        cached = P.load_profile(fp)
+        if cached is not None and cached.workers == pool.n:
+            return cached, False
+    profile = measure(pool, group, spec.head_dim, spec.dtype, cores)
+    P.save_profile(profile)
+    return profile, True
