@@ -72,6 +72,42 @@ def info(args):
     return 0
 
 
+SHAPES = {"llama3-8b": (32, 8, 128), "llama2-7b": (32, 32, 128)}
+
+
+def profile(args):
+    """Measure (or load) the planner profile for a head shape and print it with example plans."""
+    import numpy as np
+    import torch
+
+    from hetero import HeteroConfig
+    from hetero.cpu_attention.planner import ProfiledPlanner, profile_path
+    from hetero.ipc.pool import WorkerPool
+    from hetero.model_spec import ModelSpec
+    from hetero.offload.arena import SessionLayout
+    from hetero.offload.session import STORAGE_CODES
+    from hetero.profile import load_or_measure
+
+    Hq, Hkv, D = SHAPES[args.shape]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    spec = ModelSpec(model_type=args.shape, layers=1, q_heads=Hq, kv_heads=Hkv, head_dim=D, dtype=dtype,
+                     max_positions=None, sliding=(False,))
+    n, cores = HeteroConfig(cpu_workers=args.workers).resolve_workers()
+    pool = WorkerPool(n, cores)
+    try:
+        prof, measured = load_or_measure(pool, spec, [cores[r % len(cores)] for r in range(n)], force=args.force)
+    finally:
+        pool.close()
+    print(prof.describe())
+    print(("measured now, saved to " if measured else "loaded from ") + profile_path(prof.fingerprint))
+    planner = ProfiledPlanner(prof, n)
+    print("decode-step plans (workers x splits), batch 1:")
+    for L in (256, 1024, 4096, 16384, 65536, 262144):
+        lay = SessionLayout(1, Hq, Hkv, D, L + 32 - L % 32, 1, STORAGE_CODES[dtype])
+        print(f"  context {L:7d}: {planner.plan(np.array([L]), 1, lay)}")
+    return 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="hetero", description="heterogeneous CPU-GPU long-context inference")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -83,6 +119,12 @@ def main(argv=None):
     i = sub.add_parser("info", help="what the engine would use on this machine")
     i.add_argument("--workers", type=int, default=None)
     i.set_defaults(fn=info)
+    p = sub.add_parser("profile", help="measure (or show the cached) per-core profile the decode planner uses")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--workers", type=int, default=None)
+    p.add_argument("--force", action="store_true", help="re-measure even if a cached profile matches")
+    p.set_defaults(fn=profile)
     args = ap.parse_args(argv)
     return args.fn(args)
 

@@ -21,17 +21,22 @@ PROFILE_KV_HEADS = 8
 PROFILE_ROWS = 16384        # per kv head: 64 MB of bf16 KV at head_dim 128, past the caches
 
 
-def _median_time(fn, reps):
-    fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
+def median_times(jobs, reps, rounds=3):
+    """{key: median seconds} for jobs {key: fn}, in `rounds` round-robin passes so slow drifts of a
+    shared machine hit every job alike. Each pass runs a job once untimed (it wakes workers that
+    backed off while other jobs ran: decode keeps its workers hot) and then times it `reps` times."""
+    ts = {k: [] for k in jobs}
+    for _ in range(rounds):
+        for k, fn in jobs.items():
+            fn()
+            for _ in range(reps):
+                t = time.perf_counter()
+                fn()
+                ts[k].append(time.perf_counter() - t)
+    return {k: float(np.median(v)) for k, v in ts.items()}
 
 
-def measure(pool, group, head_dim, dtype, cores, reps=9):
+def measure(pool, group, head_dim, dtype, cores, reps=5):
     """Profile for `pool` and queries of `group` heads per kv head, `head_dim`, KV in `dtype`."""
     Hkv = PROFILE_KV_HEADS
     spec = ModelSpec(model_type="profile", layers=1, q_heads=Hkv * group, kv_heads=Hkv, head_dim=head_dim,
@@ -47,23 +52,30 @@ def measure(pool, group, head_dim, dtype, cores, reps=9):
         w[C.LAYER], w[C.QLEN], w[C.WINDOW] = 0, 1, 0
 
         def attn(L, n, s):
-            session.lengths[:] = L
-            w[C.NSPLIT] = s
-            return _median_time(lambda: pool.run(C.CMD_ATTN, active=n), reps)
+            def job():
+                session.lengths[:] = L
+                w[C.NSPLIT] = s
+                pool.run(C.CMD_ATTN, active=n)
+            return job
 
-        dispatch = [_median_time(lambda n=n: pool.run(C.CMD_PING, active=n), 200) for n in range(1, pool.n + 1)]
-        # one worker, one split: time(L) = dispatch + Hkv * (unit_s + blocks * block_s)
+        ping = median_times({n: (lambda n=n: pool.run(C.CMD_PING, active=n)) for n in range(1, pool.n + 1)}, 100)
+        dispatch = [ping[n] for n in range(1, pool.n + 1)]
+        # one worker, one split: time(L) = dispatch + Hkv * (unit_s + blocks * block_s);
+        # and every worker count on the longest context (split so each worker has >= 2 units)
         sizes = [BK - 1, 4 * BK - 1, 32 * BK - 1, PROFILE_ROWS // 4 - 1, PROFILE_ROWS - 1]
-        blocks = np.array([(L + 1 + BK - 1) // BK for L in sizes], float)
-        per_unit = np.array([max(attn(L, 1, 1) - dispatch[0], 1e-9) / Hkv for L in sizes])
+        L = PROFILE_ROWS - 1
+        jobs = {("size", x): attn(x, 1, 1) for x in sizes}
+        jobs.update({("all", n): attn(L, n, max(1, math.ceil(2 * n / Hkv))) for n in range(2, pool.n + 1)})
+        t = median_times(jobs, reps)
+        blocks = np.array([(x + 1 + BK - 1) // BK for x in sizes], float)
+        per_unit = np.array([max(t["size", x] - dispatch[0], 1e-9) / Hkv for x in sizes])
         block_s, unit_s = np.polyfit(blocks, per_unit, 1)
         block_s = max(float(block_s), 1e-9)
         unit_s = max(float(unit_s), 0.0)
         block_bytes = 2 * BK * head_dim * torch.finfo(dtype).bits // 8
-        L = PROFILE_ROWS - 1
         nbytes = Hkv * ((L + 1 + BK - 1) // BK) * block_bytes
-        agg = [nbytes / max(attn(L, n, max(1, math.ceil(2 * n / Hkv))) - dispatch[n - 1], 1e-9) / 1e9
-               for n in range(1, pool.n + 1)]
+        t["all", 1] = t["size", L]
+        agg = [nbytes / max(t["all", n] - dispatch[n - 1], 1e-9) / 1e9 for n in range(1, pool.n + 1)]
         # parent merge of the partials, per (request, kv head) and extra split
         o = torch.randn(1, Hkv, 16, group, head_dim)
         m, l = torch.randn(1, Hkv, 16, group), torch.rand(1, Hkv, 16, group) + 1
@@ -72,7 +84,8 @@ def measure(pool, group, head_dim, dtype, cores, reps=9):
             wgt = torch.exp(m[:, :, :s] - m[:, :, :s].amax(2, keepdim=True))
             return (wgt[..., None] * o[:, :, :s]).sum(2) / (wgt * l[:, :, :s]).sum(2)[..., None]
 
-        merge_s = max(0.0, (_median_time(lambda: merge(16), 50) - _median_time(lambda: merge(2), 50)) / 14 / Hkv)
+        tm = median_times({s: (lambda s=s: merge(s)) for s in (2, 16)}, 20)
+        merge_s = max(0.0, (tm[16] - tm[2]) / 14 / Hkv)
     finally:
         session.close()
     fp = P.fingerprint(cores, group, head_dim, STORAGE_CODES[dtype])

@@ -63,3 +63,41 @@ def test_segment_names_unique_and_sweep_only_dead_owners():
         a.close()
         b.close()
     assert a.name[1:] not in shm.list_ours()
+
+
+def test_job_wakes_only_the_workers_it_uses():
+    """active=1: worker 1 never sees the job (its GO and DONE words stay put); all-worker jobs reach it."""
+    pool = WorkerPool(2, [])
+    try:
+        before = int(pool.words[C.done_word(1)])
+        for _ in range(50):
+            pool.run(C.CMD_PING, active=1)
+        assert pool.words[C.done_word(0)] == pool.seq
+        assert pool.words[C.done_word(1)] == before and pool.words[C.go_word(1)] == before
+        pool.run(C.CMD_PING)
+        assert pool.words[C.done_word(1)] == pool.seq
+        with pytest.raises(ValueError, match="1..2 workers"):
+            pool.run(C.CMD_PING, active=3)
+    finally:
+        pool.close()
+
+
+def test_one_session_per_pool():
+    import torch
+
+    from hetero.model_spec import ModelSpec
+    from hetero.offload.session import KVSession
+
+    spec = ModelSpec(model_type="t", layers=1, q_heads=2, kv_heads=1, head_dim=16, dtype=torch.float32,
+                     max_positions=None, sliding=(False,))
+    before = set(os.listdir("/dev/shm"))
+    pool = WorkerPool(1, [])
+    try:
+        first = KVSession(pool, spec, pads=[0], real_lens=[4], cap=40)
+        with pytest.raises(RuntimeError, match="already serves an open KV session"):
+            KVSession(pool, spec, pads=[0], real_lens=[4], cap=40)
+        first.close()
+        KVSession(pool, spec, pads=[0], real_lens=[4], cap=40).close()
+    finally:
+        pool.close()
+    assert set(os.listdir("/dev/shm")) <= before

@@ -129,3 +129,51 @@ def _convert_all(bits):
     return out
 
 
+
+
+def test_exp_neg_is_within_two_ulp_and_zero_for_masked():
+    from numba import njit
+
+    @njit
+    def run(x, out):
+        for i in range(x.size):
+            out[i] = K.exp_neg(x[i])
+
+    x = np.concatenate([-np.geomspace(1e-8, 87, 200000).astype(np.float32), np.float32([0.0, -0.0])])
+    out = np.empty_like(x)
+    run(x, out)
+    ref = np.exp(x.astype(np.float64))
+    normal = x >= -80                      # results well above the subnormal range
+    ulp = np.spacing(ref[normal].astype(np.float32)).astype(np.float64)
+    assert np.max(np.abs(out[normal] - ref[normal]) / ulp) <= 2.0
+    assert np.max(np.abs(out - ref) / ref) < 1e-5
+    run(np.float32([-np.inf, -88.0, -1e30]), out[:3])
+    assert np.all(out[:3] == 0)
+
+
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocked_layout_roundtrip(n, dtype):
+    """KVSession.write_rows puts rows where the kernel reads them; read_rows gives them back."""
+    from hetero.ipc.pool import WorkerPool
+    from hetero.model_spec import ModelSpec
+    from hetero.offload.session import KVSession
+
+    spec = ModelSpec(model_type="t", layers=2, q_heads=4, kv_heads=2, head_dim=32, dtype=dtype,
+                     max_positions=None, sliding=(False, False))
+    pool = WorkerPool(1, [])
+    try:
+        s = KVSession(pool, spec, pads=[0, 0], real_lens=[n, n], cap=n + 3)
+        try:
+            k, v = torch.randn(2, n, 32).to(dtype), torch.randn(2, n, 32).to(dtype)
+            s.write_rows(1, 1, k, v)
+            k2, v2 = s.read_rows(1, 1, n)
+            assert torch.equal(k2, k) and torch.equal(v2, v)
+            assert s.K[0].abs().sum() == 0 and s.K[1, 0].abs().sum() == 0     # nothing else touched
+            blk, jj = (n - 1) // BK, (n - 1) % BK
+            assert torch.equal(s.K[1, 1, :, blk, :, jj], k[:, n - 1])
+            assert torch.equal(s.V[1, 1, :, blk, 5 // W, jj, 5 % W], v[:, n - 1, 5])
+        finally:
+            s.close()
+    finally:
+        pool.close()

@@ -68,11 +68,12 @@ EXP_MIN = np.float32(-87.0)
 @njit(inline="always", fastmath=FASTMATH)
 def exp_neg(x):
     """exp(x) for x <= 0 (0 below -87), branch-free so the softmax loops vectorize.
-    2**n * e**(f ln2) with |f| <= 1/2 and a degree-7 Taylor polynomial: < 1 ulp off."""
+    2**n * e**r with n = round(x / ln2), r = x - n ln2 (Cody-Waite, ln2 in two parts, so
+    |r| <= ln2/2 exactly), e**r by a degree-7 Taylor polynomial: within 2 ulp."""
     xc = max(x, EXP_MIN)
-    t = xc * np.float32(1.4426950408889634)
-    n = math.floor(t + np.float32(0.5))
-    y = (t - n) * np.float32(0.6931471805599453)
+    n = math.floor(xc * np.float32(1.4426950408889634) + np.float32(0.5))
+    y = xc - n * np.float32(0.693145751953125)          # ln2 high part: n * it is exact
+    y = y - n * np.float32(1.428606765330187e-06)       # ln2 low part
     p = np.float32(1 / 5040)
     p = p * y + np.float32(1 / 720)
     p = p * y + np.float32(1 / 120)

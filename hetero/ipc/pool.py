@@ -36,6 +36,7 @@ class WorkerPool:
             raise ValueError(f"a worker pool needs at least one worker, got {nworkers}")
         self.n, self.cores, self.spin = nworkers, list(cores), spin_budget
         self.procs, self.seq, self.closed = [], 0, False
+        self.session = None   # the KVSession mapped in the workers (one at a time)
         shm.sweep_stale()
         self.ctrl = shm.Segment(shm.new_name("ctrl"), C.nbytes(nworkers), create=True)
         atexit.register(self.close)

@@ -52,6 +52,8 @@ class KVSession:
         return t if arr.dtype == np.float32 else t.view(self.spec.dtype)
 
     def _open(self):
+        if getattr(self.pool, "session", None) is not None:
+            raise RuntimeError("this worker pool already serves an open KV session; close it first")
         w, lay = self.pool.words, self.layout
         w[C.S_BATCH], w[C.S_HQ], w[C.S_HKV], w[C.S_HDIM] = lay.batch, lay.q_heads, lay.kv_heads, lay.head_dim
         w[C.S_CAP], w[C.S_LAYERS], w[C.S_CODE], w[C.S_TMAX], w[C.S_NSPLIT_MAX] = (
@@ -59,6 +61,7 @@ class KVSession:
         C.write_name(w, self.seg.name)
         self.pool.run(C.CMD_OPEN)
         self.opened = True
+        self.pool.session = self
 
     # ---- prefill: the model's own attention runs; we offload its KV layer by layer
     def store_prefill(self, layer, key, value):
@@ -139,6 +142,7 @@ class KVSession:
         """Unmap in the workers and unlink. Idempotent; safe after a worker died."""
         if self.opened:
             self.opened = False
+            self.pool.session = None
             if self.pool.alive:
                 try:
                     self.pool.run(C.CMD_CLOSE, timeout=5.0)

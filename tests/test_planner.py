@@ -1,0 +1,122 @@
+"""The decode planner on synthetic profiles, and the on-disk profile cache."""
+import json
+
+import numpy as np
+import pytest
+
+from hetero.cpu_attention import planner as P
+from hetero.offload.arena import SessionLayout
+
+
+def synthetic(workers=15, group=4, wake_us=15.0):
+    """A 16 GB/s-per-core machine whose all-core bandwidth saturates at 60 GB/s."""
+    fp = {"version": P.PROFILE_VERSION, "cpu": "synthetic", "machine": "x86_64", "cores": list(range(1, workers + 1)),
+          "numba": "0", "group": group, "head_dim": 128, "code": 1}
+    return P.Profile(fingerprint=fp, block_s=1e-6, unit_s=2e-6,
+                     dispatch_s=[2e-6 + wake_us * 1e-6 * (n - 1) for n in range(1, workers + 1)],
+                     agg_gbps=[min(16.0 * n, 60.0) for n in range(1, workers + 1)], merge_s=1e-7, block_bytes=16384)
+
+
+def layout(batch=1, kv_heads=8, cap=1 << 20):
+    return SessionLayout(batch, kv_heads * 4, kv_heads, 128, cap, 1, 1)
+
+
+def plan(profile, lengths, n=None, kv_heads=8):
+    lay = layout(len(lengths), kv_heads)
+    return P.ProfiledPlanner(profile, n or profile.workers).plan(np.asarray(lengths), 1, lay)
+
+
+def test_tiny_context_uses_one_worker():
+    """Waking a second worker (15 us) costs more than the few microseconds of work."""
+    assert plan(synthetic(), [40], kv_heads=2) == (1, 1)
+    assert plan(synthetic(), [200], kv_heads=2) == (1, 1)
+
+
+def test_more_workers_for_longer_contexts():
+    prof = synthetic()
+    used = [plan(prof, [L], kv_heads=2)[0] for L in (40, 1024, 8192, 65536, 262144)]
+    assert used == sorted(used), used
+    assert used[0] == 1 and used[-1] > 2, used
+
+
+def test_no_more_workers_than_the_bandwidth_feeds():
+    """16 GB/s per core, 60 GB/s for the socket: a fifth worker would only add wake-up cost."""
+    assert plan(synthetic(), [262144])[0] == 4
+    assert plan(synthetic(wake_us=0.5), [262144])[0] <= 5
+
+
+def test_never_more_workers_than_available():
+    prof = synthetic(workers=15)
+    for n in (1, 3, 7):
+        for L in (100, 10_000, 500_000):
+            assert plan(prof, [L], n=n)[0] <= n
+    assert plan(prof, [500_000], n=3)[0] == 3
+
+
+def test_split_k_when_heads_are_few():
+    """One request with 2 kv heads on a long context: split the sequence to feed the workers."""
+    workers, splits = plan(synthetic(), [262144], kv_heads=2)
+    assert workers > 2 and splits * 2 >= workers
+    # many requests x heads already feed every worker: no split needed
+    assert plan(synthetic(), [65536] * 8, kv_heads=8)[1] == 1
+
+
+def test_plan_respects_nsplit_max():
+    lay = SessionLayout(1, 4, 1, 128, 1 << 20, 1, 1, nsplit_max=4)
+    n, s = P.ProfiledPlanner(synthetic(), 15).plan(np.array([500_000]), 1, lay)
+    assert s <= 4
+
+
+def test_static_planner_without_profile():
+    lay = layout(1, 8)
+    assert P.StaticPlanner(15).plan(np.array([32768]), 1, lay) == (15, 2)
+    assert P.StaticPlanner(8).plan(np.array([300]), 1, layout(1, 2)) == (8, 1)
+
+
+def test_profile_cache_roundtrip_and_invalidation(tmp_path, monkeypatch):
+    monkeypatch.setenv("HETERO_CACHE_DIR", str(tmp_path))
+    prof = synthetic()
+    path = P.save_profile(prof)
+    assert P.load_profile(prof.fingerprint) == prof
+    # another machine or model shape: another key, nothing cached
+    for change in ({"cpu": "other"}, {"cores": [1, 2]}, {"group": 8}, {"head_dim": 64}, {"code": 0},
+                   {"version": P.PROFILE_VERSION + 1}):
+        assert P.load_profile({**prof.fingerprint, **change}) is None
+    # a file whose fingerprint does not match its name (edited, or hash clash) is ignored
+    data = json.load(open(path))
+    data["fingerprint"]["cpu"] = "tampered"
+    json.dump(data, open(path, "w"))
+    assert P.load_profile(prof.fingerprint) is None
+    open(path, "w").write("{not json")
+    assert P.load_profile(prof.fingerprint) is None
+
+
+def test_fingerprint_tracks_machine_and_shape():
+    a = P.fingerprint([1, 2], 4, 128, 1)
+    assert a["cpu"] and a["cores"] == [1, 2] and a["group"] == 4
+    assert P.profile_path(a) != P.profile_path(P.fingerprint([1, 2], 4, 128, 0))
+    assert P.profile_path(a) != P.profile_path(P.fingerprint([1], 4, 128, 1))
+
+
+def test_measured_profile_is_cached(tmp_path, monkeypatch):
+    """A real measurement through a one-worker pool: saved, then loaded instead of re-measured."""
+    import torch
+
+    from hetero.ipc.pool import WorkerPool
+    from hetero.model_spec import ModelSpec
+    from hetero.profile import load_or_measure
+
+    monkeypatch.setenv("HETERO_CACHE_DIR", str(tmp_path))
+    spec = ModelSpec(model_type="t", layers=1, q_heads=8, kv_heads=2, head_dim=64, dtype=torch.bfloat16,
+                     max_positions=None, sliding=(False,))
+    pool = WorkerPool(1, [])
+    try:
+        prof, measured = load_or_measure(pool, spec, [])
+        assert measured and prof.block_s > 0 and prof.workers == 1 and prof.agg_gbps[0] > 0
+        again, measured = load_or_measure(pool, spec, [])
+        assert not measured and again == prof
+        other, measured = load_or_measure(pool, ModelSpec(**{**spec.__dict__, "head_dim": 128}), [])
+        assert measured and other.fingerprint["head_dim"] == 128
+    finally:
+        pool.close()
+    assert len(list(tmp_path.iterdir())) == 2
