@@ -19,6 +19,8 @@ test: venv
 	$(BIN)/python -m pytest -q tests
 
 bench: venv
+	$(BIN)/python bench/attention.py
+	$(BIN)/python bench/ipc.py
 	$(BIN)/python bench/decode_cpu.py
 
 .PHONY: venv demo test bench

@@ -20,5 +20,41 @@ def decode_tables():
     return "\n".join(lines)
 
 
+def attention_tables():
+    path = os.path.join(RESULTS, "attention.json")
+    if not os.path.exists(path):
+        return ""
+    r = json.load(open(path))
+    lines = [f"Streaming-read bound measured in the same run: 1 core {r['stream_1core_gbps']:.1f} GB/s, "
+             f"{len(r['cores'])} cores {r['stream_all_gbps']:.1f} GB/s.", "",
+             "| shape, KV dtype | context | hetero 1 worker GB/s | of 1-core bound | hetero all workers GB/s | "
+             "SDPA 1 thread GB/s | SDPA all threads GB/s | planner (workers, splits) / best of sweep |",
+             "|---|---|---|---|---|---|---|---|"]
+    for key, rows in r["results"].items():
+        for row in rows:
+            k, s = row["kernel_gbps"], row["sdpa_gbps"]
+            n, t = max(k, key=int), max(s, key=int)
+            lines.append(f"| {key} | {row['context'] // 1024}K | {k['1']:.1f} | {k['1'] / r['stream_1core_gbps']:.2f} | "
+                         f"{k[n]:.1f} | {s['1']:.2f} | {s[t]:.2f} | {tuple(row['planner'])} {row['planner_ms']:.2f} ms / "
+                         f"{tuple(row['best'])} {row['best_ms']:.2f} ms |")
+    lines += ["", "| target | value | met |", "|---|---|---|"]
+    lines += [f"| {name} | {value} | {'yes' if met else 'no'} |" for name, (value, met) in r["summary"].items()]
+    return "\n".join(lines)
+
+
+def ipc_table():
+    path = os.path.join(RESULTS, "ipc.json")
+    if not os.path.exists(path):
+        return ""
+    r = json.load(open(path))
+    lines = ["| mechanism | workers | p50 us | p99 us |", "|---|---|---|---|"]
+    lines += [f"| {x['mechanism']} | {x['workers']} | {x['p50_us']:.1f} | {x['p99_us']:.1f} |" for x in r["results"]]
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     print(decode_tables())
+    print()
+    print(attention_tables())
+    print()
+    print(ipc_table())
