@@ -107,28 +107,32 @@ def test_kernel_matches_reference(case, code, nworkers, nsplit):
             np.testing.assert_array_equal(stored[b, :, L:L + T], expect)
 
 
-def test_fp16_conversion_is_exact_for_every_bit_pattern():
-    bits = np.arange(2**16, dtype=np.uint16)
-    want = torch.from_numpy(bits.view(np.float16).astype(np.float32))
-    got = torch.from_numpy(_convert_all(bits))
-    finite = torch.isfinite(want)
-    assert torch.equal(got[finite], want[finite])
-    assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.equal(torch.isinf(got), torch.isinf(want))
-
-
-def _convert_all(bits):
+@pytest.mark.parametrize("code,np_dtype", [(K.F16, np.float16), (K.BF16, None)], ids=["fp16", "bf16"])
+def test_widening_is_exact_for_every_bit_pattern(code, np_dtype):
+    """The register widening the kernel uses (simd.py), on all 65536 half patterns: o = 0 + 1 * v."""
     from numba import njit
 
+    from hetero.cpu_attention import simd
+
+    bits = np.arange(2**16, dtype=np.uint16)
+    nblk = bits.size // W
+    vt = np.zeros((nblk, 1, BK, W), np.uint16)          # D = W: one panel; row 0 of each block holds 16 patterns
+    vt[:, 0, 0, :] = bits.reshape(nblk, W)
+    P = np.zeros((1, BK), np.float32)
+    P[0, 0] = 1.0
+
     @njit
-    def conv(x, out):
-        for i in range(x.size):
-            out[i] = K.f16_bits_to_f32(x[i])
+    def widen(P, vt, code, out):
+        o = np.zeros((1, W), np.float32)
+        for blk in range(vt.shape[0]):
+            o[0, :] = 0.0
+            simd.pv1(P, 0, vt, blk, 1, o, code)
+            out[blk * W:(blk + 1) * W] = o[0]
 
-    out = np.empty(bits.size, np.float32)
-    conv(bits, out)
-    return out
-
-
+    got = np.empty(bits.size, np.float32)
+    widen(P, vt, code, got)
+    want = bits.view(np_dtype).astype(np.float32) if np_dtype else (bits.astype(np.uint32) << 16).view(np.float32)
+    assert np.array_equal(got, want, equal_nan=True)      # (+0 and -0 compare equal: 0 + -0 is +0)
 
 
 def test_exp_neg_is_within_two_ulp_and_zero_for_masked():

@@ -1,7 +1,7 @@
 """Numba decode attention over the CPU-resident KV cache.
 
 Storage dtypes: float32 arrays, or uint16 arrays holding bf16 (code 1) or fp16
-(code 2) bits, widened to fp32 in registers (numba has no CPU float16).
+(code 2) bits (numba has no CPU float16), widened to fp32 in registers by simd.py.
 
 Cache layout (per layer, request, kv head), in blocks of BK = 32 rows:
   K  [nblk, D, BK]        a block's keys transposed: its BK scores are two vectors
@@ -19,8 +19,7 @@ This module imports no torch: workers load it.
 import math
 
 import numpy as np
-from numba import njit, types
-from numba.extending import overload
+from numba import njit
 
 from hetero.cpu_attention import simd
 from hetero.cpu_attention.simd import BK, W
@@ -28,36 +27,6 @@ from hetero.ipc.atomics import u32_as_f32
 
 F32, BF16, F16 = 0, 1, 2           # storage dtype codes
 NP_STORAGE = {F32: np.float32, BF16: np.uint16, F16: np.uint16}
-
-
-@njit(cache=True)
-def f16_bits_to_f32(h):
-    h = np.uint32(h)
-    sign = (h & np.uint32(0x8000)) << np.uint32(16)
-    e = (h >> np.uint32(10)) & np.uint32(0x1F)
-    m = h & np.uint32(0x3FF)
-    if e == 0:
-        v = np.float32(m) * np.float32(5.9604644775390625e-08)  # subnormal: m * 2**-24
-        return -v if sign else v
-    if e == 31:
-        return u32_as_f32(sign | np.uint32(0x7F800000) | (m << np.uint32(13)))
-    return u32_as_f32(sign | ((e + np.uint32(112)) << np.uint32(23)) | (m << np.uint32(13)))
-
-
-def to_f32(x, code):
-    pass
-
-
-@overload(to_f32)
-def _to_f32(x, code):
-    if isinstance(x, types.Float):
-        return lambda x, code: np.float32(x)
-    if isinstance(x, types.Integer):
-        def impl(x, code):
-            if code == BF16:
-                return u32_as_f32(np.uint32(x) << np.uint32(16))
-            return f16_bits_to_f32(x)
-        return impl
 
 
 # Reassociation lets LLVM vectorize the softmax loops; no nnan/ninf: masking uses -inf.
