@@ -39,7 +39,7 @@ def bench_config(pool, cores, shape, dtype, L, reps, sdpa_threads):
     Hq, Hkv, D = shape
     spec = ModelSpec(model_type="bench", layers=1, q_heads=Hq, kv_heads=Hkv, head_dim=D, dtype=dtype,
                      max_positions=None, sliding=(False,))
-    profile, _ = load_or_measure(pool, spec, [pool.cores[r] for r in range(pool.n)])
+    profile, _ = load_or_measure(pool, spec)
     session = KVSession(pool, spec, pads=[0], real_lens=[L], cap=L + BK)
     try:
         session.K.normal_()

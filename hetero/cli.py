@@ -84,7 +84,7 @@ def profile(args):
     from hetero.cpu_attention.planner import ProfiledPlanner, profile_path
     from hetero.ipc.pool import WorkerPool
     from hetero.model_spec import ModelSpec
-    from hetero.offload.arena import SessionLayout
+    from hetero.offload.arena import SessionLayout, whole_blocks
     from hetero.offload.session import STORAGE_CODES
     from hetero.profile import load_or_measure
 
@@ -95,7 +95,7 @@ def profile(args):
     n, cores = HeteroConfig(cpu_workers=args.workers).resolve_workers()
     pool = WorkerPool(n, cores)
     try:
-        prof, measured = load_or_measure(pool, spec, [cores[r % len(cores)] for r in range(n)], force=args.force)
+        prof, measured = load_or_measure(pool, spec, force=args.force)
     finally:
         pool.close()
     print(prof.describe())
@@ -103,7 +103,7 @@ def profile(args):
     planner = ProfiledPlanner(prof, n)
     print("decode-step plans (workers x splits), batch 1:")
     for L in (256, 1024, 4096, 16384, 65536, 262144):
-        lay = SessionLayout(1, Hq, Hkv, D, L + 32 - L % 32, 1, STORAGE_CODES[dtype])
+        lay = SessionLayout(1, Hq, Hkv, D, whole_blocks(L + 1), 1, STORAGE_CODES[dtype])
         print(f"  context {L:7d}: {planner.plan(np.array([L]), 1, lay)}")
     return 0
 

@@ -13,8 +13,7 @@ from hetero.errors import CapacityError, GeneratorClosedError, WorkerError
 from hetero.ipc.pool import WorkerPool
 from hetero.model_spec import inspect_model
 from hetero.cpu_attention.planner import ProfiledPlanner, StaticPlanner
-from hetero.cpu_attention.simd import BK
-from hetero.offload.arena import SessionLayout
+from hetero.offload.arena import SessionLayout, whole_blocks
 from hetero.offload.cache import HeteroCache
 from hetero.offload.session import STORAGE_CODES, KVSession
 
@@ -81,8 +80,7 @@ class HeteroGenerator:
             else:
                 from hetero.profile import load_or_measure
 
-                cores = [pool.cores[r % len(pool.cores)] for r in range(pool.n)] if pool.cores else []
-                profile, _ = load_or_measure(pool, self.spec, cores)
+                profile, _ = load_or_measure(pool, self.spec)
                 self._planner = ProfiledPlanner(profile, pool.n)
         return self._planner
 
@@ -133,11 +131,11 @@ class HeteroGenerator:
 
     def _plan_cache(self, attention_mask, max_new_tokens):
         real = attention_mask.sum(1).cpu()
-        cap = int(real.max()) + max_new_tokens
-        cap = -(-cap // BK) * BK                           # whole blocks
+        rows = int(real.max()) + max_new_tokens
+        cap = whole_blocks(rows)
         limit = self.config.max_cache_tokens
-        if limit is not None and int(real.max()) + max_new_tokens > limit:
-            raise CapacityError(f"a request needs {int(real.max()) + max_new_tokens} KV rows (prompt {int(real.max())} + {max_new_tokens} new) "
+        if limit is not None and rows > limit:
+            raise CapacityError(f"a request needs {rows} KV rows (prompt {int(real.max())} + {max_new_tokens} new) "
                                 f"but the cache capacity is max_cache_tokens={limit}")
         s = self.spec
         layout = SessionLayout(batch=len(real), q_heads=s.q_heads, kv_heads=s.kv_heads, head_dim=s.head_dim,

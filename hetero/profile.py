@@ -36,7 +36,7 @@ def median_times(jobs, reps, rounds=3):
     return {k: float(np.median(v)) for k, v in ts.items()}
 
 
-def measure(pool, group, head_dim, dtype, cores, reps=5):
+def measure(pool, group, head_dim, dtype, reps=5):
     """Profile for `pool` and queries of `group` heads per kv head, `head_dim`, KV in `dtype`."""
     Hkv = PROFILE_KV_HEADS
     spec = ModelSpec(model_type="profile", layers=1, q_heads=Hkv * group, kv_heads=Hkv, head_dim=head_dim,
@@ -88,19 +88,19 @@ def measure(pool, group, head_dim, dtype, cores, reps=5):
         merge_s = max(0.0, (tm[16] - tm[2]) / 14 / Hkv)
     finally:
         session.close()
-    fp = P.fingerprint(cores, group, head_dim, STORAGE_CODES[dtype])
+    fp = P.fingerprint(pool.worker_cores, group, head_dim, STORAGE_CODES[dtype])
     return P.Profile(fingerprint=fp, block_s=block_s, unit_s=unit_s, dispatch_s=dispatch, agg_gbps=agg,
                      merge_s=merge_s, block_bytes=block_bytes)
 
 
-def load_or_measure(pool, spec, cores, force=False):
+def load_or_measure(pool, spec, force=False):
     """(profile, whether it was measured now). Cached per machine + shape in planner.cache_dir()."""
     group = spec.q_heads // spec.kv_heads
-    fp = P.fingerprint(cores, group, spec.head_dim, STORAGE_CODES[spec.dtype])
+    fp = P.fingerprint(pool.worker_cores, group, spec.head_dim, STORAGE_CODES[spec.dtype])
     if not force:
         cached = P.load_profile(fp)
         if cached is not None and cached.workers == pool.n:
             return cached, False
-    profile = measure(pool, group, spec.head_dim, spec.dtype, cores)
+    profile = measure(pool, group, spec.head_dim, spec.dtype)
     P.save_profile(profile)
     return profile, True

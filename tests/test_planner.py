@@ -111,11 +111,11 @@ def test_measured_profile_is_cached(tmp_path, monkeypatch):
                      max_positions=None, sliding=(False,))
     pool = WorkerPool(1, [])
     try:
-        prof, measured = load_or_measure(pool, spec, [])
+        prof, measured = load_or_measure(pool, spec)
         assert measured and prof.block_s > 0 and prof.workers == 1 and prof.agg_gbps[0] > 0
-        again, measured = load_or_measure(pool, spec, [])
+        again, measured = load_or_measure(pool, spec)
         assert not measured and again == prof
-        other, measured = load_or_measure(pool, ModelSpec(**{**spec.__dict__, "head_dim": 128}), [])
+        other, measured = load_or_measure(pool, ModelSpec(**{**spec.__dict__, "head_dim": 128}))
         assert measured and other.fingerprint["head_dim"] == 128
     finally:
         pool.close()

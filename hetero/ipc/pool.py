@@ -45,8 +45,7 @@ class WorkerPool:
             self.floats = self.words.view(np.float64)
             env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
                        NUMBA_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-            for rank in range(nworkers):
-                core = self.cores[rank % len(self.cores)] if self.cores else -1
+            for rank, core in enumerate(self.worker_cores):
                 args = [sys.executable, "-m", "hetero.ipc.worker", self.ctrl.name, str(rank), str(nworkers),
                         str(core), str(os.getpid()), str(spin_budget)]
                 self.procs.append(subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL))
@@ -54,6 +53,11 @@ class WorkerPool:
         except BaseException:
             self.close()
             raise
+
+    @property
+    def worker_cores(self):
+        """The core each worker is pinned to, in rank order (-1: not pinned)."""
+        return [self.cores[r % len(self.cores)] if self.cores else -1 for r in range(self.n)]
 
     @property
     def alive(self):
@@ -75,7 +79,7 @@ class WorkerPool:
             for rank, p in enumerate(self.procs):
                 if p.poll() is not None:
                     cmd = CMD_NAMES.get(int(self.words[C.CMD]), "?")
-                    raise WorkerDiedError(f"CPU worker {rank} (pid {p.pid}, core {self.cores[rank % len(self.cores)] if self.cores else 'any'}) "
+                    raise WorkerDiedError(f"CPU worker {rank} (pid {p.pid}, core {self.worker_cores[rank]}) "
                                           f"{_describe_exit(p.returncode)} during the {cmd} job")
             if timeout is not None and now - start > timeout:
                 raise WorkerError(f"CPU workers did not finish the {CMD_NAMES.get(int(self.words[C.CMD]))} job in {timeout:.0f} s")

@@ -30,6 +30,11 @@ def _round(n, a=ALIGN):
     return (n + a - 1) // a * a
 
 
+def whole_blocks(rows):
+    """Rows rounded up to whole KV blocks: the `cap` a SessionLayout takes."""
+    return _round(rows, BK)
+
+
 @dataclass(frozen=True)
 class SessionLayout:
     batch: int

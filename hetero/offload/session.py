@@ -14,7 +14,7 @@ from hetero.cpu_attention.kernel import BF16, F16, F32
 from hetero.cpu_attention.planner import StaticPlanner
 from hetero.cpu_attention.simd import BK, W
 from hetero.ipc import control as C, shm
-from hetero.offload.arena import SessionLayout
+from hetero.offload.arena import SessionLayout, whole_blocks
 
 STORAGE_CODES = {torch.float32: F32, torch.bfloat16: BF16, torch.float16: F16}
 
@@ -23,7 +23,7 @@ class KVSession:
     def __init__(self, pool, spec, pads, real_lens, cap, planner=None):
         self.pool, self.spec = pool, spec
         self.planner = planner or StaticPlanner(pool.n)
-        cap = -(-cap // BK) * BK
+        cap = whole_blocks(cap)
         self.batch = len(pads)
         self.pads = [int(p) for p in pads]            # left pads per request
         self.layout = SessionLayout(batch=self.batch, q_heads=spec.q_heads, kv_heads=spec.kv_heads,
@@ -52,7 +52,7 @@ class KVSession:
         return t if arr.dtype == np.float32 else t.view(self.spec.dtype)
 
     def _open(self):
-        if getattr(self.pool, "session", None) is not None:
+        if self.pool.session is not None:
             raise RuntimeError("this worker pool already serves an open KV session; close it first")
         w, lay = self.pool.words, self.layout
         w[C.S_BATCH], w[C.S_HQ], w[C.S_HKV], w[C.S_HDIM] = lay.batch, lay.q_heads, lay.kv_heads, lay.head_dim
@@ -93,13 +93,13 @@ class KVSession:
     def finish_prefill(self):
         """Called after the last layer's prefill attention: later forwards are decode steps."""
         self.lengths[:] = self._real_lens
-        self._planned_T = 1
         self._plan_step(1)
         self.prefilled = True
 
-    def _plan_step(self, T=1):
+    def _plan_step(self, T):
         """Workers and split count for the next decode step (lengths change once per step, not per layer)."""
         self.nactive, self.nsplit = self.planner.plan(self.lengths, T, self.layout)
+        self._planned_T = T
 
     # ---- decode
     def stage_kv(self, key, value):
@@ -117,7 +117,6 @@ class KVSession:
         self.q[:, :, :T].copy_(query)
         if T != self._planned_T:
             self._plan_step(T)
-            self._planned_T = T
         nsplit = self.nsplit
         w, f = self.pool.words, self.pool.floats
         w[C.LAYER], w[C.QLEN], w[C.WINDOW], w[C.NSPLIT] = layer, T, window or 0, nsplit
