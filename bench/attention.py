@@ -44,7 +44,7 @@ def bench_config(pool, cores, shape, dtype, L, reps, sdpa_threads):
     try:
         session.K.normal_()
         session.V.normal_()
-        session.q.normal_()
+        session.q.copy_(torch.randn_like(session.q).to(dtype).float())   # a bf16 model stages bf16 q
         scale = D ** -0.5
         w, f = pool.words, pool.floats
         w[C.LAYER], w[C.QLEN], w[C.WINDOW] = 0, 1, 0

@@ -27,21 +27,23 @@ def reference(q, k, v, L, T, window, scale, softcap):
     return torch.softmax(s, -1) @ v
 
 
-def to_blocks(rows, cap):
-    """[B, Hkv, n, D] numpy rows -> blocked K [B, Hkv, nblk, D, BK] and V [B, Hkv, nblk, D/W, BK, W] (zero-padded)."""
+def to_blocks(rows, cap, code):
+    """[B, Hkv, n, D] numpy rows -> blocked K [B, Hkv, nblk, D, BK] and V [B, Hkv, nblk, D/W, BK, W]
+    (zero-padded); bf16 K blocks hold [D/2, BK, 2] (pair-interleaved)."""
     B, Hkv, n, D = rows.shape
-    nblk = cap // BK
+    nblk, P = cap // BK, 2 if code == K.BF16 else 1
     padded = np.zeros((B, Hkv, nblk * BK, D), rows.dtype)
     padded[:, :, :n] = rows
-    kb = padded.reshape(B, Hkv, nblk, BK, D).transpose(0, 1, 2, 4, 3)
+    kb = padded.reshape(B, Hkv, nblk, BK, D // P, P).transpose(0, 1, 2, 4, 3, 5).reshape(B, Hkv, nblk, D, BK)
     vb = padded.reshape(B, Hkv, nblk, BK, D // W, W).transpose(0, 1, 2, 4, 3, 5)
     return np.ascontiguousarray(kb), np.ascontiguousarray(vb)
 
 
-def from_blocks(kb, vb):
+def from_blocks(kb, vb, code):
     """Inverse of to_blocks: rows [B, Hkv, nblk*BK, D] of K and of V."""
     B, Hkv, nblk, D, _ = kb.shape
-    return (kb.transpose(0, 1, 2, 4, 3).reshape(B, Hkv, nblk * BK, D),
+    P = 2 if code == K.BF16 else 1
+    return (kb.reshape(B, Hkv, nblk, D // P, BK, P).transpose(0, 1, 2, 4, 3, 5).reshape(B, Hkv, nblk * BK, D),
             vb.transpose(0, 1, 2, 4, 3, 5).reshape(B, Hkv, nblk * BK, D))
 
 
@@ -57,8 +59,8 @@ def run_kernel(q, kst, vst, lengths, T, window, scale, softcap, code, nworkers, 
     for b in range(B):                                   # the workers must append these themselves
         krows[b, :, lengths[b]:] = 0
         vrows[b, :, lengths[b]:] = 0
-    kb, _ = to_blocks(krows, cap)
-    _, vb = to_blocks(vrows, cap)
+    kb, _ = to_blocks(krows, cap, code)
+    _, vb = to_blocks(vrows, cap, code)
     Kc, Vc = kb[None], vb[None]                          # one layer
     po = np.full((B, Hkv, nsplit, G * T, D), np.nan, np.float32)
     pm = np.full((B, Hkv, nsplit, G * T), np.nan, np.float32)
@@ -66,11 +68,12 @@ def run_kernel(q, kst, vst, lengths, T, window, scale, softcap, code, nworkers, 
     for r in range(nworkers):
         K.run_share(r, nworkers, 0, T, window, nsplit, np.float32(scale), np.float32(softcap or 0), code,
                     q.numpy(), knew, vnew, Kc, Vc, np.asarray(lengths, np.int64), po, pm, pl,
-                    np.zeros((G * T, D), np.float32), np.zeros((G * T, BK), np.float32))
+                    np.zeros((G * T, D), np.float32), np.zeros((G * T, D // 2), np.uint32),
+                    np.zeros((G * T, BK), np.float32))
     po, pm, pl = map(torch.from_numpy, (po, pm, pl))
     w = torch.exp(pm - pm.amax(2, keepdim=True))
     out = (w[..., None] * po).sum(2) / (w * pl).sum(2)[..., None]      # [B, Hkv, G*T, D]
-    Kr, Vr = from_blocks(Kc[0], Vc[0])
+    Kr, Vr = from_blocks(Kc[0], Vc[0], code)
     return out.view(B, Hkv, G, T, D).reshape(B, Hq, T, D), Kr, Vr
 
 
@@ -85,14 +88,21 @@ CASES = [  # (Hq, Hkv, D, lengths, T, window, softcap)
 ]
 
 
-@pytest.mark.parametrize("code", [K.F32, K.BF16, K.F16], ids=["fp32", "bf16", "fp16"])
+# (storage code, q rounded to bf16): a bf16 model's q is bf16-exact, which takes the
+# vdpbf16ps score path where the CPU has AVX512-BF16; fp32 q takes the widening path.
+DTYPES = [(K.F32, False), (K.BF16, False), (K.BF16, True), (K.F16, False)]
+
+
+@pytest.mark.parametrize("code,q_bf16", DTYPES, ids=["fp32", "bf16", "bf16-bf16q", "fp16"])
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
 @pytest.mark.parametrize("nworkers,nsplit", [(1, 1), (3, 4)])
-def test_kernel_matches_reference(case, code, nworkers, nsplit):
+def test_kernel_matches_reference(case, code, q_bf16, nworkers, nsplit):
     Hq, Hkv, D, lengths, T, window, softcap = case
     g = torch.Generator().manual_seed(hash((case, code)) % 2**31)
     B, cap = len(lengths), max(lengths) + T + 5
     q = torch.randn(B, Hq, T, D, generator=g)
+    if q_bf16:
+        q = q.bfloat16().float()
     kst = (torch.randn(B, Hkv, cap, D, generator=g) * 2).to(TORCH[code])
     vst = torch.randn(B, Hkv, cap, D, generator=g).to(TORCH[code])
     scale = D ** -0.5
@@ -175,7 +185,9 @@ def test_blocked_layout_roundtrip(n, dtype):
             assert torch.equal(k2, k) and torch.equal(v2, v)
             assert s.K[0].abs().sum() == 0 and s.K[1, 0].abs().sum() == 0     # nothing else touched
             blk, jj = (n - 1) // BK, (n - 1) % BK
-            assert torch.equal(s.K[1, 1, :, blk, :, jj], k[:, n - 1])
+            for d in (0, 1, 6, 31):                                          # where the kernel reads it
+                kr, kc = K.k_index(d, jj, K.BF16 if dtype == torch.bfloat16 else K.F32)
+                assert torch.equal(s.K[1, 1, :, blk, kr, kc], k[:, n - 1, d])
             assert torch.equal(s.V[1, 1, :, blk, 5 // W, jj, 5 % W], v[:, n - 1, 5])
         finally:
             s.close()

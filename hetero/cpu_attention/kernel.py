@@ -5,9 +5,11 @@ Storage dtypes: float32 arrays, or uint16 arrays holding bf16 (code 1) or fp16
 
 Cache layout (per layer, request, kv head), in blocks of BK = 32 rows:
   K  [nblk, D, BK]        a block's keys transposed: its BK scores are two vectors
+                          (bf16: pair-interleaved, each block is [D/2, BK, 2]; see k_index)
   V  [nblk, D/W, BK, W]   a block's values in W=16-wide column panels
 so the inner products run register-tiled (see simd.py) and every block is one
-contiguous read.
+contiguous read. For bf16 storage and bf16-exact queries (a bf16 model) on a CPU
+with AVX512-BF16 the scores use vdpbf16ps: exact bf16 products, fp32 sums.
 
 A *unit* is (request b, kv head h, sequence split s). For one unit the kernel
 reads each K/V block once and uses it for all G = Hq/Hkv query heads and all T
@@ -56,16 +58,16 @@ def exp_neg(x):
 
 
 @njit(inline="always")
-def _scores(qs, R, kt, blk, S, code):
+def _scores(qs, qp, dp, R, kt, blk, S, code):
     r = 0
     while r + 4 <= R:
-        simd.qk4(qs, r, kt, blk, S, code)
+        simd.qk4(qs, qp, r, kt, blk, S, code, dp)
         r += 4
     if r + 2 <= R:
-        simd.qk2(qs, r, kt, blk, S, code)
+        simd.qk2(qs, qp, r, kt, blk, S, code, dp)
         r += 2
     if r < R:
-        simd.qk1(qs, r, kt, blk, S, code)
+        simd.qk1(qs, qp, r, kt, blk, S, code, dp)
 
 
 @njit(inline="always")
@@ -82,14 +84,16 @@ def _accumulate(S, R, vt, blk, n, o, code):
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def attend_unit(qs, R, T, kt, vt, blk0, blk1, lo, hi, L, window, softcap, code, o, m, l, S):
+def attend_unit(qs, qp, dp, R, T, kt, vt, blk0, blk1, lo, hi, L, window, softcap, code, o, m, l, S):
     """Attention of query rows r < R (r = g*T + t, pre-scaled in qs [>=R, D]) over KV rows
     [lo, hi) in blocks [blk0, blk1). Token t sits at position L+t and sees rows j <= L+t
     (and j > L+t-window when window > 0).
+    dp > 0 (bf16 only): scores from the unscaled bf16 pairs qp [>=R, D/2] u32, times dp.
     kt [nblk, D, BK] / vt [nblk, D/W, BK, W] storage; writes o [>=R, D] (unnormalised),
     m/l [>=R]; S [>=R, BK] is scratch.
     """
     D = o.shape[1]
+    use_dp = 1 if dp > 0.0 else 0
     for r in range(R):
         m[r] = -np.inf
         l[r] = 0.0
@@ -97,7 +101,11 @@ def attend_unit(qs, R, T, kt, vt, blk0, blk1, lo, hi, L, window, softcap, code, 
             o[r, d] = 0.0
     for blk in range(blk0, blk1):
         j0 = blk * BK
-        _scores(qs, R, kt, blk, S, code)
+        _scores(qs, qp, use_dp, R, kt, blk, S, code)
+        if dp > 0.0:
+            for r in range(R):
+                for jj in range(BK):
+                    S[r, jj] *= dp
         if softcap > 0.0:
             for r in range(R):
                 for jj in range(BK):
@@ -133,12 +141,22 @@ def attend_unit(qs, R, T, kt, vt, blk0, blk1, lo, hi, L, window, softcap, code, 
         _accumulate(S, R, vt, blk, min(BK, hi - j0), o, code)
 
 
+@njit(inline="always")
+def k_index(d, jj, code):
+    """(row, column) in a [D, BK] K block of element (dim d, block row jj)."""
+    if code != BF16:
+        return d, jj
+    off = (d >> 1) * (2 * BK) + 2 * jj + (d & 1)      # pair-interleaved [D/2, BK, 2]
+    return off // BK, off % BK
+
+
 @njit(cache=True)
-def put_row(K, V, layer, b, h, j, k, v):
+def put_row(K, V, layer, b, h, j, k, v, code):
     """Write one KV row (k/v [D]) at row j of the blocked layout."""
     blk, jj = j // BK, j % BK
     for d in range(k.shape[0]):
-        K[layer, b, h, blk, d, jj] = k[d]
+        kr, kc = k_index(d, jj, code)
+        K[layer, b, h, blk, kr, kc] = k[d]
         V[layer, b, h, blk, d // W, jj, d % W] = v[d]
 
 
@@ -182,7 +200,7 @@ def share_bounds(rank, nworkers, lengths, Hkv, T, window, nsplit):
 
 @njit(cache=True)
 def run_share(rank, nworkers, layer, T, window, nsplit, scale, softcap, code,
-              q, knew, vnew, K, V, lengths, part_o, part_m, part_l, qs, S):
+              q, knew, vnew, K, V, lengths, part_o, part_m, part_l, qs, qp, S):
     """One worker's share of a decode step for one layer.
 
     Units u = (b*Hkv + h)*nsplit + s, dealt in cost-balanced contiguous ranges.
@@ -191,13 +209,14 @@ def run_share(rank, nworkers, layer, T, window, nsplit, scale, softcap, code,
     worker reads a row another worker is writing.
     q [B,Hq,Tmax,D] f32; knew/vnew [B,Hkv,Tmax,D]; K [layers,B,Hkv,nblk,D,BK];
     V [layers,B,Hkv,nblk,D/W,BK,W]; part_o [B,Hkv,NS,rows,D]; part_m/l [B,Hkv,NS,rows];
-    qs [rows, D] and S [rows, BK] are the worker's scratch.
+    qs [rows, D] f32, qp [rows, D/2] u32 and S [rows, BK] f32 are the worker's scratch.
     """
     Hq = q.shape[1]
     Hkv = K.shape[2]
     D = q.shape[3]
     G = Hq // Hkv
     R = G * T
+    qbits = q.view(np.uint32)
     u0, u1 = share_bounds(rank, nworkers, lengths, Hkv, T, window, nsplit)
     for u in range(u0, u1):
         s = u % nsplit
@@ -207,12 +226,22 @@ def run_share(rank, nworkers, layer, T, window, nsplit, scale, softcap, code,
         blk0, blk1, lo, hi = unit_span(L, T, window, nsplit, s)
         for t in range(T):
             if lo <= L + t < hi:
-                put_row(K, V, layer, b, h, L + t, knew[b, h, t], vnew[b, h, t])
+                put_row(K, V, layer, b, h, L + t, knew[b, h, t], vnew[b, h, t], code)
+        exact = code == BF16 and simd.HAS_DPBF16
         for g in range(G):                     # qs[g*T + t] = scale * q[b, h*G + g, t]
             for t in range(T):
                 for d in range(D):
                     qs[g * T + t, d] = q[b, h * G + g, t, d] * scale
-        attend_unit(qs, R, T, K[layer, b, h], V[layer, b, h], blk0, blk1, lo, hi, L, window, softcap,
+                    exact &= (qbits[b, h * G + g, t, d] & 0xFFFF) == 0
+        dp = np.float32(0.0)
+        if exact:                              # qp[r, p] = bf16 pair (q[2p], q[2p+1]), unscaled
+            dp = scale
+            for g in range(G):
+                for t in range(T):
+                    for p in range(D // 2):
+                        lo_ = qbits[b, h * G + g, t, 2 * p] >> 16
+                        qp[g * T + t, p] = (qbits[b, h * G + g, t, 2 * p + 1] & 0xFFFF0000) | lo_
+        attend_unit(qs, qp, dp, R, T, K[layer, b, h], V[layer, b, h], blk0, blk1, lo, hi, L, window, softcap,
                     code, part_o[b, h, s], part_m[b, h, s], part_l[b, h, s], S)
 
 
@@ -228,4 +257,4 @@ def warm_up():
         pm = np.zeros((1, 1, 1, 2), np.float32)
         run_share(0, 1, 0, 1, 0, 1, np.float32(0.5), np.float32(0.0), code, q, new, new, K, V,
                   np.zeros(1, np.int64), po, pm, pm.copy(), np.zeros((2, D), np.float32),
-                  np.zeros((2, BK), np.float32))
+                  np.zeros((2, D // 2), np.uint32), np.zeros((2, BK), np.float32))

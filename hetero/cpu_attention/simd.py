@@ -9,10 +9,16 @@ for the host (one zmm on AVX-512, two ymm on AVX2, four q-registers on NEON).
 KV storage is widened in registers: fp32 loads as is, bf16 is (bits << 16),
 fp16 goes through `fpext half` (vcvtph2ps on x86 with F16C).
 
-  QK[nr](qs, r0, kt, blk, S, code)
+  QK[nr](qs, qp, r0, kt, blk, S, code, dp)
       S[r0+i, :BK] = sum_d qs[r0+i, d] * kt[blk, d, :BK]          i < nr
-      qs [R, D] f32 (scaled queries), kt [nblk, D, BK] storage (K blocks,
-      transposed so a block's BK scores are two vectors), S [R, BK] f32.
+      qs [R, D] f32 (queries), kt [nblk, D, BK] storage (K blocks, transposed so a
+      block's BK scores are two vectors), S [R, BK] f32.
+      bf16 K blocks are pair-interleaved: element (d, j) of a block sits at
+      (d // 2) * 2*BK + 2*j + d % 2, i.e. the block is [D/2, BK, 2], so one
+      32-bit lane holds dims (2p, 2p+1) of token j. Widening is then a shift and
+      a mask, and with dp != 0 on a CPU with AVX512-BF16 one vdpbf16ps does two
+      dims at once from qp [R, D/2] u32 (q as packed bf16 pairs, which must be
+      exact: bf16 models give bf16 q), halving the QK arithmetic.
   PV[nr](P, r0, vt, blk, n, o, code)
       o[r0+i, c*W:(c+1)*W] += sum_{jj<n} P[r0+i, jj] * vt[blk, c, jj, :]   i < nr
       P [R, BK] f32 (probabilities), vt [nblk, D/W, BK, W] storage (V blocks cut
@@ -37,6 +43,32 @@ _I16 = ir.IntType(16)
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
 _VF = ir.VectorType(_F32, W)
+_VI = ir.VectorType(_I32, W)
+
+
+class _BFloat(ir.Type):
+    """LLVM's bfloat (llvmlite has no class for it)."""
+    def _to_string(self):
+        return "bfloat"
+
+    def __eq__(self, other):
+        return isinstance(other, _BFloat)
+
+    def __hash__(self):
+        return hash("bfloat")
+
+
+_VBF = ir.VectorType(_BFloat(), 2 * W)
+
+
+def _host_has_dpbf16():
+    from numba.core import config
+    import llvmlite.binding as ll
+    feats = config.CPU_FEATURES if config.CPU_FEATURES is not None else ll.get_host_cpu_features().flatten()
+    return "+avx512bf16" in feats.split(",")
+
+
+HAS_DPBF16 = _host_has_dpbf16()    # vdpbf16ps is emitted only when the compile target has it
 
 
 def _data(context, builder, arrty, arr):
@@ -53,6 +85,18 @@ def _fmuladd(builder, a, b, c):
     fnty = ir.FunctionType(_VF, [_VF, _VF, _VF])
     fn = cgutils.get_or_insert_function(builder.module, fnty, f"llvm.fmuladd.v{W}f32")
     return builder.call(fn, [a, b, c])
+
+
+def _dpbf16(builder, acc, a, b):
+    """acc + a[2i]*b[2i] + a[2i+1]*b[2i+1] per lane; a, b <W x i32> holding bf16 pairs."""
+    fnty = ir.FunctionType(_VF, [_VF, _VBF, _VBF])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512bf16.dpbf16ps.512")
+    return builder.call(fn, [acc, builder.bitcast(a, _VBF), builder.bitcast(b, _VBF)])
+
+
+def _load_ivec(builder, base, offset):
+    """W 32-bit lanes (2W uint16 storage elements) at base[offset]."""
+    return builder.load(builder.bitcast(builder.gep(base, [offset]), _VI.as_pointer()), align=4)
 
 
 def _load_vec(builder, base, offset, conv):
@@ -92,29 +136,44 @@ def _f32_ok(arr):
 
 def _make_qk(nr):
     @intrinsic
-    def qk(typingctx, qs, r0, kt, blk, S, code):
+    def qk(typingctx, qs, qp, r0, kt, blk, S, code, dp):
         if not (_f32_ok(qs) and _f32_ok(S) and _storage_ok(kt, 3)
-                and all(isinstance(x, types.Integer) for x in (r0, blk, code))):
+                and isinstance(qp, types.Array) and qp.ndim == 2 and qp.layout == "C" and qp.dtype == types.uint32
+                and all(isinstance(x, types.Integer) for x in (r0, blk, code, dp))):
             return None
 
         def codegen(context, builder, sig, args):
             qptr, (_, D) = _data(context, builder, sig.args[0], args[0])
-            kptr, _ = _data(context, builder, sig.args[2], args[2])
-            sptr, _ = _data(context, builder, sig.args[4], args[4])
-            r0v = context.cast(builder, args[1], sig.args[1], types.int64)
-            blkv = context.cast(builder, args[3], sig.args[3], types.int64)
+            qpptr, _ = _data(context, builder, sig.args[1], args[1])
+            kptr, _ = _data(context, builder, sig.args[3], args[3])
+            sptr, _ = _data(context, builder, sig.args[5], args[5])
+            r0v, blkv, dpv = (context.cast(builder, args[k], sig.args[k], types.int64) for k in (2, 4, 7))
             kbase = builder.mul(blkv, builder.mul(D, ir.Constant(_I64, BK)))   # start of block blk
             accs = [cgutils.alloca_once(builder, _VF) for _ in range(2 * nr)]
-            _by_storage(context, builder, sig.args[2], args[5], sig.args[5],
-                        lambda conv: _qk_loop(builder, conv, nr, D, qptr, r0v, kptr, kbase, sptr, accs))
+            args_ = (builder, nr, D, qptr, qpptr, r0v, kptr, kbase, accs)
+
+            def emit(conv):
+                if conv != "bf16":
+                    _qk_loop(builder, conv, nr, D, qptr, r0v, kptr, kbase, accs)
+                elif not HAS_DPBF16:
+                    _qk_pairs(*args_, use_dp=False)
+                else:
+                    with builder.if_else(builder.icmp_signed("!=", dpv, ir.Constant(_I64, 0))) as (yes, no):
+                        with yes:
+                            _qk_pairs(*args_, use_dp=True)
+                        with no:
+                            _qk_pairs(*args_, use_dp=False)
+                _store_scores(builder, nr, r0v, sptr, accs)
+
+            _by_storage(context, builder, sig.args[3], args[6], sig.args[6], emit)
             return context.get_dummy_value()
 
-        return types.void(qs, r0, kt, blk, S, code), codegen
+        return types.void(qs, qp, r0, kt, blk, S, code, dp), codegen
 
     return qk
 
 
-def _qk_loop(builder, conv, nr, D, qptr, r0v, kptr, kbase, sptr, accs):
+def _qk_loop(builder, conv, nr, D, qptr, r0v, kptr, kbase, accs):
     for a in accs:
         builder.store(ir.Constant(_VF, [0.0] * W), a)
     with cgutils.for_range(builder, D) as loop:
@@ -127,6 +186,41 @@ def _qk_loop(builder, conv, nr, D, qptr, r0v, kptr, kbase, sptr, accs):
             qv = _splat(builder, builder.load(builder.gep(qptr, [builder.add(builder.mul(row, D), d)])))
             builder.store(_fmuladd(builder, qv, k0, builder.load(accs[2 * i])), accs[2 * i])
             builder.store(_fmuladd(builder, qv, k1, builder.load(accs[2 * i + 1])), accs[2 * i + 1])
+
+
+def _qk_pairs(builder, nr, D, qptr, qpptr, r0v, kptr, kbase, accs, use_dp):
+    """bf16 K in pair-interleaved blocks [D/2, BK, 2]: lane j of the i32 vector at pair p
+    holds (k[2p, j] | k[2p+1, j] << 16)."""
+    for a in accs:
+        builder.store(ir.Constant(_VF, [0.0] * W), a)
+    half = builder.lshr(D, ir.Constant(_I64, 1))
+    with cgutils.for_range(builder, half) as loop:
+        p = loop.index
+        koff = builder.add(kbase, builder.mul(p, ir.Constant(_I64, 2 * BK)))
+        x = [_load_ivec(builder, kptr, koff), _load_ivec(builder, kptr, builder.add(koff, ir.Constant(_I64, 2 * W)))]
+        if use_dp:
+            for i in range(nr):
+                row = builder.add(r0v, ir.Constant(_I64, i))
+                qw = builder.load(builder.gep(qpptr, [builder.add(builder.mul(row, half), p)]))
+                qv = builder.shuffle_vector(builder.insert_element(ir.Constant(_VI, ir.Undefined), qw, ir.Constant(_I32, 0)),
+                                            ir.Constant(_VI, ir.Undefined), ir.Constant(_VI, [0] * W))
+                for c in range(2):
+                    builder.store(_dpbf16(builder, builder.load(accs[2 * i + c]), qv, x[c]), accs[2 * i + c])
+        else:
+            even = [builder.bitcast(builder.shl(v, ir.Constant(_VI, [16] * W)), _VF) for v in x]
+            odd = [builder.bitcast(builder.and_(v, ir.Constant(_VI, [-65536] * W)), _VF) for v in x]
+            d0 = builder.shl(p, ir.Constant(_I64, 1))
+            for i in range(nr):
+                row = builder.add(r0v, ir.Constant(_I64, i))
+                qa = builder.gep(qptr, [builder.add(builder.mul(row, D), d0)])
+                q0 = _splat(builder, builder.load(qa))
+                q1 = _splat(builder, builder.load(builder.gep(qa, [ir.Constant(_I64, 1)])))
+                for c in range(2):
+                    acc = _fmuladd(builder, q0, even[c], builder.load(accs[2 * i + c]))
+                    builder.store(_fmuladd(builder, q1, odd[c], acc), accs[2 * i + c])
+
+
+def _store_scores(builder, nr, r0v, sptr, accs):
     for i in range(nr):
         row = builder.add(r0v, ir.Constant(_I64, i))
         soff = builder.mul(row, ir.Constant(_I64, BK))
@@ -181,3 +275,4 @@ def _pv_loop(builder, conv, nr, D, nchunks, pptr, r0v, vptr, vbase, nv, optr, ac
 
 qk1, qk2, qk4 = (_make_qk(nr) for nr in (1, 2, 4))
 pv1, pv2, pv4 = (_make_pv(nr) for nr in (1, 2, 4))
+

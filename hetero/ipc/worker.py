@@ -43,6 +43,7 @@ class Worker:
         self.code = lay.code
         rows = (lay.q_heads // lay.kv_heads) * lay.tmax
         self.qs = np.zeros((rows, lay.head_dim), np.float32)   # private scratch: scaled queries
+        self.qp = np.zeros((rows, lay.head_dim // 2), np.uint32)   # private scratch: bf16 query pairs
         self.S = np.zeros((rows, kernel.BK), np.float32)       # private scratch: scores
 
     def close_session(self):
@@ -56,7 +57,7 @@ class Worker:
         kernel.run_share(self.rank, int(w[C.NACTIVE]), int(w[C.LAYER]), int(w[C.QLEN]), int(w[C.WINDOW]),
                          int(w[C.NSPLIT]), np.float32(f[C.F_SCALE]), np.float32(f[C.F_SOFTCAP]), self.code,
                          v["q"], v["knew"], v["vnew"], v["K"], v["V"], v["lengths"],
-                         v["part_o"], v["part_m"], v["part_l"], self.qs, self.S)
+                         v["part_o"], v["part_m"], v["part_l"], self.qs, self.qp, self.S)
 
     def orphaned(self):
         if os.getppid() == self.parent_pid:

@@ -14,7 +14,8 @@ parent and the workers agree on every offset. numpy only (workers import it).
   K        [layers, B, Hkv, nblk, D, BK]  storage  main (prefill), workers (decode append)
   V        [layers, B, Hkv, nblk, D/W, BK, W]  storage  (same)
 K and V are blocked (BK = 32 rows per block, nblk = cap / BK; see
-hetero.cpu_attention.kernel for why): row j of a request lives in block j // BK.
+hetero.cpu_attention.kernel for why): row j of a request lives in block j // BK;
+bf16 K blocks are pair-interleaved inside (kernel.k_index).
 """
 from dataclasses import dataclass
 

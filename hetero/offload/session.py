@@ -69,23 +69,33 @@ class KVSession:
         for b, pad in enumerate(self.pads):
             self.write_rows(layer, b, key[b, :, pad:], value[b, :, pad:])
 
+    def _kblocks(self, layer, b):
+        """Request b's K blocks as [Hkv, nblk, D/P, BK, P]: P = 2 for bf16 (pair-interleaved,
+        see kernel.k_index), else P = 1 (plain [D, BK] blocks)."""
+        Kb = self.K[layer, b]                       # [Hkv, nblk, D, BK]
+        P = 2 if self.layout.code == BF16 else 1
+        Hkv, nblk, D, _ = Kb.shape
+        return Kb.view(Hkv, nblk, D // P, BK, P)
+
     def write_rows(self, layer, b, key, value):
         """Rows 0..n-1 of request b: key/value [Hkv, n, D] (any device) into the blocked layout."""
         Hkv, n, D = key.shape
         full, rem = divmod(n, BK)
-        Kb, Vb = self.K[layer, b], self.V[layer, b]
-        # [Hkv, full*BK, D] -> [Hkv, full, BK, D] -> K [Hkv, full, D, BK]
-        Kb[:, :full].copy_(key[:, :full * BK].reshape(Hkv, full, BK, D).transpose(2, 3))
+        Kb, Vb = self._kblocks(layer, b), self.V[layer, b]
+        P = Kb.shape[-1]
+        # [Hkv, full*BK, D] -> [Hkv, full, BK, D/P, P] -> K [Hkv, full, D/P, BK, P]
+        Kb[:, :full].copy_(key[:, :full * BK].reshape(Hkv, full, BK, D // P, P).transpose(2, 3))
         # [Hkv, full*BK, D] -> [Hkv, full, BK, D/W, W] -> V [Hkv, full, D/W, BK, W]
         Vb[:, :full].copy_(value[:, :full * BK].reshape(Hkv, full, BK, D // W, W).transpose(2, 3))
         if rem:
-            Kb[:, full, :, :rem].copy_(key[:, full * BK:].transpose(1, 2))
+            Kb[:, full, :, :rem].copy_(key[:, full * BK:].reshape(Hkv, rem, D // P, P).transpose(1, 2))
             Vb[:, full, :, :rem].copy_(value[:, full * BK:].reshape(Hkv, rem, D // W, W).transpose(1, 2))
 
     def read_rows(self, layer, b, n):
         """Inverse of write_rows: [Hkv, n, D] copies of request b's first n rows."""
-        Kb, Vb = self.K[layer, b], self.V[layer, b]
-        Hkv, nblk, D, _ = Kb.shape
+        Kb, Vb = self._kblocks(layer, b), self.V[layer, b]
+        Hkv, nblk, _, _, _ = Kb.shape
+        D = self.layout.head_dim
         k = Kb.transpose(2, 3).reshape(Hkv, nblk * BK, D)[:, :n]
         v = Vb.transpose(2, 3).reshape(Hkv, nblk * BK, D)[:, :n]
         return k.clone(), v.clone()
