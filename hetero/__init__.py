@@ -9,7 +9,7 @@ _EXPORTS = {
     "HeteroGenerator": "hetero.generator",
     "HeteroConfig": "hetero.config",
     **{name: "hetero.errors" for name in ("HeteroError", "UnsupportedModelError", "CapacityError", "WorkerError",
-                                          "WorkerDiedError", "GeneratorClosedError")},
+                                          "WorkerDiedError", "GeneratorClosedError", "AdapterError")},
 }
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"

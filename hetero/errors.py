@@ -23,3 +23,7 @@ class WorkerDiedError(WorkerError):
 
 class GeneratorClosedError(HeteroError):
     """The generator was used after close()."""
+
+
+class AdapterError(HeteroError, ValueError):
+    """A LoRA adapter cannot be loaded or used (unsupported variant, wrong base model, unknown name)."""

@@ -8,8 +8,9 @@ import psutil
 import torch
 
 from hetero import attention
+from hetero.adapters import hooks as lora_hooks, source as lora_source
 from hetero.config import HeteroConfig
-from hetero.errors import CapacityError, GeneratorClosedError, WorkerError
+from hetero.errors import AdapterError, CapacityError, GeneratorClosedError, WorkerError
 from hetero.ipc.pool import WorkerPool
 from hetero.model_spec import inspect_model
 from hetero.cpu_attention.planner import ProfiledPlanner, StaticPlanner
@@ -29,26 +30,45 @@ PASS_THROUGH = ("streamer", "logits_processor", "stopping_criteria")  # objects,
 class HeteroGenerator:
     """Generate with a transformers causal LM whose KV cache and decode attention live on CPU workers.
 
-        with HeteroGenerator(model) as gen:
-            out = gen.generate(input_ids, attention_mask=mask, max_new_tokens=64)
+        with HeteroGenerator(model, adapters={"legal": "path/to/lora"}) as gen:
+            out = gen.generate(input_ids, attention_mask=mask, max_new_tokens=64,
+                               adapter_names=["legal", None])
+
+    `model` may be a peft.PeftModel: its LoRA adapters are served by name.
     """
 
-    def __init__(self, model, cpu_workers=None, config=None):
+    def __init__(self, model, cpu_workers=None, config=None, adapters=None):
         config = config or HeteroConfig()
         if cpu_workers is not None:
             config = replace(config, cpu_workers=cpu_workers)
         self.config = config
+        peft_model = model if _is_peft_model(model) else None
+        if peft_model is not None:
+            model = peft_model.get_base_model()
         self.spec = inspect_model(model)
         self.model = model
         self._pool = None
         self._planner = None
+        self._store = None                 # LoRA adapters in shared memory (created on first load)
+        self._hooks = lora_hooks.LoraHooks(model)
         self._closed = False
-        self._lock = threading.Lock()  # one generate at a time: the pool has one control block
+        self._lock = threading.Lock()  # one generate (or adapter load) at a time: the pool has one control block
         attention.register()
-        self._ensure_pool()
+        try:
+            self._ensure_pool()
+            if peft_model is not None:
+                for name in peft_model.peft_config:
+                    with self._lock:
+                        self._add_adapter(name, lora_source.from_peft_model(peft_model, name, model))
+            for name, src in (adapters or {}).items():
+                self.load_adapter(name, src)
+        except BaseException:
+            self.close()
+            raise
 
     @classmethod
-    def from_pretrained(cls, path, device=None, torch_dtype=None, cpu_workers=None, config=None, **model_kwargs):
+    def from_pretrained(cls, path, device=None, torch_dtype=None, cpu_workers=None, config=None, adapters=None,
+                        **model_kwargs):
         from transformers import AutoModelForCausalLM
 
         if torch_dtype is not None:
@@ -56,7 +76,70 @@ class HeteroGenerator:
         model = AutoModelForCausalLM.from_pretrained(path, **model_kwargs)
         if device is not None:
             model = model.to(device)
-        return cls(model.eval(), cpu_workers=cpu_workers, config=config)
+        return cls(model.eval(), cpu_workers=cpu_workers, config=config, adapters=adapters)
+
+    # ---- LoRA adapters
+    @property
+    def adapters(self):
+        """Names of the loaded adapters."""
+        return sorted(self._store.adapters) if self._store else []
+
+    def load_adapter(self, name, path):
+        """Load a peft LoRA adapter saved with save_pretrained (adapter_config.json +
+        adapter_model.safetensors) under `name`. Usable at once: its device copy is made in the
+        background and the CPU workers serve it until then."""
+        if self._closed:
+            raise GeneratorClosedError("load_adapter() called on a closed HeteroGenerator")
+        lora_source.check_name(name, self._store.adapters if self._store else {})
+        weights = lora_source.from_directory(name, path, self.model)
+        with self._lock:
+            self._add_adapter(name, weights)
+
+    def unload_adapter(self, name):
+        """Remove adapter `name` from the workers and from shared memory."""
+        if self._store is None or name not in self._store.adapters:
+            raise AdapterError(f"no adapter named {name!r} is loaded (loaded: {self.adapters})")
+        with self._lock:
+            self._store.remove(name)
+
+    def adapter_on_device(self, name):
+        """True once `name`'s device copy is ready (before that its prefill runs on the CPU workers)."""
+        if self._store is None or name not in self._store.adapters:
+            raise AdapterError(f"no adapter named {name!r} is loaded (loaded: {self.adapters})")
+        return self._store.adapters[name].device is not None
+
+    def _add_adapter(self, name, weights):
+        if self._store is None:
+            from hetero.adapters.store import AdapterStore
+
+            store = AdapterStore(self.model.device, *lora_hooks.max_linear_dims(self.model))
+            try:
+                store.attach(self._ensure_pool())
+            except BaseException:
+                store.close()
+                raise
+            self._store = store
+        self._store.add(name, weights)
+        for path in weights:
+            self._hooks.ensure(path, self._store.sites[path])
+
+    def _lora_batch(self, adapter_names, batch):
+        if adapter_names is None:
+            return None
+        if isinstance(adapter_names, str) or not isinstance(adapter_names, (list, tuple)):
+            raise TypeError(f"adapter_names must be a list with one name (or None) per request, got {adapter_names!r}")
+        if len(adapter_names) != batch:
+            raise ValueError(f"adapter_names has {len(adapter_names)} entries for a batch of {batch} requests")
+        chosen = []
+        for n in adapter_names:
+            if n is None or n == lora_source.BASE:
+                chosen.append(None)
+            elif self._store is not None and n in self._store.adapters:
+                chosen.append(self._store.adapters[n])
+            else:
+                raise AdapterError(f"adapter_names names {n!r}, which is not loaded (loaded: {self.adapters}; "
+                                   f"None or {lora_source.BASE!r} = base model)")
+        return lora_hooks.LoraBatch(self._store, chosen) if any(chosen) else None
 
     @property
     def cpu_workers(self):
@@ -70,6 +153,8 @@ class HeteroGenerator:
             self._pool = WorkerPool(n, cores, spin_budget=self.config.spin_budget,
                                     start_timeout=self.config.start_timeout)
             self._planner = None
+            if self._store is not None:
+                self._store.attach(self._pool)
         return self._pool
 
     def _ensure_planner(self, pool):
@@ -149,9 +234,10 @@ class HeteroGenerator:
         pads = attention_mask.shape[1] - real
         return pads.tolist(), real.tolist(), cap
 
-    def generate(self, input_ids, attention_mask=None, max_new_tokens=None, **kwargs):
+    def generate(self, input_ids, attention_mask=None, max_new_tokens=None, adapter_names=None, **kwargs):
         """transformers-style generate; returns a tensor of sequences, or a GenerateOutput when
-        return_dict_in_generate=True. Left padding only."""
+        return_dict_in_generate=True. Left padding only. adapter_names: one loaded adapter name
+        per request, or None / "__base__" for the base model (as peft's adapter_names)."""
         if self._closed:
             raise GeneratorClosedError("generate() called on a closed HeteroGenerator")
         unknown = sorted(set(kwargs) - GENERATE_KWARGS)
@@ -159,13 +245,14 @@ class HeteroGenerator:
             raise TypeError(f"generate() got unsupported arguments {unknown}; supported: "
                             f"input_ids, attention_mask, max_new_tokens, {', '.join(sorted(GENERATE_KWARGS))}")
         attention_mask, max_new_tokens = self._check_inputs(input_ids, attention_mask, max_new_tokens)
+        lora = self._lora_batch(adapter_names, input_ids.shape[0])
         pads, real, cap = self._plan_cache(attention_mask, max_new_tokens)
         # a checkpoint may ship cache_implementation="static": ours replaces it
         gen_config = copy.deepcopy(self.model.generation_config)
         gen_config.cache_implementation = None
         objects = {k: kwargs.pop(k) for k in PASS_THROUGH if k in kwargs}
         gen_config.update(max_new_tokens=max_new_tokens, num_beams=1, **kwargs)
-        with self.kv_context(pads, real, cap) as cache, torch.inference_mode():
+        with self.kv_context(pads, real, cap) as cache, torch.inference_mode(), _active(lora):
             return self.model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache,
                                        generation_config=gen_config, **objects)
 
@@ -196,8 +283,12 @@ class HeteroGenerator:
             self._lock.release()
 
     def close(self):
-        """Stop the workers and free every shared segment. Idempotent."""
+        """Stop the workers and free every shared segment; restore the model's modules. Idempotent."""
         self._closed = True
+        self._hooks.remove()
+        if self._store is not None:
+            self._store.close()
+            self._store = None
         if self._pool is not None:
             self._pool.close()
             self._pool = None
@@ -207,3 +298,19 @@ class HeteroGenerator:
 
     def __exit__(self, *exc):
         self.close()
+
+
+@contextlib.contextmanager
+def _active(lora_batch):
+    token = lora_hooks.active_batch.set(lora_batch)
+    try:
+        yield
+    finally:
+        lora_hooks.active_batch.reset(token)
+
+
+def _is_peft_model(model):
+    import sys
+
+    peft = sys.modules.get("peft")      # a PeftModel exists only if peft was imported
+    return peft is not None and isinstance(model, peft.PeftModel)

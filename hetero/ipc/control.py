@@ -4,7 +4,8 @@
   CMD.. main, before SEQ  workers     the job: command and its integer params
   F_*   main, before SEQ  workers     float params (a float64 view of line 2)
   S_*   main, before OPEN workers     session shape (see hetero.offload.arena)
-  NAME  main, before OPEN workers     session segment name, NUL-padded bytes
+  ARG*  main, before SEQ  workers     LoRA commands: slot / staging dims
+  NAME  main, before OPEN workers     segment name (KV session, adapter or staging), NUL-padded bytes
   GO    main (release)    worker w    job number for w (line DONE_LINE + w, word 2);
                                       a new value = a new job. Only the workers a job
                                       uses are woken: the others never see it.
@@ -18,6 +19,7 @@ CMD, LAYER, QLEN, WINDOW, NSPLIT, NACTIVE = 8, 9, 10, 11, 12, 13
 F_SCALE, F_SOFTCAP = 16, 17                     # float64 words
 S_BATCH, S_HQ, S_HKV, S_HDIM, S_CAP, S_LAYERS, S_CODE, S_TMAX = range(24, 32)
 S_NSPLIT_MAX = 32
+ARG0, ARG1, ARG2 = 33, 34, 35
 NAME_WORD, NAME_BYTES = 40, 128                 # lines 5-6
 DONE_LINE = 8
 
@@ -40,6 +42,7 @@ def nbytes(nworkers):
 
 # commands
 CMD_PING, CMD_OPEN, CMD_CLOSE, CMD_ATTN, CMD_EXIT = 1, 2, 3, 4, 5
+CMD_LORA_OPEN, CMD_ADAPTER_MAP, CMD_ADAPTER_DROP, CMD_LORA = 6, 7, 8, 9
 
 
 def write_name(words, name):

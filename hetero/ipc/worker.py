@@ -14,6 +14,7 @@ import traceback
 
 import numpy as np
 
+from hetero.adapters import layout as lora
 from hetero.cpu_attention import kernel
 from hetero.ipc import atomics, control as C, shm
 from hetero.offload.arena import SessionLayout
@@ -30,6 +31,9 @@ class Worker:
         self.floats = self.words.view(np.float64)
         self.session_name = None
         self.v = None  # session views (name -> numpy array)
+        self.lora_seg, self.lora_v = None, None   # LoRA staging segment and its views
+        self.adapters = {}                        # slot -> {site: (A, BT, scaling)} views
+        self.adapter_segs = {}                    # slot -> its segment
 
     def open_session(self):
         w = self.words
@@ -52,6 +56,26 @@ class Worker:
             self.seg.close()
         self.session_name = None
 
+    def open_lora(self):
+        if self.lora_seg is not None:
+            self.lora_v = None
+            self.lora_seg.close()
+        w = self.words
+        self.lora_seg = shm.Segment(C.read_name(w))
+        self.lora_v = lora.staging_views(self.lora_seg, self.nworkers, int(w[C.ARG0]), int(w[C.ARG1]))
+
+    def map_adapter(self):
+        slot = int(self.words[C.ARG0])
+        self.drop_adapter(slot)
+        seg = self.adapter_segs[slot] = shm.Segment(C.read_name(self.words))
+        self.adapters[slot] = lora.read_adapter(seg)
+
+    def drop_adapter(self, slot):
+        self.adapters.pop(slot, None)        # drop the views first: they pin the mapping
+        seg = self.adapter_segs.pop(slot, None)
+        if seg is not None:
+            seg.close()
+
     def attend(self):
         w, f, v = self.words, self.floats, self.v
         kernel.run_share(self.rank, int(w[C.NACTIVE]), int(w[C.LAYER]), int(w[C.QLEN]), int(w[C.WINDOW]),
@@ -63,8 +87,10 @@ class Worker:
         if os.getppid() == self.parent_pid:
             return False
         if self.rank == 0:  # the parent cannot clean up any more: do it for it
-            if self.session_name:
-                shm.unlink(self.session_name)
+            for name in [self.session_name, self.lora_seg and self.lora_seg.name,
+                         *(seg.name for seg in self.adapter_segs.values())]:
+                if name:
+                    shm.unlink(name)
             shm.unlink(self.ctrl.name)
         return True
 
@@ -87,8 +113,16 @@ class Worker:
             try:
                 if cmd == C.CMD_ATTN:
                     self.attend()
+                elif cmd == C.CMD_LORA:
+                    lora.run_units(self.rank, self.lora_v, self.adapters)
                 elif cmd == C.CMD_OPEN:
                     self.open_session()
+                elif cmd == C.CMD_LORA_OPEN:
+                    self.open_lora()
+                elif cmd == C.CMD_ADAPTER_MAP:
+                    self.map_adapter()
+                elif cmd == C.CMD_ADAPTER_DROP:
+                    self.drop_adapter(int(self.words[C.ARG0]))
                 elif cmd == C.CMD_CLOSE:
                     self.close_session()
                 elif cmd == C.CMD_EXIT:

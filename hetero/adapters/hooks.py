@@ -1,0 +1,187 @@
+"""Per-request LoRA inside generate: instance hooks on the adapted linear layers.
+
+Each adapted module (a peft LoRA layer, or a plain nn.Linear when the adapter came from a
+directory) gets its `forward` replaced on the instance; model and peft code are untouched and
+`remove()` restores them. Outside generate the original forward runs. Inside, with a
+`LoraBatch` active (one adapter name or None per request, like peft's adapter_names):
+
+  decode (one token per request): stage x in shared memory, start the CPU workers on the LoRA
+      deltas, run the base projection meanwhile, wait, add.
+  prefill: requests whose adapter has its device copy use it (torch, on the model's device);
+      requests whose copy is not ready yet use the CPU workers, in chunks of layout.ROWS rows.
+Either way out = base(x) + scaling * (x A^T) B^T per adapted request, computed in fp32 and
+cast back to the output dtype (as peft does with its fp32 adapter weights).
+"""
+import heapq
+from contextvars import ContextVar
+
+import numpy as np
+import torch
+
+from hetero.adapters import layout
+from hetero.ipc import control as C
+
+active_batch = ContextVar("hetero_lora_batch", default=None)
+MIN_WORK = 1 << 18     # multiply-adds worth waking one more worker for (~20-50 us of work)
+
+
+def plan_units(pieces, din, dout, nworkers):
+    """Rank-aware split of a LoRA job. pieces: [(slot, site, row0, row1, scaling, r)].
+    Returns (active workers, [[unit, ...] per worker]) with unit = (slot, site, row0, row1, c0, c1, scaling).
+    Cost of a unit: r * rows * (din + cols); a piece bigger than its fair share is cut along the
+    output columns (each cut repeats the small shrink), then units go largest-first to the
+    least-loaded worker (LPT)."""
+    costs = [r * (r1 - r0) * (din + dout) for (_, _, r0, r1, _, r) in pieces]
+    total = sum(costs)
+    nactive = max(1, min(nworkers, total // MIN_WORK))
+    share = total / nactive
+    units = []
+    for (slot, site, r0, r1, s, r), c in zip(pieces, costs):
+        k = max(1, min(round(c / share), dout // 64, nactive))
+        bounds = [j * dout // k // 16 * 16 for j in range(k)] + [dout]
+        for c0, c1 in zip(bounds, bounds[1:]):
+            units.append((r * (r1 - r0) * (din + c1 - c0), (slot, site, r0, r1, c0, c1, s)))
+    units.sort(key=lambda u: -u[0])
+    loads = [(0, w) for w in range(nactive)]
+    per = [[] for _ in range(nactive)]
+    for cost, u in units:
+        load, w = heapq.heappop(loads)
+        per[w].append(u)
+        heapq.heappush(loads, (load + cost, w))
+    return nactive, per
+
+
+class LoraBatch:
+    """The adapters of one generate call: names[b] is request b's adapter (None: base model)."""
+
+    def __init__(self, store, adapters):
+        self.store = store
+        self.adapters = adapters                 # per request: store.Adapter or None
+        self._plans = {}
+        self.cpu_rows = 0                        # rows whose delta the workers computed (stats, tests)
+        self.device_rows = 0
+
+    def apply(self, site, x, base):
+        """x [B, T, in] (or any [..., in] with B*T rows, request-major) -> base() + LoRA deltas."""
+        users = [(b, a) for b, a in enumerate(self.adapters) if a is not None and site in a.entries]
+        if not users:
+            return base()
+        B = len(self.adapters)
+        din = x.shape[-1]
+        x2 = x.reshape(B, -1, din)               # [B, T, in]
+        T = x2.shape[1]
+        on_device = [] if T == 1 else [(b, a) for b, a in users if a.device is not None]
+        on_cpu = [(b, a) for b, a in users if T == 1 or a.device is None]
+        chunks = self._chunks(on_cpu, T)
+        pending = self._submit(site, x2, chunks[0]) if chunks else None
+        out = base()
+        dout = out.shape[-1]
+        delta = torch.zeros(B, T, dout, dtype=torch.float32, device=out.device)
+        if pending is not None:
+            self._collect(pending, delta)
+            for chunk in chunks[1:]:
+                self._collect(self._submit(site, x2, chunk), delta)
+        for b, a in on_device:                    # prefill on the model's device
+            A, BT = a.device[site]
+            s = a.entries[site][2]
+            delta[b] = ((x2[b].float() @ A.T) * s) @ BT
+            self.device_rows += T
+        out3 = out.reshape(B, T, dout)
+        res = out3 + delta if out.dtype == torch.float32 else (out3.float() + delta).to(out.dtype)
+        return res.reshape(out.shape)
+
+    # ---- CPU workers
+    @staticmethod
+    def _chunks(users, T):
+        """[(b, adapter, t0, t1)] pieces packed into chunks of at most layout.ROWS rows."""
+        chunks, cur, n = [], [], 0
+        for b, a in users:
+            for t0 in range(0, T, layout.ROWS):
+                t1 = min(T, t0 + layout.ROWS)
+                if n + t1 - t0 > layout.ROWS:
+                    chunks.append(cur)
+                    cur, n = [], 0
+                cur.append((b, a, t0, t1))
+                n += t1 - t0
+        if cur:
+            chunks.append(cur)
+        return chunks
+
+    def _submit(self, site, x2, chunk):
+        st, pool = self.store, self.store.pool
+        din, dout = st.site_dims[site]
+        pieces, row = [], 0
+        for b, a, t0, t1 in chunk:
+            _, _, s, r = a.entries[site]
+            st.x[row:row + t1 - t0, :din].copy_(x2[b, t0:t1])
+            pieces.append((a.slot, site, row, row + t1 - t0, s, r))
+            row += t1 - t0
+        key = (site, tuple(pieces))
+        plan = self._plans.get(key)
+        if plan is None:
+            nactive, per = plan_units(pieces, din, dout, pool.n)
+            counts = np.array([len(u) for u in per] + [0] * (pool.n - nactive), np.int64)
+            units = np.zeros((nactive, max(counts), 6), np.int64)
+            scale = np.zeros((nactive, max(counts)), np.float64)
+            for w, us in enumerate(per):
+                for k, (slot, site_, r0, r1, c0, c1, s) in enumerate(us):
+                    units[w, k] = (slot, site_, r0, r1, c0, c1)
+                    scale[w, k] = s
+            plan = self._plans[key] = (nactive, counts, units, scale)
+        nactive, counts, units, scale = plan
+        v = st.views
+        v["hdr"][0], v["hdr"][1], v["hdr"][2] = row, din, dout
+        v["counts"][:] = counts
+        v["units"][:nactive, :units.shape[1]] = units
+        v["scale"][:nactive, :scale.shape[1]] = scale
+        seq = pool.submit(C.CMD_LORA, nactive)
+        return seq, nactive, chunk, dout
+
+    def _collect(self, pending, delta):
+        seq, nactive, chunk, dout = pending
+        self.store.pool.wait(seq, nactive)
+        row = 0
+        for b, _, t0, t1 in chunk:
+            delta[b, t0:t1] = self.store.delta[row:row + t1 - t0, :dout].to(delta.device)
+            row += t1 - t0
+            self.cpu_rows += t1 - t0
+
+
+class LoraHooks:
+    """Instance-level forward hooks on the adapted modules of `model`."""
+
+    def __init__(self, model):
+        self.model = model
+        self.hooked = {}        # path -> module
+
+    def ensure(self, path, site):
+        if path in self.hooked:
+            return
+        mod = self.model.get_submodule(path)
+        original = mod.forward                     # bound: the class's (or peft's) forward
+        base = mod.base_layer if hasattr(mod, "base_layer") else original   # peft layer: skip its own LoRA
+
+        def forward(x, *args, **kwargs):
+            batch = active_batch.get()
+            if batch is None:
+                return original(x, *args, **kwargs)
+            return batch.apply(site, x, lambda: base(x, *args, **kwargs))
+
+        mod.forward = forward
+        self.hooked[path] = mod
+
+    def remove(self):
+        for mod in self.hooked.values():
+            mod.__dict__.pop("forward", None)
+        self.hooked.clear()
+
+
+def max_linear_dims(model):
+    """Largest in/out features over the model's linear layers but the LM head (sizes the staging buffers)."""
+    din = dout = 1
+    head = model.get_output_embeddings()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear) and m is not head and getattr(head, "base_layer", None) is not m:
+            din, dout = max(din, m.in_features), max(dout, m.out_features)
+    return din, dout
+

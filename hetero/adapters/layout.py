@@ -1,0 +1,86 @@
+"""Byte layouts shared by the parent and the CPU workers for LoRA (numpy only: workers import it).
+
+Adapter segment (one per loaded adapter; written once by the parent at load, read by workers):
+  words [0]                  number of entries E
+  words [8 + 8e : 16 + 8e]   entry e: site, in, out, r, offset of A, offset of BT (bytes), scaling (f64 bits), 0
+  A  [r, in]   f32           lora_A weight of site `site`
+  BT [r, out]  f32           lora_B weight, transposed (rows contiguous along out: the expand is an axpy)
+A *site* is one adapted linear module of the model (an index into the generator's site table).
+
+Staging segment (one per generator; who writes / who reads):
+  hdr    [16] int64          main (before GO)   workers    rows, in, out of this job
+  counts [NW] int64          main               workers    units of worker w
+  units  [NW, MAXU, 6] int64 main               workers    (slot, site, row0, row1, c0, c1)
+  scale  [NW, MAXU] f64      main               workers    LoRA scaling of each unit
+  x      [ROWS, IN] f32      main               workers    activations, rows = request-major tokens
+  delta  [ROWS, OUT] f32     workers (own units) main      scaling * x A^T B^T for the adapted rows
+"""
+import numpy as np
+
+ALIGN = 64
+HEADER_WORDS = 8      # per adapter entry
+ROWS = 256            # activation rows per job (longer inputs go in chunks)
+MAXU = 64             # units per worker per job
+
+
+def _round(n, a=ALIGN):
+    return (n + a - 1) // a * a
+
+
+def adapter_offsets(entries):
+    """entries: [(site, in, out, r)] -> ([(offA, offBT)], total bytes)."""
+    off = _round(8 * (8 + HEADER_WORDS * len(entries)))
+    out = []
+    for _, i, o, r in entries:
+        a = off
+        off = _round(off + 4 * r * i)
+        out.append((a, off))
+        off = _round(off + 4 * r * o)
+    return out, off
+
+
+def read_adapter(segment):
+    """Worker side: {site: (A [r, in], BT [r, out], scaling)} views of an adapter segment."""
+    n = int(segment.array(0, (1,), np.int64)[0])
+    hdr = segment.array(64, (n, HEADER_WORDS), np.int64)
+    out = {}
+    for site, i, o, r, oa, ob, sbits, _ in hdr.tolist():
+        scaling = float(np.int64(sbits).view(np.float64))
+        out[site] = (segment.array(oa, (r, i), np.float32), segment.array(ob, (r, o), np.float32), scaling)
+    return out
+
+
+def staging_arrays(nworkers, max_in, max_out):
+    return [
+        ("hdr", (16,), np.int64),
+        ("counts", (nworkers,), np.int64),
+        ("units", (nworkers, MAXU, 6), np.int64),
+        ("scale", (nworkers, MAXU), np.float64),
+        ("x", (ROWS, max_in), np.float32),
+        ("delta", (ROWS, max_out), np.float32),
+    ]
+
+
+def staging_views(segment, nworkers, max_in, max_out):
+    off, views = 0, {}
+    for name, shape, dt in staging_arrays(nworkers, max_in, max_out):
+        views[name] = segment.array(off, shape, dt)
+        off = _round(off + int(np.prod(shape)) * np.dtype(dt).itemsize, 4096)
+    return views
+
+
+def staging_bytes(nworkers, max_in, max_out):
+    return sum(_round(int(np.prod(s)) * np.dtype(d).itemsize, 4096) for _, s, d in staging_arrays(nworkers, max_in, max_out))
+
+
+def run_units(rank, views, adapters):
+    """Worker side of one LoRA job: delta[row0:row1, c0:c1] = s * (x A^T) BT[:, c0:c1] per unit."""
+    rows, din = int(views["hdr"][0]), int(views["hdr"][1])
+    x = views["x"][:rows, :din]
+    delta = views["delta"]
+    for k in range(int(views["counts"][rank])):
+        slot, site, r0, r1, c0, c1 = views["units"][rank, k].tolist()
+        A, BT, _ = adapters[slot][site]
+        u = x[r0:r1] @ A.T                       # [n, r]   shrink
+        u *= views["scale"][rank, k]
+        delta[r0:r1, c0:c1] = u @ BT[:, c0:c1]  # [n, c1-c0]  expand

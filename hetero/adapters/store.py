@@ -1,0 +1,171 @@
+"""LoRA adapters in host shared memory, mapped by every CPU worker, with device copies made in
+the background.
+
+Each adapter is one shared segment (layout.py) created and unlinked by the parent alone: load
+maps it in the workers (CMD_ADAPTER_MAP), unload unmaps it there (CMD_ADAPTER_DROP) and
+unlinks it, so the memory held is exactly the adapters loaded. A site is one adapted linear
+module (by path); the site table only grows (a hook on a module no adapter uses costs nothing).
+
+Device copies (for prefill on the model's device) are made by one background thread. Until an
+adapter's copy is ready its prefill deltas run on the CPU workers from shared memory (no cold
+start); `Adapter.device` is None until then and is published once, complete.
+"""
+import contextlib
+import queue
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from hetero.adapters import layout
+from hetero.adapters.source import check_name
+from hetero.errors import AdapterError
+from hetero.ipc import control as C, shm
+
+
+@dataclass
+class Adapter:
+    name: str
+    slot: int
+    seg: object                      # its shared segment (parent: owner)
+    entries: dict                    # site -> (A [r, in] f32 numpy view, BT [r, out] view, scaling, r)
+    nbytes: int
+    device: dict | None = None       # site -> (A, BT) torch tensors on the model's device, once copied
+    ready: threading.Event = field(default_factory=threading.Event)
+
+
+class AdapterStore:
+    def __init__(self, model_device, max_in, max_out):
+        self.device = torch.device(model_device)
+        self.max_in, self.max_out = max_in, max_out
+        self.adapters = {}           # name -> Adapter
+        self.sites = {}              # module path -> site id
+        self.site_dims = []          # site id -> (in, out)
+        self._slots = iter(range(1, 1 << 62))
+        self.pool, self.staging, self.views = None, None, None
+        self.copy_gate = threading.Event()   # cleared: device copies wait (tests, cold-start benchmarks)
+        self.copy_gate.set()
+        self._copies = queue.Queue()
+        self._copier = threading.Thread(target=self._copy_loop, name="hetero-adapter-copy", daemon=True)
+        self._copier.start()
+
+    # ---- workers
+    def attach(self, pool):
+        """Map the staging segment and every adapter in `pool`'s workers (a new or restarted pool)."""
+        if self.staging is None or self.views_workers != pool.n:
+            self._new_staging(pool.n)
+        self.pool = pool
+        w = pool.words
+        w[C.ARG0], w[C.ARG1] = self.max_in, self.max_out
+        C.write_name(w, self.staging.name)
+        pool.run(C.CMD_LORA_OPEN)
+        for a in self.adapters.values():
+            self._map(a)
+
+    def _new_staging(self, nworkers):
+        if self.staging is not None:
+            self.views = None
+            self.staging.close()
+        self.staging = shm.Segment(shm.new_name("lora"), layout.staging_bytes(nworkers, self.max_in, self.max_out), create=True)
+        self.views = layout.staging_views(self.staging, nworkers, self.max_in, self.max_out)
+        self.views_workers = nworkers
+        self.x = torch.from_numpy(self.views["x"])          # [ROWS, max_in] f32
+        self.delta = torch.from_numpy(self.views["delta"])  # [ROWS, max_out] f32
+
+    def _map(self, a):
+        w = self.pool.words
+        w[C.ARG0] = a.slot
+        C.write_name(w, a.seg.name)
+        self.pool.run(C.CMD_ADAPTER_MAP)
+
+    # ---- load / unload
+    def add(self, name, weights):
+        """weights: {module path: (A [r, in], B [out, r], scaling)} (validated by source.py)."""
+        check_name(name, self.adapters)
+        new_sites = [p for p in weights if p not in self.sites]
+        for p in new_sites:
+            A, B, _ = weights[p]
+            if A.shape[1] > self.max_in or B.shape[0] > self.max_out:
+                raise AdapterError(f"adapter {name!r}: {p} is larger than the model's linear layers")
+        site_of = dict(self.sites)
+        for k, p in enumerate(new_sites):
+            site_of[p] = len(self.site_dims) + k
+        entries = [(site_of[p], A.shape[1], B.shape[0], A.shape[0]) for p, (A, B, _) in weights.items()]
+        offs, total = layout.adapter_offsets(entries)
+        seg = shm.Segment(shm.new_name("ad"), total, create=True)
+        a = None
+        try:
+            seg.array(0, (1,), np.int64)[0] = len(entries)
+            hdr = seg.array(64, (len(entries), layout.HEADER_WORDS), np.int64)
+            views = {}
+            for k, ((site, i, o, r), (oa, ob), (A, B, s)) in enumerate(zip(entries, offs, weights.values())):
+                hdr[k] = (site, i, o, r, oa, ob, np.float64(s).view(np.int64), 0)
+                va, vb = seg.array(oa, (r, i), np.float32), seg.array(ob, (r, o), np.float32)
+                va[:] = A.numpy()
+                vb[:] = B.numpy().T
+                views[site] = (va, vb, float(s), r)
+            a = Adapter(name, next(self._slots), seg, views, total)
+            if self.pool is not None:
+                self._map(a)
+        except BaseException:
+            if a is not None and self.pool is not None and self.pool.alive:
+                self._drop(a)
+            seg.close()
+            raise
+        for p in new_sites:
+            self.sites[p] = site_of[p]
+            self.site_dims.append((weights[p][0].shape[1], weights[p][1].shape[0]))
+        self.adapters[name] = a
+        self._copies.put(a)
+        return a
+
+    def remove(self, name):
+        a = self.adapters.pop(name, None)
+        if a is None:
+            raise AdapterError(f"no adapter named {name!r} is loaded (loaded: {sorted(self.adapters)})")
+        if self.pool is not None and self.pool.alive:
+            self._drop(a)
+        a.entries, a.device = {}, None
+        a.seg.close()
+
+    def _drop(self, a):
+        self.pool.words[C.ARG0] = a.slot
+        self.pool.run(C.CMD_ADAPTER_DROP)
+
+    @property
+    def nbytes(self):
+        return sum(a.nbytes for a in self.adapters.values())
+
+    # ---- device copies
+    def _copy_loop(self):
+        while True:
+            a = self._copies.get()
+            if a is None:
+                return
+            self.copy_gate.wait()
+            try:
+                dev = {}
+                side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+                with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                    for site, (A, BT, _, _) in list(a.entries.items()):
+                        dev[site] = (torch.from_numpy(A).to(self.device, copy=True),
+                                     torch.from_numpy(BT).to(self.device, copy=True))
+                if side is not None:
+                    side.synchronize()
+                if self.adapters.get(a.name) is a:     # not unloaded meanwhile
+                    a.device = dev
+                    a.ready.set()
+            except Exception:                           # the CPU path keeps serving it
+                pass
+
+    def close(self):
+        for name in list(self.adapters):
+            self.remove(name)
+        self._copies.put(None)
+        self.copy_gate.set()
+        if self.staging is not None:
+            self.views = self.x = self.delta = None
+            self.staging.close()
+            self.staging = None
+

@@ -1,0 +1,178 @@
+"""LoRA on the CPU workers against peft itself (real PeftModels, real save_pretrained directories)."""
+import copy
+import gc
+import json
+import os
+
+import psutil
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from hetero import AdapterError, HeteroGenerator
+from hetero.adapters.hooks import plan_units
+from tests.conftest import build_model, our_segments, padded_batch
+
+NEW = 8
+NAMES = ["legal", "code", "__base__"]
+# per family: (targets of adapter a (rank 4), targets of adapter b (rank 16, rsLoRA))
+TARGETS = {
+    "llama": (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "qwen2": (["k_proj", "o_proj"], ["q_proj", "v_proj", "up_proj", "down_proj"]),
+    "phi3": (["qkv_proj"], ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),   # fused projections
+}
+
+
+def make_adapters(model_type, tmp_path):
+    """(base model, PeftModel with adapters a and b, directory holding both saved)."""
+    model, ref_impl = build_model(model_type)
+    base = copy.deepcopy(model)
+    ta, tb = TARGETS[model_type]
+    torch.manual_seed(3)
+    pm = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=ta, init_lora_weights=False),
+                        adapter_name="legal")
+    pm.add_adapter("code", LoraConfig(r=16, lora_alpha=16, use_rslora=True, target_modules=tb, init_lora_weights=False))
+    pm.eval()
+    pm.base_model.model.set_attn_implementation(ref_impl)
+    pm.save_pretrained(tmp_path)
+    return base, pm, ref_impl
+
+
+def generate(gen_or_model, ids, mask, **kw):
+    return gen_or_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                                 pad_token_id=0, return_dict_in_generate=True, output_scores=True, **kw)
+
+
+def assert_same(out, ref, rows=None, atol=1e-4):
+    rows = list(range(out.sequences.shape[0])) if rows is None else rows
+    assert torch.equal(out.sequences[rows], ref.sequences[rows])
+    for a, b in zip(out.scores, ref.scores):
+        torch.testing.assert_close(a[rows], b[rows], atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("model_type", list(TARGETS))
+def test_mixed_batch_matches_peft_and_merged(model_type, tmp_path):
+    base, pm, ref_impl = make_adapters(model_type, tmp_path)
+    ids, mask = padded_batch()
+    ref = generate(pm, ids, mask, adapter_names=NAMES)
+    dirs = {n: str(tmp_path / n) for n in ("legal", "code")}
+    with HeteroGenerator(base, cpu_workers=2, adapters=dirs) as gen:
+        out = generate(gen, ids, mask, adapter_names=NAMES)
+        assert gen.adapters == ["code", "legal"]
+    assert_same(out, ref)
+    # the base model is untouched afterwards: no hook left behind
+    assert all("forward" not in m.__dict__ for m in base.modules())
+    # a PeftModel is accepted directly, its adapters served by name
+    with HeteroGenerator(pm, cpu_workers=2) as gen:
+        out2 = generate(gen, ids, mask, adapter_names=["code", None, "legal"])
+    ref2 = generate(pm, ids, mask, adapter_names=["code", "__base__", "legal"])
+    assert_same(out2, ref2)
+    # and each adapter equals the model with it merged into the weights
+    for k, name in enumerate(("legal", "code")):
+        merged = copy.deepcopy(pm)
+        merged.set_adapter(name)
+        merged = merged.merge_and_unload(adapter_names=[name])
+        merged.set_attn_implementation(ref_impl)
+        assert_same(out, generate(merged, ids, mask), rows=[k], atol=1e-3)
+
+
+def test_cold_start_gives_the_same_tokens(tmp_path):
+    base, pm, _ = make_adapters("llama", tmp_path)
+    ids, mask = padded_batch()
+    with HeteroGenerator(base, cpu_workers=2) as gen:
+        gen.load_adapter("legal", tmp_path / "legal")
+        gen._store.copy_gate.clear()                 # hold every further device copy: "code" stays cold
+        gen.load_adapter("code", tmp_path / "code")
+        assert not gen.adapter_on_device("code")
+        cold = generate(gen, ids, mask, adapter_names=NAMES)
+        assert not gen.adapter_on_device("code")        # so code's prefill ran on the CPU workers
+        gen._store.copy_gate.set()
+        assert gen._store.adapters["code"].ready.wait(10)
+        warm = generate(gen, ids, mask, adapter_names=NAMES)
+    assert_same(cold, warm)
+    assert_same(cold, generate(pm, ids, mask, adapter_names=NAMES))
+
+
+def test_bad_adapters_are_refused_and_leave_nothing(tmp_path):
+    base, _, _ = make_adapters("llama", tmp_path)
+    other = build_model("llama", hidden_size=32)[0]                     # another base: other shapes
+    get_peft_model(other, LoraConfig(r=4, target_modules=["q_proj"])).save_pretrained(tmp_path / "other")
+    dora_model = build_model("llama")[0]
+    get_peft_model(dora_model, LoraConfig(r=4, target_modules=["q_proj"], use_dora=True)).save_pretrained(tmp_path / "dora")
+    os.makedirs(tmp_path / "ia3")
+    cfg = json.loads((tmp_path / "legal" / "adapter_config.json").read_text())
+    (tmp_path / "ia3" / "adapter_config.json").write_text(json.dumps({**cfg, "peft_type": "IA3"}))
+    (tmp_path / "ia3" / "adapter_model.safetensors").write_bytes((tmp_path / "legal" / "adapter_model.safetensors").read_bytes())
+    with HeteroGenerator(base, cpu_workers=1) as gen:
+        gen.load_adapter("a", tmp_path / "legal")
+        segs = our_segments(os.getpid())
+        cases = [("x", tmp_path / "other", "another base"), ("x", tmp_path / "dora", "DoRA"),
+                 ("x", tmp_path / "ia3", "only LoRA"), ("x", tmp_path / "nope", "not a directory"),
+                 ("a", tmp_path / "code", "already loaded"), ("__base__", tmp_path / "code", "reserved"),
+                 ("bad name!", tmp_path / "code", "adapter name")]
+        for name, path, msg in cases:
+            with pytest.raises(AdapterError, match=msg):
+                gen.load_adapter(name, path)
+            assert gen.adapters == ["a"] and our_segments(os.getpid()) == segs
+        ids, mask = padded_batch()
+        with pytest.raises(AdapterError, match="'zzz', which is not loaded"):
+            gen.generate(ids, attention_mask=mask, max_new_tokens=2, adapter_names=["a", "zzz", None])
+        with pytest.raises(ValueError, match="2 entries for a batch of 3"):
+            gen.generate(ids, attention_mask=mask, max_new_tokens=2, adapter_names=["a", None])
+        with pytest.raises(AdapterError, match="no adapter named 'b'"):
+            gen.unload_adapter("b")
+        gen.unload_adapter("a")
+        assert gen.adapters == []
+
+
+def test_load_unload_100_adapters_does_not_grow(tmp_path):
+    base, _, _ = make_adapters("llama", tmp_path)
+    ids, mask = padded_batch()
+    proc = psutil.Process()
+    start = our_segments(os.getpid())          # other tests' shared generators may hold some
+    with HeteroGenerator(base, cpu_workers=2) as gen:
+        gen.load_adapter("keep", tmp_path / "code")
+        before_segs = our_segments(os.getpid())
+        workers = [psutil.Process(p.pid) for p in gen._pool.procs]
+
+        def rss():
+            return proc.memory_info().rss + sum(w.memory_info().rss for w in workers)
+
+        for i in range(100):
+            gen.load_adapter(f"t{i}", tmp_path / "code")
+            if i % 25 == 0:
+                generate(gen, ids, mask, adapter_names=[f"t{i}", "keep", None])
+            gen.unload_adapter(f"t{i}")
+            if i == 9:
+                gc.collect()
+                base_rss = rss()
+        gc.collect()
+        assert our_segments(os.getpid()) == before_segs
+        assert gen.adapters == ["keep"]
+        assert rss() - base_rss < 16 * 2**20, "RSS grew while loading and unloading adapters"
+    assert our_segments(os.getpid()) == start
+
+
+def test_plan_units_is_rank_aware():
+    # tiny job: one worker
+    n, per = plan_units([(1, 0, 0, 1, 1.0, 4)], 64, 64, 8)
+    assert n == 1 and [u[4:6] for u in per[0]] == [(0, 64)]
+    # mixed ranks 8..64 over 4 workers: every row/column covered once, loads within 1.5x of the mean
+    pieces = [(s, 0, b, b + 1, 1.0, r) for b, (s, r) in enumerate([(1, 8), (2, 64), (3, 16), (4, 32), (2, 64)])]
+    n, per = plan_units(pieces, 4096, 4096, 4)
+    assert n == 4
+    loads = [sum(pieces[u[2]][5] * (4096 + u[5] - u[4]) for u in us) for us in per]   # rank * (in + cols)
+    assert max(loads) < 1.5 * sum(loads) / n
+    cover = {}
+    for us in per:
+        for slot, site, r0, r1, c0, c1, s in us:
+            cover.setdefault(r0, []).append((c0, c1))
+    for r0, spans in cover.items():
+        spans.sort()
+        assert spans[0][0] == 0 and spans[-1][1] == 4096
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    # one big request is cut along its output columns so every worker helps
+    n, per = plan_units([(1, 0, 0, 1, 1.0, 64)], 4096, 14336, 4)
+    assert n == 4 and all(len(us) == 1 for us in per)
+    # never more workers than there are
+    assert plan_units(pieces, 4096, 4096, 2)[0] == 2
