@@ -52,9 +52,32 @@ def ipc_table():
     return "\n".join(lines)
 
 
+def lora_tables():
+    path = os.path.join(RESULTS, "lora.json")
+    if not os.path.exists(path):
+        return ""
+    r = json.load(open(path))
+    lat, ttft = r["latency_ms"], r["ttft_ms"]
+    lines = [f"Context {r['context'] // 1024}K, {r['cpu_workers']} CPU worker(s); per-token decode latency:", "",
+             "| batch | no adapter ms | with adapters ms | overhead |", "|---|---|---|---|",
+             f"| 1 request, rank-16 on q/k/v/o | {lat['b1_base']:.1f} | {lat['b1_r16_qkvo']:.1f} | "
+             f"{100 * r['overhead']['b1_r16_qkvo']:+.1f} % |",
+             f"| 4 requests, ranks 8/16/32/64 mixed | {lat['b4_base']:.1f} | {lat['b4_mixed_r8_r64']:.1f} | "
+             f"{100 * r['overhead']['b4_mixed_r8_r64']:+.1f} % |", "",
+             "| adapters registered | shared memory GB | tokens/s (batch 1, rank 16) |", "|---|---|---|"]
+    lines += [f"| {x['registered']} | {x['shm_gb']:.2f} | {x['tokens_per_s']:.1f} |" for x in r["registered"].values()]
+    lines += ["", f"Time to first token ({ttft['prompt']}-token prompt): adapter on the device {ttft['warm']:.0f} ms, "
+              f"cold (device copy held back, prefill deltas on the CPU workers) {ttft['cold']:.0f} ms.", "",
+              "| target | value | met |", "|---|---|---|"]
+    lines += [f"| {k} | {v['value']:.3f} ({v['target']}) | {'yes' if v['met'] else 'no'} |" for k, v in r["summary"].items()]
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     print(decode_tables())
     print()
     print(attention_tables())
     print()
     print(ipc_table())
+    print()
+    print(lora_tables())

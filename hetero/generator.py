@@ -124,8 +124,10 @@ class HeteroGenerator:
             self._hooks.ensure(path, self._store.sites[path])
 
     def _lora_batch(self, adapter_names, batch):
-        if adapter_names is None:
+        if self._store is None and adapter_names is None:
             return None
+        if adapter_names is None:           # every request on the base model (also for a PeftModel)
+            adapter_names = [None] * batch
         if isinstance(adapter_names, str) or not isinstance(adapter_names, (list, tuple)):
             raise TypeError(f"adapter_names must be a list with one name (or None) per request, got {adapter_names!r}")
         if len(adapter_names) != batch:
@@ -139,7 +141,7 @@ class HeteroGenerator:
             else:
                 raise AdapterError(f"adapter_names names {n!r}, which is not loaded (loaded: {self.adapters}; "
                                    f"None or {lora_source.BASE!r} = base model)")
-        return lora_hooks.LoraBatch(self._store, chosen) if any(chosen) else None
+        return lora_hooks.LoraBatch(self._store, chosen)
 
     @property
     def cpu_workers(self):

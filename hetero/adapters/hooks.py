@@ -74,21 +74,18 @@ class LoraBatch:
         on_cpu = [(b, a) for b, a in users if T == 1 or a.device is None]
         chunks = self._chunks(on_cpu, T)
         pending = self._submit(site, x2, chunks[0]) if chunks else None
-        out = base()
-        dout = out.shape[-1]
-        delta = torch.zeros(B, T, dout, dtype=torch.float32, device=out.device)
+        out = base()                              # the base projection runs while the workers work
+        out3 = out.view(B, T, out.shape[-1])      # a fresh tensor: deltas are added in place
         if pending is not None:
-            self._collect(pending, delta)
+            self._collect(pending, out3)
             for chunk in chunks[1:]:
-                self._collect(self._submit(site, x2, chunk), delta)
+                self._collect(self._submit(site, x2, chunk), out3)
         for b, a in on_device:                    # prefill on the model's device
             A, BT = a.device[site]
             s = a.entries[site][2]
-            delta[b] = ((x2[b].float() @ A.T) * s) @ BT
+            _add(out3[b], ((x2[b].float() @ A.T) * s) @ BT)
             self.device_rows += T
-        out3 = out.reshape(B, T, dout)
-        res = out3 + delta if out.dtype == torch.float32 else (out3.float() + delta).to(out.dtype)
-        return res.reshape(out.shape)
+        return out
 
     # ---- CPU workers
     @staticmethod
@@ -137,14 +134,23 @@ class LoraBatch:
         seq = pool.submit(C.CMD_LORA, nactive)
         return seq, nactive, chunk, dout
 
-    def _collect(self, pending, delta):
+    def _collect(self, pending, out3):
         seq, nactive, chunk, dout = pending
         self.store.pool.wait(seq, nactive)
         row = 0
         for b, _, t0, t1 in chunk:
-            delta[b, t0:t1] = self.store.delta[row:row + t1 - t0, :dout].to(delta.device)
+            _add(out3[b, t0:t1], self.store.delta[row:row + t1 - t0, :dout])
             row += t1 - t0
             self.cpu_rows += t1 - t0
+
+
+def _add(out, delta):
+    """out += delta (f32), in out's dtype and on its device, as peft adds its fp32 adapters."""
+    delta = delta.to(out.device, non_blocking=False)
+    if out.dtype == torch.float32:
+        out += delta
+    else:
+        out.copy_(out.float() + delta)
 
 
 class LoraHooks:

@@ -6,7 +6,8 @@ maps it in the workers (CMD_ADAPTER_MAP), unload unmaps it there (CMD_ADAPTER_DR
 unlinks it, so the memory held is exactly the adapters loaded. A site is one adapted linear
 module (by path); the site table only grows (a hook on a module no adapter uses costs nothing).
 
-Device copies (for prefill on the model's device) are made by one background thread. Until an
+Device copies (for prefill on the model's device) are made by one background thread (on a
+CPU model the "copy" is a torch view of the shared segment: nothing is duplicated). Until an
 adapter's copy is ready its prefill deltas run on the CPU workers from shared memory (no cold
 start); `Adapter.device` is None until then and is published once, complete.
 """
@@ -149,8 +150,11 @@ class AdapterStore:
                 side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
                 with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                     for site, (A, BT, _, _) in list(a.entries.items()):
-                        dev[site] = (torch.from_numpy(A).to(self.device, copy=True),
-                                     torch.from_numpy(BT).to(self.device, copy=True))
+                        if self.device.type == "cpu":    # the shared copy is already in host memory
+                            dev[site] = (torch.from_numpy(A), torch.from_numpy(BT))
+                        else:
+                            dev[site] = (torch.from_numpy(A).to(self.device, copy=True),
+                                         torch.from_numpy(BT).to(self.device, copy=True))
                 if side is not None:
                     side.synchronize()
                 if self.adapters.get(a.name) is a:     # not unloaded meanwhile
