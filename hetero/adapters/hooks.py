@@ -118,6 +118,8 @@ class LoraBatch:
         if plan is None:
             nactive, per = plan_units(pieces, din, dout, pool.n)
             counts = np.array([len(u) for u in per] + [0] * (pool.n - nactive), np.int64)
+            if counts.max() > layout.MAXU:
+                raise RuntimeError(f"LoRA plan gives a worker {counts.max()} units (at most {layout.MAXU})")
             units = np.zeros((nactive, max(counts), 6), np.int64)
             scale = np.zeros((nactive, max(counts)), np.float64)
             for w, us in enumerate(per):

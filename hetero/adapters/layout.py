@@ -20,7 +20,7 @@ import numpy as np
 ALIGN = 64
 HEADER_WORDS = 8      # per adapter entry
 ROWS = 256            # activation rows per job (longer inputs go in chunks)
-MAXU = 64             # units per worker per job
+MAXU = 2 * ROWS       # units per worker per job (a chunk holds at most ROWS pieces; a few are cut in columns)
 
 
 def _round(n, a=ALIGN):
