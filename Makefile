@@ -22,5 +22,6 @@ bench: venv
 	$(BIN)/python bench/attention.py
 	$(BIN)/python bench/ipc.py
 	$(BIN)/python bench/decode_cpu.py
+	$(BIN)/python bench/lora.py
 
 .PHONY: venv demo test bench

@@ -34,14 +34,14 @@ def random_kv(cfg, L, dtype, seed=0):
     return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
 
 
-def decode_loop(model, cache, L, steps):
-    """Greedy single-token forwards from position L; returns per-step seconds."""
-    tok = torch.tensor([[5]])
+def decode_loop(model, cache, L, steps, batch=1):
+    """Greedy single-token forwards of `batch` requests from position L; returns per-step seconds."""
+    tok = torch.full((batch, 1), 5)
     times = []
     with torch.inference_mode():
         for i in range(steps):
             t = time.perf_counter()
-            out = model(input_ids=tok, past_key_values=cache, position_ids=torch.tensor([[L + i]]), use_cache=True)
+            out = model(input_ids=tok, past_key_values=cache, position_ids=torch.full((batch, 1), L + i), use_cache=True)
             tok = out.logits[:, -1:].argmax(-1)
             times.append(time.perf_counter() - t)
     return times
@@ -55,14 +55,16 @@ def run_hf(model, keys, values, L, steps):
     return decode_loop(model, cache, L, steps)
 
 
-def run_hetero(gen, keys, values, L, steps):
-    with gen.kv_context(pads=[0], real_lens=[L], cap=L + steps) as cache:
+def run_hetero(gen, keys, values, L, steps, batch=1):
+    """Decode `batch` requests whose caches all hold keys/values (length L) through hetero."""
+    with gen.kv_context(pads=[0] * batch, real_lens=[L] * batch, cap=L + steps) as cache:
         for layer in range(keys.shape[0]):
-            cache.session.write_rows(layer, 0, keys[layer, 0], values[layer, 0])
+            for b in range(batch):
+                cache.session.write_rows(layer, b, keys[layer, 0], values[layer, 0])
         cache.session.finish_prefill()
         for layer in cache.layers:
             layer.seen = L
-        return decode_loop(gen.model, cache, L, steps)
+        return decode_loop(gen.model, cache, L, steps, batch)
 
 
 def main():

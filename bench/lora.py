@@ -24,9 +24,9 @@ from peft import LoraConfig, get_peft_model
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import machine, write_json  # noqa: E402
-from bench.decode_cpu import build, random_kv  # noqa: E402
+from bench.decode_cpu import build, random_kv, run_hetero  # noqa: E402
 from hetero import HeteroGenerator  # noqa: E402
-from hetero.adapters.hooks import active_batch  # noqa: E402
+from hetero.generator import _active as lora_active  # noqa: E402
 
 QKVO = ["q_proj", "k_proj", "v_proj", "o_proj"]
 TARGETS = {"one_worker_latency_overhead": 0.10, "registered_1000_vs_10": 0.95, "cold_ttft_vs_warm": 1.05}
@@ -40,27 +40,10 @@ def save_adapter(model, rank, path, seed):
 
 
 def decode_steps(gen, keys, values, L, steps, names):
-    """Per-step seconds of `steps` greedy single-token forwards of a batch of len(names) requests."""
-    B = len(names)
-    lora = gen._lora_batch(names, B) if any(names) else None
-    with gen.kv_context(pads=[0] * B, real_lens=[L] * B, cap=L + steps) as cache, torch.inference_mode():
-        for layer in range(keys.shape[0]):
-            for b in range(B):
-                cache.session.write_rows(layer, b, keys[layer, 0], values[layer, 0])
-        cache.session.finish_prefill()
-        for layer in cache.layers:
-            layer.seen = L
-        token = active_batch.set(lora)
-        try:
-            tok = torch.full((B, 1), 5)
-            times = []
-            for i in range(steps):
-                t = time.perf_counter()
-                out = gen.model(input_ids=tok, past_key_values=cache, position_ids=torch.full((B, 1), L + i), use_cache=True)
-                tok = out.logits[:, -1:].argmax(-1)
-                times.append(time.perf_counter() - t)
-        finally:
-            active_batch.reset(token)
+    """Per-step seconds of `steps` greedy single-token forwards of a batch of len(names) requests,
+    request b on adapter names[b] (None: base model)."""
+    with lora_active(gen._lora_batch(names, len(names))):
+        times = run_hetero(gen, keys, values, L, steps, batch=len(names))
     return times[2:]                                  # the first steps warm up plans and caches
 
 

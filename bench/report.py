@@ -6,6 +6,16 @@ import os
 from common import RESULTS
 
 
+def _load(name):
+    path = os.path.join(RESULTS, name)
+    return json.load(open(path)) if os.path.exists(path) else None
+
+
+def _targets(rows):
+    """rows: [(target, value text, met)] -> a markdown table."""
+    return ["| target | value | met |", "|---|---|---|"] + [f"| {t} | {v} | {'yes' if m else 'no'} |" for t, v, m in rows]
+
+
 def decode_tables():
     lines = ["| shape | hetero workers + torch threads | context | HF ms/token | hetero ms/token | speedup | hetero KV GB/s | 1-core read bound GB/s |",
              "|---|---|---|---|---|---|---|---|"]
@@ -21,10 +31,9 @@ def decode_tables():
 
 
 def attention_tables():
-    path = os.path.join(RESULTS, "attention.json")
-    if not os.path.exists(path):
+    r = _load("attention.json")
+    if r is None:
         return ""
-    r = json.load(open(path))
     lines = [f"Streaming-read bound measured in the same run: 1 core {r['stream_1core_gbps']:.1f} GB/s, "
              f"{len(r['cores'])} cores {r['stream_all_gbps']:.1f} GB/s.", "",
              "| shape, KV dtype | context | hetero 1 worker GB/s | of 1-core bound | hetero all workers GB/s | "
@@ -37,26 +46,23 @@ def attention_tables():
             lines.append(f"| {key} | {row['context'] // 1024}K | {k['1']:.1f} | {k['1'] / r['stream_1core_gbps']:.2f} | "
                          f"{k[n]:.1f} | {s['1']:.2f} | {s[t]:.2f} | {tuple(row['planner'])} {row['planner_ms']:.2f} ms / "
                          f"{tuple(row['best'])} {row['best_ms']:.2f} ms |")
-    lines += ["", "| target | value | met |", "|---|---|---|"]
-    lines += [f"| {name} | {value} | {'yes' if met else 'no'} |" for name, (value, met) in r["summary"].items()]
+    lines += [""] + _targets([(name, value, met) for name, (value, met) in r["summary"].items()])
     return "\n".join(lines)
 
 
 def ipc_table():
-    path = os.path.join(RESULTS, "ipc.json")
-    if not os.path.exists(path):
+    r = _load("ipc.json")
+    if r is None:
         return ""
-    r = json.load(open(path))
     lines = ["| mechanism | workers | p50 us | p99 us |", "|---|---|---|---|"]
     lines += [f"| {x['mechanism']} | {x['workers']} | {x['p50_us']:.1f} | {x['p99_us']:.1f} |" for x in r["results"]]
     return "\n".join(lines)
 
 
 def lora_tables():
-    path = os.path.join(RESULTS, "lora.json")
-    if not os.path.exists(path):
+    r = _load("lora.json")
+    if r is None:
         return ""
-    r = json.load(open(path))
     lat, ttft = r["latency_ms"], r["ttft_ms"]
     lines = [f"Context {r['context'] // 1024}K, {r['cpu_workers']} CPU worker(s); per-token decode latency:", "",
              "| batch | no adapter ms | with adapters ms | overhead |", "|---|---|---|---|",
@@ -67,9 +73,8 @@ def lora_tables():
              "| adapters registered | shared memory GB | tokens/s (batch 1, rank 16) |", "|---|---|---|"]
     lines += [f"| {x['registered']} | {x['shm_gb']:.2f} | {x['tokens_per_s']:.1f} |" for x in r["registered"].values()]
     lines += ["", f"Time to first token ({ttft['prompt']}-token prompt): adapter on the device {ttft['warm']:.0f} ms, "
-              f"cold (device copy held back, prefill deltas on the CPU workers) {ttft['cold']:.0f} ms.", "",
-              "| target | value | met |", "|---|---|---|"]
-    lines += [f"| {k} | {v['value']:.3f} ({v['target']}) | {'yes' if v['met'] else 'no'} |" for k, v in r["summary"].items()]
+              f"cold (device copy held back, prefill deltas on the CPU workers) {ttft['cold']:.0f} ms.", ""]
+    lines += _targets([(k, f"{v['value']:.3f} ({v['target']})", v["met"]) for k, v in r["summary"].items()])
     return "\n".join(lines)
 
 

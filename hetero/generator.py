@@ -1,6 +1,7 @@
 """HeteroGenerator: HF-style generate() with the KV cache and decode attention on CPU workers."""
 import contextlib
 import copy
+import sys
 import threading
 from dataclasses import replace
 
@@ -97,16 +98,18 @@ class HeteroGenerator:
 
     def unload_adapter(self, name):
         """Remove adapter `name` from the workers and from shared memory."""
-        if self._store is None or name not in self._store.adapters:
-            raise AdapterError(f"no adapter named {name!r} is loaded (loaded: {self.adapters})")
+        self._adapter(name)
         with self._lock:
             self._store.remove(name)
 
     def adapter_on_device(self, name):
         """True once `name`'s device copy is ready (before that its prefill runs on the CPU workers)."""
+        return self._adapter(name).device is not None
+
+    def _adapter(self, name):
         if self._store is None or name not in self._store.adapters:
             raise AdapterError(f"no adapter named {name!r} is loaded (loaded: {self.adapters})")
-        return self._store.adapters[name].device is not None
+        return self._store.adapters[name]
 
     def _add_adapter(self, name, weights):
         if self._store is None:
@@ -312,7 +315,5 @@ def _active(lora_batch):
 
 
 def _is_peft_model(model):
-    import sys
-
     peft = sys.modules.get("peft")      # a PeftModel exists only if peft was imported
     return peft is not None and isinstance(model, peft.PeftModel)

@@ -57,9 +57,7 @@ class LoraBatch:
     def __init__(self, store, adapters):
         self.store = store
         self.adapters = adapters                 # per request: store.Adapter or None
-        self._plans = {}
-        self.cpu_rows = 0                        # rows whose delta the workers computed (stats, tests)
-        self.device_rows = 0
+        self._plans = {}                         # (site, pieces) -> staged unit tables
 
     def apply(self, site, x, base):
         """x [B, T, in] (or any [..., in] with B*T rows, request-major) -> base() + LoRA deltas."""
@@ -84,7 +82,6 @@ class LoraBatch:
             A, BT = a.device[site]
             s = a.entries[site][2]
             _add(out3[b], ((x2[b].float() @ A.T) * s) @ BT)
-            self.device_rows += T
         return out
 
     # ---- CPU workers
@@ -129,7 +126,7 @@ class LoraBatch:
             plan = self._plans[key] = (nactive, counts, units, scale)
         nactive, counts, units, scale = plan
         v = st.views
-        v["hdr"][0], v["hdr"][1], v["hdr"][2] = row, din, dout
+        v["hdr"][0], v["hdr"][1] = row, din
         v["counts"][:] = counts
         v["units"][:nactive, :units.shape[1]] = units
         v["scale"][:nactive, :scale.shape[1]] = scale
@@ -143,12 +140,11 @@ class LoraBatch:
         for b, _, t0, t1 in chunk:
             _add(out3[b, t0:t1], self.store.delta[row:row + t1 - t0, :dout])
             row += t1 - t0
-            self.cpu_rows += t1 - t0
 
 
 def _add(out, delta):
     """out += delta (f32), in out's dtype and on its device, as peft adds its fp32 adapters."""
-    delta = delta.to(out.device, non_blocking=False)
+    delta = delta.to(out.device)
     if out.dtype == torch.float32:
         out += delta
     else:

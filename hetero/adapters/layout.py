@@ -8,7 +8,7 @@ Adapter segment (one per loaded adapter; written once by the parent at load, rea
 A *site* is one adapted linear module of the model (an index into the generator's site table).
 
 Staging segment (one per generator; who writes / who reads):
-  hdr    [16] int64          main (before GO)   workers    rows, in, out of this job
+  hdr    [16] int64          main (before GO)   workers    rows, in of this job
   counts [NW] int64          main               workers    units of worker w
   units  [NW, MAXU, 6] int64 main               workers    (slot, site, row0, row1, c0, c1)
   scale  [NW, MAXU] f64      main               workers    LoRA scaling of each unit
@@ -16,6 +16,8 @@ Staging segment (one per generator; who writes / who reads):
   delta  [ROWS, OUT] f32     workers (own units) main      scaling * x A^T B^T for the adapted rows
 """
 import numpy as np
+
+from hetero.ipc import shm
 
 ALIGN = 64
 HEADER_WORDS = 8      # per adapter entry
@@ -50,27 +52,16 @@ def read_adapter(segment):
     return out
 
 
-def staging_arrays(nworkers, max_in, max_out):
-    return [
+def staging(nworkers, max_in, max_out):
+    """The staging segment's shm.pack layout."""
+    return shm.pack([
         ("hdr", (16,), np.int64),
         ("counts", (nworkers,), np.int64),
         ("units", (nworkers, MAXU, 6), np.int64),
         ("scale", (nworkers, MAXU), np.float64),
         ("x", (ROWS, max_in), np.float32),
         ("delta", (ROWS, max_out), np.float32),
-    ]
-
-
-def staging_views(segment, nworkers, max_in, max_out):
-    off, views = 0, {}
-    for name, shape, dt in staging_arrays(nworkers, max_in, max_out):
-        views[name] = segment.array(off, shape, dt)
-        off = _round(off + int(np.prod(shape)) * np.dtype(dt).itemsize, 4096)
-    return views
-
-
-def staging_bytes(nworkers, max_in, max_out):
-    return sum(_round(int(np.prod(s)) * np.dtype(d).itemsize, 4096) for _, s, d in staging_arrays(nworkers, max_in, max_out))
+    ])
 
 
 def run_units(rank, views, adapters):

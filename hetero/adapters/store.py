@@ -31,7 +31,6 @@ class Adapter:
     slot: int
     seg: object                      # its shared segment (parent: owner)
     entries: dict                    # site -> (A [r, in] f32 numpy view, BT [r, out] view, scaling, r)
-    nbytes: int
     device: dict | None = None       # site -> (A, BT) torch tensors on the model's device, once copied
     ready: threading.Event = field(default_factory=threading.Event)
 
@@ -54,7 +53,7 @@ class AdapterStore:
     # ---- workers
     def attach(self, pool):
         """Map the staging segment and every adapter in `pool`'s workers (a new or restarted pool)."""
-        if self.staging is None or self.views_workers != pool.n:
+        if self.staging is None or self.views["counts"].shape[0] != pool.n:   # staging is per worker count
             self._new_staging(pool.n)
         self.pool = pool
         w = pool.words
@@ -68,9 +67,9 @@ class AdapterStore:
         if self.staging is not None:
             self.views = None
             self.staging.close()
-        self.staging = shm.Segment(shm.new_name("lora"), layout.staging_bytes(nworkers, self.max_in, self.max_out), create=True)
-        self.views = layout.staging_views(self.staging, nworkers, self.max_in, self.max_out)
-        self.views_workers = nworkers
+        packed = layout.staging(nworkers, self.max_in, self.max_out)
+        self.staging = shm.Segment(shm.new_name("lora"), packed[1], create=True)
+        self.views = shm.views(self.staging, packed)
         self.x = torch.from_numpy(self.views["x"])          # [ROWS, max_in] f32
         self.delta = torch.from_numpy(self.views["delta"])  # [ROWS, max_out] f32
 
@@ -87,8 +86,9 @@ class AdapterStore:
         new_sites = [p for p in weights if p not in self.sites]
         for p in new_sites:
             A, B, _ = weights[p]
-            if A.shape[1] > self.max_in or B.shape[0] > self.max_out:
-                raise AdapterError(f"adapter {name!r}: {p} is larger than the model's linear layers")
+            if A.shape[1] > self.max_in or B.shape[0] > self.max_out:   # only the LM head is larger
+                raise AdapterError(f"adapter {name!r} targets {p} ({A.shape[1]} -> {B.shape[0]}), larger than the "
+                                   "decoder's linear layers: LoRA on the LM head is not supported")
         site_of = dict(self.sites)
         for k, p in enumerate(new_sites):
             site_of[p] = len(self.site_dims) + k
@@ -106,7 +106,7 @@ class AdapterStore:
                 va[:] = A.numpy()
                 vb[:] = B.numpy().T
                 views[site] = (va, vb, float(s), r)
-            a = Adapter(name, next(self._slots), seg, views, total)
+            a = Adapter(name, next(self._slots), seg, views)
             if self.pool is not None:
                 self._map(a)
         except BaseException:
@@ -136,7 +136,7 @@ class AdapterStore:
 
     @property
     def nbytes(self):
-        return sum(a.nbytes for a in self.adapters.values())
+        return sum(a.seg.size for a in self.adapters.values())
 
     # ---- device copies
     def _copy_loop(self):

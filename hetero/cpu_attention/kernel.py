@@ -227,20 +227,23 @@ def run_share(rank, nworkers, layer, T, window, nsplit, scale, softcap, code,
         for t in range(T):
             if lo <= L + t < hi:
                 put_row(K, V, layer, b, h, L + t, knew[b, h, t], vnew[b, h, t], code)
-        exact = code == BF16 and simd.HAS_DPBF16
-        for g in range(G):                     # qs[g*T + t] = scale * q[b, h*G + g, t]
-            for t in range(T):
-                for d in range(D):
-                    qs[g * T + t, d] = q[b, h * G + g, t, d] * scale
-                    exact &= (qbits[b, h * G + g, t, d] & 0xFFFF) == 0
-        dp = np.float32(0.0)
-        if exact:                              # qp[r, p] = bf16 pair (q[2p], q[2p+1]), unscaled
-            dp = scale
+        exact = code == BF16 and simd.HAS_DPBF16   # bf16 q (a bf16 model): vdpbf16ps scores
+        if exact:
             for g in range(G):
                 for t in range(T):
+                    for d in range(D):
+                        exact &= (qbits[b, h * G + g, t, d] & 0xFFFF) == 0
+        dp = scale if exact else np.float32(0.0)
+        for g in range(G):
+            for t in range(T):
+                r = g * T + t
+                if exact:                      # qp[r, p] = bf16 pair (q[2p], q[2p+1]) of q[b, h*G + g, t]
                     for p in range(D // 2):
                         lo_ = qbits[b, h * G + g, t, 2 * p] >> 16
-                        qp[g * T + t, p] = (qbits[b, h * G + g, t, 2 * p + 1] & 0xFFFF0000) | lo_
+                        qp[r, p] = (qbits[b, h * G + g, t, 2 * p + 1] & 0xFFFF0000) | lo_
+                else:                          # qs[r] = scale * q[b, h*G + g, t]
+                    for d in range(D):
+                        qs[r, d] = q[b, h * G + g, t, d] * scale
         attend_unit(qs, qp, dp, R, T, K[layer, b, h], V[layer, b, h], blk0, blk1, lo, hi, L, window, softcap,
                     code, part_o[b, h, s], part_m[b, h, s], part_l[b, h, s], S)
 

@@ -30,6 +30,8 @@ bits; the uint16 variants branch on `code` once per call, outside the loops.
 D must be a multiple of W = 16. All arrays must be C-contiguous. nr is 1, 2 or 4
 query rows per call: a register tile of 2*nr (QK) or nr (PV) accumulators.
 """
+import functools
+
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -50,12 +52,6 @@ class _BFloat(ir.Type):
     """LLVM's bfloat (llvmlite has no class for it)."""
     def _to_string(self):
         return "bfloat"
-
-    def __eq__(self, other):
-        return isinstance(other, _BFloat)
-
-    def __hash__(self):
-        return hash("bfloat")
 
 
 _VBF = ir.VectorType(_BFloat(), 2 * W)
@@ -150,19 +146,19 @@ def _make_qk(nr):
             r0v, blkv, dpv = (context.cast(builder, args[k], sig.args[k], types.int64) for k in (2, 4, 7))
             kbase = builder.mul(blkv, builder.mul(D, ir.Constant(_I64, BK)))   # start of block blk
             accs = [cgutils.alloca_once(builder, _VF) for _ in range(2 * nr)]
-            args_ = (builder, nr, D, qptr, qpptr, r0v, kptr, kbase, accs)
+            pairs = functools.partial(_qk_pairs, builder, nr, D, qptr, qpptr, r0v, kptr, kbase, accs)
 
             def emit(conv):
                 if conv != "bf16":
                     _qk_loop(builder, conv, nr, D, qptr, r0v, kptr, kbase, accs)
                 elif not HAS_DPBF16:
-                    _qk_pairs(*args_, use_dp=False)
-                else:
+                    pairs(use_dp=False)
+                else:                          # runtime choice: dp != 0 means q is bf16-exact
                     with builder.if_else(builder.icmp_signed("!=", dpv, ir.Constant(_I64, 0))) as (yes, no):
                         with yes:
-                            _qk_pairs(*args_, use_dp=True)
+                            pairs(use_dp=True)
                         with no:
-                            _qk_pairs(*args_, use_dp=False)
+                            pairs(use_dp=False)
                 _store_scores(builder, nr, r0v, sptr, accs)
 
             _by_storage(context, builder, sig.args[3], args[6], sig.args[6], emit)

@@ -19,7 +19,7 @@ CMD, LAYER, QLEN, WINDOW, NSPLIT, NACTIVE = 8, 9, 10, 11, 12, 13
 F_SCALE, F_SOFTCAP = 16, 17                     # float64 words
 S_BATCH, S_HQ, S_HKV, S_HDIM, S_CAP, S_LAYERS, S_CODE, S_TMAX = range(24, 32)
 S_NSPLIT_MAX = 32
-ARG0, ARG1, ARG2 = 33, 34, 35
+ARG0, ARG1 = 33, 34
 NAME_WORD, NAME_BYTES = 40, 128                 # lines 5-6
 DONE_LINE = 8
 

@@ -64,6 +64,24 @@ class Segment:
             unlink(self.name)
 
 
+def pack(arrays, align=4096):
+    """[(name, shape, dtype)] -> ({name: (byte offset, shape, dtype)}, total bytes); each array
+    starts on an `align` boundary. Parent and workers derive the same offsets from the same list."""
+    off, out = 0, {}
+    for name, shape, dt in arrays:
+        out[name] = (off, shape, dt)
+        off = (off + int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize + align - 1) // align * align
+    return out, off
+
+
+def views(segment, packed):
+    """name -> numpy view into `segment` for a `pack` result."""
+    offs, total = packed
+    if total > segment.size:
+        raise ValueError(f"segment {segment.name} has {segment.size} bytes, layout needs {total}")
+    return {n: segment.array(o, s, d) for n, (o, s, d) in offs.items()}
+
+
 def unlink(name):
     try:
         posix_ipc.unlink_shared_memory(name)

@@ -62,7 +62,7 @@ class Worker:
             self.lora_seg.close()
         w = self.words
         self.lora_seg = shm.Segment(C.read_name(w))
-        self.lora_v = lora.staging_views(self.lora_seg, self.nworkers, int(w[C.ARG0]), int(w[C.ARG1]))
+        self.lora_v = shm.views(self.lora_seg, lora.staging(self.nworkers, int(w[C.ARG0]), int(w[C.ARG1])))
 
     def map_adapter(self):
         slot = int(self.words[C.ARG0])

@@ -23,6 +23,7 @@ import numpy as np
 
 from hetero.cpu_attention.kernel import NP_STORAGE
 from hetero.cpu_attention.simd import BK, W
+from hetero.ipc import shm
 
 ALIGN = 4096
 
@@ -69,11 +70,7 @@ class SessionLayout:
         ]
 
     def offsets(self):
-        off, out = 0, {}
-        for name, shape, dt in self.arrays():
-            out[name] = (off, shape, dt)
-            off = _round(off + int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize)
-        return out, off
+        return shm.pack(self.arrays(), ALIGN)
 
     @property
     def nbytes(self):
@@ -85,7 +82,4 @@ class SessionLayout:
 
     def views(self, segment):
         """name -> numpy view into `segment` (a hetero.ipc.shm.Segment)."""
-        offs, total = self.offsets()
-        if total > segment.size:
-            raise ValueError(f"segment {segment.name} has {segment.size} bytes, layout needs {total}")
-        return {n: segment.array(o, s, d) for n, (o, s, d) in offs.items()}
+        return shm.views(segment, self.offsets())
