@@ -47,7 +47,7 @@ def from_blocks(kb, vb, code):
             vb.transpose(0, 1, 2, 4, 3, 5).reshape(B, Hkv, nblk * BK, D))
 
 
-def run_kernel(q, kst, vst, lengths, T, window, scale, softcap, code, nworkers, nsplit):
+def run_kernel(q, kst, vst, lengths, T, window, scale, softcap, code, nsplit):
     """Drive run_share exactly as the workers do, with the new rows staged in knew/vnew."""
     B, Hq, _, D = q.shape
     Hkv, cap = kst.shape[1], -(-kst.shape[2] // BK) * BK
@@ -65,11 +65,12 @@ def run_kernel(q, kst, vst, lengths, T, window, scale, softcap, code, nworkers, 
     po = np.full((B, Hkv, nsplit, G * T, D), np.nan, np.float32)
     pm = np.full((B, Hkv, nsplit, G * T), np.nan, np.float32)
     pl = pm.copy()
-    for r in range(nworkers):
-        K.run_share(r, nworkers, 0, T, window, nsplit, np.float32(scale), np.float32(softcap or 0), code,
-                    q.numpy(), knew, vnew, Kc, Vc, np.asarray(lengths, np.int64), po, pm, pl,
-                    np.zeros((G * T, D), np.float32), np.zeros((G * T, D // 2), np.uint32),
-                    np.zeros((G * T, BK), np.float32))
+    ticket = np.zeros(1, np.int64)          # the pool's NEXT word: one caller takes every unit
+    K.run_share(ticket, 0, 0, T, window, nsplit, np.float32(scale), np.float32(softcap or 0), code,
+                q.numpy(), knew, vnew, Kc, Vc, np.asarray(lengths, np.int64), po, pm, pl,
+                np.zeros((G * T, D), np.float32), np.zeros((G * T, D // 2), np.uint32),
+                np.zeros((G * T, BK), np.float32))
+    assert ticket[0] == B * Hkv * nsplit + 1                # every unit taken once, then one miss
     po, pm, pl = map(torch.from_numpy, (po, pm, pl))
     w = torch.exp(pm - pm.amax(2, keepdim=True))
     out = (w[..., None] * po).sum(2) / (w * pl).sum(2)[..., None]      # [B, Hkv, G*T, D]
@@ -95,8 +96,8 @@ DTYPES = [(K.F32, False), (K.BF16, False), (K.BF16, True), (K.F16, False)]
 
 @pytest.mark.parametrize("code,q_bf16", DTYPES, ids=["fp32", "bf16", "bf16-bf16q", "fp16"])
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
-@pytest.mark.parametrize("nworkers,nsplit", [(1, 1), (3, 4)])
-def test_kernel_matches_reference(case, code, q_bf16, nworkers, nsplit):
+@pytest.mark.parametrize("nsplit", [1, 4])
+def test_kernel_matches_reference(case, code, q_bf16, nsplit):
     Hq, Hkv, D, lengths, T, window, softcap = case
     g = torch.Generator().manual_seed(hash((case, code)) % 2**31)
     B, cap = len(lengths), max(lengths) + T + 5
@@ -106,7 +107,7 @@ def test_kernel_matches_reference(case, code, q_bf16, nworkers, nsplit):
     kst = (torch.randn(B, Hkv, cap, D, generator=g) * 2).to(TORCH[code])
     vst = torch.randn(B, Hkv, cap, D, generator=g).to(TORCH[code])
     scale = D ** -0.5
-    out, Kc, Vc = run_kernel(q, kst, vst, lengths, T, window, scale, softcap, code, nworkers, nsplit)
+    out, Kc, Vc = run_kernel(q, kst, vst, lengths, T, window, scale, softcap, code, nsplit)
     for b, L in enumerate(lengths):
         ref = reference(q[b], kst[b, :, :L + T].float(), vst[b, :, :L + T].float(), L, T, window, scale, softcap)
         torch.testing.assert_close(out[b], ref, atol=2e-5, rtol=1e-4)
@@ -191,5 +192,56 @@ def test_blocked_layout_roundtrip(n, dtype):
             assert torch.equal(s.V[1, 1, :, blk, 5 // W, jj, 5 % W], v[:, n - 1, 5])
         finally:
             s.close()
+    finally:
+        pool.close()
+
+
+class FixedPlan:
+    def __init__(self, n, s):
+        self.n, self.s = n, s
+
+    def plan(self, lengths, T, layout):
+        return self.n, self.s
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_workers_share_units_deterministically(dtype):
+    """Through the real pool: any worker count takes the units from the shared ticket and gives
+    bit-identical results (each unit's partials do not depend on who computed them), equal to
+    the reference, for a batch of unequal lengths."""
+    from hetero.ipc.pool import WorkerPool
+    from hetero.model_spec import ModelSpec
+    from hetero.offload.session import KVSession
+
+    Hq, Hkv, D, lengths, T = 8, 2, 64, [300, 41, 170], 1
+    spec = ModelSpec(model_type="t", layers=1, q_heads=Hq, kv_heads=Hkv, head_dim=D, dtype=dtype,
+                     max_positions=None, sliding=(False,))
+    g = torch.Generator().manual_seed(3)
+    kst = torch.randn(3, Hkv, max(lengths) + T, D, generator=g).to(dtype)
+    vst = torch.randn(3, Hkv, max(lengths) + T, D, generator=g).to(dtype)
+    q = torch.randn(3, Hq, T, D, generator=g).to(dtype)
+    pool = WorkerPool(3, [])
+    try:
+        for nsplit in (1, 3):
+            outs = []
+            for n in (1, 2, 3):
+                s = KVSession(pool, spec, pads=[0, 0, 0], real_lens=lengths, cap=max(lengths) + T,
+                              planner=FixedPlan(n, nsplit))
+                try:
+                    for b, L in enumerate(lengths):
+                        s.write_rows(0, b, kst[b, :, :L], vst[b, :, :L])
+                    s.finish_prefill()
+                    s.stage_kv(torch.stack([kst[b, :, L:L + T] for b, L in enumerate(lengths)]),
+                               torch.stack([vst[b, :, L:L + T] for b, L in enumerate(lengths)]))
+                    assert (s.nactive, s.nsplit) == (n, nsplit)
+                    outs.append(s.attend(0, q, None, D ** -0.5, None).float())   # [B, T, Hq, D]
+                finally:
+                    s.close()
+            assert all(torch.equal(outs[0], o) for o in outs[1:])
+            for b, L in enumerate(lengths):
+                ref = reference(q[b].float(), kst[b, :, :L + T].float(), vst[b, :, :L + T].float(), L, T, 0,
+                                D ** -0.5, None)                                  # [Hq, T, D]
+                tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+                torch.testing.assert_close(outs[0][b].transpose(0, 1), ref.to(dtype).float(), **tol)
     finally:
         pool.close()

@@ -25,6 +25,7 @@ from numba import njit
 
 from hetero.cpu_attention import simd
 from hetero.cpu_attention.simd import BK, W
+from hetero.ipc import atomics
 from hetero.ipc.atomics import u32_as_f32
 
 F32, BF16, F16 = 0, 1, 2           # storage dtype codes
@@ -172,38 +173,13 @@ def unit_span(L, T, window, nsplit, s):
 
 
 @njit(cache=True)
-def share_bounds(rank, nworkers, lengths, Hkv, T, window, nsplit):
-    """Units [u0, u1) of worker `rank`: contiguous ranges balanced by cost (blocks + 1)."""
-    B = lengths.shape[0]
-    total = 0
-    for b in range(B):
-        for s in range(nsplit):
-            blk0, blk1, _, _ = unit_span(lengths[b], T, window, nsplit, s)
-            total += (blk1 - blk0 + 1) * Hkv
-    u0, u1, acc = -1, -1, 0
-    for b in range(B):
-        for h in range(Hkv):
-            for s in range(nsplit):
-                blk0, blk1, _, _ = unit_span(lengths[b], T, window, nsplit, s)
-                c = blk1 - blk0 + 1
-                w = (2 * acc + c) * nworkers // (2 * total)   # owner: where the unit's midpoint falls
-                u = (b * Hkv + h) * nsplit + s
-                if w == rank:
-                    if u0 < 0:
-                        u0 = u
-                    u1 = u + 1
-                acc += c
-    if u0 < 0:
-        return 0, 0
-    return u0, u1
-
-
-@njit(cache=True)
-def run_share(rank, nworkers, layer, T, window, nsplit, scale, softcap, code,
+def run_share(ctrl, next_word, layer, T, window, nsplit, scale, softcap, code,
               q, knew, vnew, K, V, lengths, part_o, part_m, part_l, qs, qp, S):
-    """One worker's share of a decode step for one layer.
+    """One worker's part of a decode step for one layer.
 
-    Units u = (b*Hkv + h)*nsplit + s, dealt in cost-balanced contiguous ranges.
+    Units (b, h, s) = (request, kv head, split) are taken one at a time from a shared
+    ticket (ctrl[next_word], fetch-added; the parent zeroes it before GO), longest
+    requests first, so a worker that wakes late or shares its core does fewer units.
     Split s of (b, h) covers whole blocks; before reading, it appends those of the T
     new rows (staged in knew/vnew, at rows L..L+T-1) that fall in its blocks, so no
     worker reads a row another worker is writing.
@@ -211,17 +187,21 @@ def run_share(rank, nworkers, layer, T, window, nsplit, scale, softcap, code,
     V [layers,B,Hkv,nblk,D/W,BK,W]; part_o [B,Hkv,NS,rows,D]; part_m/l [B,Hkv,NS,rows];
     qs [rows, D] f32, qp [rows, D/2] u32 and S [rows, BK] f32 are the worker's scratch.
     """
+    B = lengths.shape[0]
     Hq = q.shape[1]
     Hkv = K.shape[2]
     D = q.shape[3]
     G = Hq // Hkv
     R = G * T
     qbits = q.view(np.uint32)
-    u0, u1 = share_bounds(rank, nworkers, lengths, Hkv, T, window, nsplit)
-    for u in range(u0, u1):
+    order = np.argsort(-lengths)                 # longest request first
+    while True:
+        u = atomics.take(ctrl, next_word)
+        if u >= B * Hkv * nsplit:
+            break
         s = u % nsplit
         h = (u // nsplit) % Hkv
-        b = u // (nsplit * Hkv)
+        b = order[u // (nsplit * Hkv)]
         L = lengths[b]
         blk0, blk1, lo, hi = unit_span(L, T, window, nsplit, s)
         for t in range(T):
@@ -258,6 +238,6 @@ def warm_up():
         new = np.zeros((1, 1, 1, D), dt)
         po = np.zeros((1, 1, 1, 2, D), np.float32)
         pm = np.zeros((1, 1, 1, 2), np.float32)
-        run_share(0, 1, 0, 1, 0, 1, np.float32(0.5), np.float32(0.0), code, q, new, new, K, V,
+        run_share(np.zeros(1, np.int64), 0, 0, 1, 0, 1, np.float32(0.5), np.float32(0.0), code, q, new, new, K, V,
                   np.zeros(1, np.int64), po, pm, pm.copy(), np.zeros((2, D), np.float32),
                   np.zeros((2, D // 2), np.uint32), np.zeros((2, BK), np.float32))

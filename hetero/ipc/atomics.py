@@ -46,6 +46,20 @@ def atomic_store(typingctx, arr, idx, val):
 
 
 @intrinsic
+def fetch_add(typingctx, arr, idx, val):
+    """Atomically arr[idx] += val; returns the old value (acq_rel; arr: 1-d int64 array)."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and arr.ndim == 1):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _item_ptr(context, builder, sig.args[0], args[0], args[1])
+        v = context.cast(builder, args[2], sig.args[2], types.int64)
+        return builder.atomic_rmw("add", ptr, v, "acq_rel")
+
+    return types.int64(arr, idx, val), codegen
+
+
+@intrinsic
 def cpu_relax(typingctx):
     """x86 `pause` (a no-op elsewhere): keeps a spinning core polite to its sibling."""
 
@@ -84,6 +98,12 @@ def store(flags, idx, value):
 @njit(cache=True)
 def load(flags, idx):
     return atomic_load(flags, idx)
+
+
+@njit(cache=True)
+def take(flags, idx):
+    """flags[idx] += 1, atomically; the old value (a ticket)."""
+    return fetch_add(flags, idx, 1)
 
 
 @njit(cache=True)
@@ -126,9 +146,10 @@ def warm_up():
     store(a, 0, 1)
     load(a, 0)
     post(a, 0, 2, 8, 0)
+    take(a, 0)
     spin_until_changed(a, 0, 1, 1)
     spin_until_all(a, 0, 2, 8, 1, 1)
 
 
-__all__ = ["atomic_load", "atomic_store", "cpu_relax", "u32_as_f32", "store", "load", "post",
+__all__ = ["atomic_load", "atomic_store", "fetch_add", "take", "cpu_relax", "u32_as_f32", "store", "load", "post",
            "spin_until_changed", "spin_until_all", "warm_up", "numba"]

@@ -6,6 +6,8 @@
   S_*   main, before OPEN workers     session shape (see hetero.offload.arena)
   ARG*  main, before SEQ  workers     LoRA commands: slot / staging dims
   NAME  main, before OPEN workers     segment name (KV session, adapter or staging), NUL-padded bytes
+  NEXT  main (0, before GO) workers   next attention unit to take: each worker atomically
+        then workers (fetch-add)      fetch-adds it and computes the unit it got (line 7)
   GO    main (release)    worker w    job number for w (line DONE_LINE + w, word 2);
                                       a new value = a new job. Only the workers a job
                                       uses are woken: the others never see it.
@@ -21,6 +23,7 @@ S_BATCH, S_HQ, S_HKV, S_HDIM, S_CAP, S_LAYERS, S_CODE, S_TMAX = range(24, 32)
 S_NSPLIT_MAX = 32
 ARG0, ARG1 = 33, 34
 NAME_WORD, NAME_BYTES = 40, 128                 # lines 5-6
+NEXT = 56                                       # line 7, alone: every worker hits it
 DONE_LINE = 8
 
 

@@ -68,6 +68,7 @@ class WorkerPool:
         """Publish a job whose params the caller has already written to workers 0..active-1."""
         self.words[C.CMD] = cmd
         self.words[C.NACTIVE] = active
+        self.words[C.NEXT] = 0
         self.seq += 1
         atomics.post(self.words, C.go_word(0), active, C.LINE, self.seq)
         return self.seq

@@ -78,7 +78,7 @@ class Worker:
 
     def attend(self):
         w, f, v = self.words, self.floats, self.v
-        kernel.run_share(self.rank, int(w[C.NACTIVE]), int(w[C.LAYER]), int(w[C.QLEN]), int(w[C.WINDOW]),
+        kernel.run_share(w, C.NEXT, int(w[C.LAYER]), int(w[C.QLEN]), int(w[C.WINDOW]),
                          int(w[C.NSPLIT]), np.float32(f[C.F_SCALE]), np.float32(f[C.F_SOFTCAP]), self.code,
                          v["q"], v["knew"], v["vnew"], v["K"], v["V"], v["lengths"],
                          v["part_o"], v["part_m"], v["part_l"], self.qs, self.qp, self.S)
