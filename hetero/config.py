@@ -43,6 +43,9 @@ class HeteroConfig:
     def resolve_workers(self):
         """(number of workers, cores to pin them to, in rank order)."""
         usable = sorted(os.sched_getaffinity(0))
-        cores = list(self.worker_cores) if self.worker_cores else (usable[1:] or usable)
         n = self.cpu_workers or max(1, len(usable) - 1)
+        if self.worker_cores:
+            cores = list(self.worker_cores)
+        else:   # the parent's core (the first) last: taken only by workers beyond the other cores
+            cores = usable[1:] + usable[:1]
         return n, cores

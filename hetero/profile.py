@@ -1,9 +1,10 @@
 """Measure a planner profile (see hetero.cpu_attention.planner) through the real worker pool.
 
 Runs the decode-attention job on synthetic KV in a one-layer arena: one worker
-at growing context lengths (per-core time per block and per unit), all worker
-counts on a long context (the aggregate bandwidth), empty jobs (dispatch cost),
-and the parent's merge. A few seconds; cached on disk per machine and shape.
+at growing context lengths (per-core time per block), one worker on a long
+context in 16 splits instead of 1 (per-unit cost), all worker counts on a long
+context (the aggregate bandwidth), empty jobs (dispatch cost), and the parent's
+merge (fixed, and per split). A few seconds; cached on disk per machine and shape.
 """
 import math
 import time
@@ -21,19 +22,22 @@ PROFILE_KV_HEADS = 8
 PROFILE_ROWS = 16384        # per kv head: 64 MB of bf16 KV at head_dim 128, past the caches
 
 
-def median_times(jobs, reps, rounds=3):
+def median_times(jobs, reps, rounds=3, steady=False):
     """{key: median seconds} for jobs {key: fn}, in `rounds` round-robin passes so slow drifts of a
     shared machine hit every job alike. Each pass runs a job once untimed (it wakes workers that
-    backed off while other jobs ran: decode keeps its workers hot) and then times it `reps` times."""
-    ts = {k: [] for k in jobs}
-    for _ in range(rounds):
+    backed off while other jobs ran: decode keeps its workers hot) and then times it `reps` times.
+    steady: the fastest pass's median instead (a profile should not keep a passing disturbance)."""
+    ts = {k: [[] for _ in range(rounds)] for k in jobs}
+    for i in range(rounds):
         for k, fn in jobs.items():
             fn()
             for _ in range(reps):
                 t = time.perf_counter()
                 fn()
-                ts[k].append(time.perf_counter() - t)
-    return {k: float(np.median(v)) for k, v in ts.items()}
+                ts[k][i].append(time.perf_counter() - t)
+    if steady:
+        return {k: float(min(np.median(r) for r in v)) for k, v in ts.items()}
+    return {k: float(np.median(sum(v, []))) for k, v in ts.items()}
 
 
 def measure(pool, group, head_dim, dtype, reps=5):
@@ -58,20 +62,21 @@ def measure(pool, group, head_dim, dtype, reps=5):
                 pool.run(C.CMD_ATTN, active=n)
             return job
 
-        ping = median_times({n: (lambda n=n: pool.run(C.CMD_PING, active=n)) for n in range(1, pool.n + 1)}, 100)
+        ping = median_times({n: (lambda n=n: pool.run(C.CMD_PING, active=n)) for n in range(1, pool.n + 1)}, 100,
+                            steady=True)
         dispatch = [ping[n] for n in range(1, pool.n + 1)]
         # one worker, one split: time(L) = dispatch + Hkv * (unit_s + blocks * block_s);
         # and every worker count on the longest context (split so each worker has >= 2 units)
         sizes = [BK - 1, 4 * BK - 1, 32 * BK - 1, PROFILE_ROWS // 4 - 1, PROFILE_ROWS - 1]
         L = PROFILE_ROWS - 1
         jobs = {("size", x): attn(x, 1, 1) for x in sizes}
+        jobs["split"] = attn(PROFILE_ROWS - 1, 1, 16)        # what 15 more units per kv head cost
         jobs.update({("all", n): attn(L, n, max(1, math.ceil(2 * n / Hkv))) for n in range(2, pool.n + 1)})
-        t = median_times(jobs, reps)
+        t = median_times(jobs, reps, steady=True)
         blocks = np.array([(x + 1 + BK - 1) // BK for x in sizes], float)
         per_unit = np.array([max(t["size", x] - dispatch[0], 1e-9) / Hkv for x in sizes])
-        block_s, unit_s = np.polyfit(blocks, per_unit, 1)
-        block_s = max(float(block_s), 1e-9)
-        unit_s = max(float(unit_s), 0.0)
+        block_s = max(float(np.polyfit(blocks, per_unit, 1)[0]), 1e-9)
+        unit_s = max(0.0, (t["split"] - t["size", PROFILE_ROWS - 1]) / (15 * Hkv))
         block_bytes = 2 * BK * head_dim * torch.finfo(dtype).bits // 8
         nbytes = Hkv * ((L + 1 + BK - 1) // BK) * block_bytes
         t["all", 1] = t["size", L]
@@ -80,17 +85,20 @@ def measure(pool, group, head_dim, dtype, reps=5):
         o = torch.randn(1, Hkv, 16, group, head_dim)
         m, l = torch.randn(1, Hkv, 16, group), torch.rand(1, Hkv, 16, group) + 1
 
-        def merge(s):
+        def merge(s):                                      # as KVSession.attend
+            if s == 1:
+                return o[:, :, 0] / l[:, :, 0, :, None]
             wgt = torch.exp(m[:, :, :s] - m[:, :, :s].amax(2, keepdim=True))
             return (wgt[..., None] * o[:, :, :s]).sum(2) / (wgt * l[:, :, :s]).sum(2)[..., None]
 
-        tm = median_times({s: (lambda s=s: merge(s)) for s in (2, 16)}, 20)
+        tm = median_times({s: (lambda s=s: merge(s)) for s in (1, 2, 16)}, 20, steady=True)
         merge_s = max(0.0, (tm[16] - tm[2]) / 14 / Hkv)
+        merge_fixed_s = max(0.0, tm[2] - tm[1] - merge_s * Hkv)
     finally:
         session.close()
     fp = P.fingerprint(pool.worker_cores, group, head_dim, STORAGE_CODES[dtype])
     return P.Profile(fingerprint=fp, block_s=block_s, unit_s=unit_s, dispatch_s=dispatch, agg_gbps=agg,
-                     merge_s=merge_s, block_bytes=block_bytes)
+                     merge_s=merge_s, merge_fixed_s=merge_fixed_s, block_bytes=block_bytes)
 
 
 def load_or_measure(pool, spec, force=False):

@@ -63,6 +63,16 @@ def test_bad_config_values():
             HeteroConfig(**kw)
 
 
+def test_default_worker_cores_spare_the_parents_core():
+    """Workers fill the cores after the parent's (the first usable) before doubling up on it."""
+    usable = sorted(os.sched_getaffinity(0))
+    for n in (1, len(usable), len(usable) + 1):
+        n_, cores = HeteroConfig(cpu_workers=n).resolve_workers()
+        pinned = [cores[r % len(cores)] for r in range(n)]          # as WorkerPool.worker_cores
+        assert n_ == n and sorted(set(pinned)) == sorted((usable[1:] + usable[:1])[:min(n, len(usable))])
+        assert usable[0] not in pinned[:len(usable) - 1]
+
+
 def test_unsupported_models():
     from transformers import MambaConfig, MambaForCausalLM, T5Config, T5ForConditionalGeneration
 

@@ -8,13 +8,13 @@ from hetero.cpu_attention import planner as P
 from hetero.offload.arena import SessionLayout
 
 
-def synthetic(workers=15, group=4, wake_us=15.0):
+def synthetic(workers=15, group=4, wake_us=15.0, merge_s=1e-7):
     """A 16 GB/s-per-core machine whose all-core bandwidth saturates at 60 GB/s."""
     fp = {"version": P.PROFILE_VERSION, "cpu": "synthetic", "machine": "x86_64", "cores": list(range(1, workers + 1)),
           "numba": "0", "group": group, "head_dim": 128, "code": 1}
     return P.Profile(fingerprint=fp, block_s=1e-6, unit_s=2e-6,
                      dispatch_s=[2e-6 + wake_us * 1e-6 * (n - 1) for n in range(1, workers + 1)],
-                     agg_gbps=[min(16.0 * n, 60.0) for n in range(1, workers + 1)], merge_s=1e-7, block_bytes=16384)
+                     agg_gbps=[min(16.0 * n, 60.0) for n in range(1, workers + 1)], merge_s=merge_s, merge_fixed_s=5e-6, block_bytes=16384)
 
 
 def layout(batch=1, kv_heads=8, cap=1 << 20):
@@ -57,8 +57,12 @@ def test_split_k_when_heads_are_few():
     """One request with 2 kv heads on a long context: split the sequence to feed the workers."""
     workers, splits = plan(synthetic(), [262144], kv_heads=2)
     assert workers > 2 and splits * 2 >= workers
-    # many requests x heads already feed every worker: no split needed
-    assert plan(synthetic(), [65536] * 8, kv_heads=8)[1] == 1
+    # many requests x heads already feed every worker: splits would only shorten the tail, not
+    # worth a dear merge; the 2-head request still splits to use more than 2 workers
+    dear = synthetic(merge_s=2e-5)
+    assert plan(dear, [65536] * 8, kv_heads=8)[1] == 1
+    workers, splits = plan(dear, [262144], kv_heads=2)
+    assert workers > 2 and splits > 1
 
 
 def test_plan_respects_nsplit_max():

@@ -6,12 +6,18 @@ worker pool, on synthetic KV) and cached on disk:
   unit_s      fixed seconds per unit (request x kv head x split)
   dispatch_s  round trip main -> n workers -> main with empty work, n = 1..N
   agg_gbps    KV bytes/s all n workers together reach on a long context, n = 1..N
-  merge_s     parent-side merge of one request's partials per split
+  merge_s     parent-side merge of one request's partials, per (request, kv head) and extra split
+  merge_fixed_s  the merge's fixed cost once there is more than one split
 The planner predicts a step's time for every (workers n, splits s) and takes
 the fastest:
-  t(n, s) = dispatch(n) + max(work / n, longest unit, bytes / agg(n)) + merge(s)
-so short contexts stay on few workers and long ones spread over all of them,
-with split-K when requests x kv heads are fewer than the workers.
+  t(n, s) = dispatch(n) + max(work / n + tail, longest unit, bytes / agg(n)) + merge(s)
+  tail = (1 - 1/n) shortest unit / 2
+Workers take units from a shared ticket, longest first (kernel.run_share), so the
+last finishes on average half a (shortest) unit after the others. The tail counts only
+where compute is the limit: when bandwidth is, the workers still running read faster
+as the others stop. Short contexts stay on few workers and long ones spread over all
+of them, with split-K when requests x kv heads are fewer than the workers, and finer
+units where they shorten a compute-bound tail by more than the per-unit and merge costs.
 """
 import hashlib
 import json
@@ -24,7 +30,7 @@ import numpy as np
 
 from hetero.cpu_attention.simd import BK
 
-PROFILE_VERSION = 3   # bump when the kernel or the measurement changes
+PROFILE_VERSION = 5   # bump when the kernel or the measurement changes
 
 
 def cache_dir():
@@ -59,6 +65,7 @@ class Profile:
     dispatch_s: list     # index n-1
     agg_gbps: list       # index n-1
     merge_s: float       # per request x kv head x extra split
+    merge_fixed_s: float  # once per step with more than one split
     block_bytes: int     # KV bytes of one block of one kv head (K and V)
 
     @property
@@ -71,7 +78,8 @@ class Profile:
                  f"group {fp['group']}, head_dim {fp['head_dim']}, storage code {fp['code']}",
                  f"  one worker: {self.block_s * 1e6:.3f} us per {BK}-row block "
                  f"({self.block_bytes / self.block_s / 1e9:.1f} GB/s) + {self.unit_s * 1e6:.2f} us per unit",
-                 f"  merge: {self.merge_s * 1e6:.3f} us per extra split per (request, kv head)",
+                 f"  merge: {self.merge_fixed_s * 1e6:.1f} us once split + {self.merge_s * 1e6:.3f} us per extra "
+                 "split per (request, kv head)",
                  "  workers  dispatch_us  all-worker GB/s"]
         for n in range(1, self.workers + 1):
             lines.append(f"  {n:7d}  {self.dispatch_s[n - 1] * 1e6:11.1f}  {self.agg_gbps[n - 1]:15.1f}")
@@ -116,12 +124,14 @@ def predict(profile, lengths, T, kv_heads, rows, nsplit_max):
     blk_s = profile.block_s * row_factor
     unit = np.ceil(nblk[None, :] / s) * blk_s + profile.unit_s            # [S, B]: one unit's time
     work = kv_heads * (unit * s).sum(1)                                   # [S]: all units
-    longest = unit.max(1)                                                 # [S]
+    longest, shortest = unit.max(1), unit.min(1)                          # [S]
     nbytes = kv_heads * nblk.sum() * profile.block_bytes
     n = np.arange(1, profile.workers + 1)[:, None]                        # [N, 1]
     agg = np.asarray(profile.agg_gbps)[:, None] * 1e9
-    compute = np.maximum(work[None, :] / n, longest[None, :])             # [N, S]
-    merge = profile.merge_s * len(nblk) * kv_heads * (s[:, 0] - 1)[None, :]
+    tail = (1 - 1 / n) * shortest[None, :] / 2                            # [N, S]: the last units
+    compute = np.maximum(work[None, :] / n + tail, longest[None, :])      # [N, S]
+    extra = (s[:, 0] - 1)[None, :]                                        # [1, S]
+    merge = profile.merge_s * len(nblk) * kv_heads * extra + profile.merge_fixed_s * (extra > 0)
     return np.asarray(profile.dispatch_s)[:, None] + np.maximum(compute, nbytes / agg) + merge
 
 
