@@ -23,9 +23,9 @@ TARGETS = {
 }
 
 
-def make_adapters(model_type, tmp_path):
+def make_adapters(model_type, tmp_path, **overrides):
     """(base model, PeftModel with adapters a and b, directory holding both saved)."""
-    model, ref_impl = build_model(model_type)
+    model, ref_impl = build_model(model_type, **overrides)
     base = copy.deepcopy(model)
     ta, tb = TARGETS[model_type]
     torch.manual_seed(3)
@@ -76,21 +76,25 @@ def test_mixed_batch_matches_peft_and_merged(model_type, tmp_path):
         assert_same(out, generate(merged, ids, mask), rows=[k], atol=1e-3)
 
 
-def test_cold_start_gives_the_same_tokens(tmp_path):
-    base, pm, _ = make_adapters("llama", tmp_path)
-    ids, mask = padded_batch()
+@pytest.mark.parametrize("lengths,names", [((12, 8, 5), NAMES),
+                                           ((1500, 1400, 1300), ["code"] * 3)], ids=["short", "two-jobs"])
+def test_cold_start_gives_the_same_tokens(tmp_path, lengths, names):
+    """"two-jobs": 4500 cold prompt rows, more than one staging job holds (4096 here)."""
+    base, pm, _ = make_adapters("llama", tmp_path, max_position_embeddings=2048)
+    ids, mask = padded_batch(lengths)
     with HeteroGenerator(base, cpu_workers=2) as gen:
         gen.load_adapter("legal", tmp_path / "legal")
+        assert gen._store.x.shape[0] == 4096          # staging rows of this model: "two-jobs" needs 2 jobs
         gen._store.copy_gate.clear()                 # hold every further device copy: "code" stays cold
         gen.load_adapter("code", tmp_path / "code")
         assert not gen.adapter_on_device("code")
-        cold = generate(gen, ids, mask, adapter_names=NAMES)
+        cold = generate(gen, ids, mask, adapter_names=names)
         assert not gen.adapter_on_device("code")        # so code's prefill ran on the CPU workers
         gen._store.copy_gate.set()
         assert gen._store.adapters["code"].ready.wait(10)
-        warm = generate(gen, ids, mask, adapter_names=NAMES)
+        warm = generate(gen, ids, mask, adapter_names=names)
     assert_same(cold, warm)
-    assert_same(cold, generate(pm, ids, mask, adapter_names=NAMES))
+    assert_same(cold, generate(pm, ids, mask, adapter_names=names))
 
 
 def test_bad_adapters_are_refused_and_leave_nothing(tmp_path):

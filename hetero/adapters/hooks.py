@@ -8,7 +8,8 @@ directory) gets its `forward` replaced on the instance; model and peft code are 
   decode (one token per request): stage x in shared memory, start the CPU workers on the LoRA
       deltas, run the base projection meanwhile, wait, add.
   prefill: requests whose adapter has its device copy use it (torch, on the model's device);
-      requests whose copy is not ready yet use the CPU workers, in chunks of layout.ROWS rows.
+      requests whose copy is not ready yet use the CPU workers: the whole prompt in one job where
+      it fits the staging rows (layout.staging_rows), so the base projection runs alongside it.
 Either way out = base(x) + scaling * (x A^T) B^T per adapted request, computed in fp32 and
 cast back to the output dtype (as peft does with its fp32 adapter weights).
 """
@@ -70,7 +71,7 @@ class LoraBatch:
         T = x2.shape[1]
         on_device = [] if T == 1 else [(b, a) for b, a in users if a.device is not None]
         on_cpu = [(b, a) for b, a in users if T == 1 or a.device is None]
-        chunks = self._chunks(on_cpu, T)
+        chunks = self._chunks(on_cpu, T, self.store.x.shape[0])
         pending = self._submit(site, x2, chunks[0]) if chunks else None
         out = base()                              # the base projection runs while the workers work
         out3 = out.view(B, T, out.shape[-1])      # a fresh tensor: deltas are added in place
@@ -86,13 +87,13 @@ class LoraBatch:
 
     # ---- CPU workers
     @staticmethod
-    def _chunks(users, T):
-        """[(b, adapter, t0, t1)] pieces packed into chunks of at most layout.ROWS rows."""
+    def _chunks(users, T, rows):
+        """[(b, adapter, t0, t1)] pieces packed into chunks of at most `rows` rows."""
         chunks, cur, n = [], [], 0
         for b, a in users:
-            for t0 in range(0, T, layout.ROWS):
-                t1 = min(T, t0 + layout.ROWS)
-                if n + t1 - t0 > layout.ROWS:
+            for t0 in range(0, T, rows):
+                t1 = min(T, t0 + rows)
+                if n + t1 - t0 > rows:
                     chunks.append(cur)
                     cur, n = [], 0
                 cur.append((b, a, t0, t1))
@@ -115,8 +116,9 @@ class LoraBatch:
         if plan is None:
             nactive, per = plan_units(pieces, din, dout, pool.n)
             counts = np.array([len(u) for u in per] + [0] * (pool.n - nactive), np.int64)
-            if counts.max() > layout.MAXU:
-                raise RuntimeError(f"LoRA plan gives a worker {counts.max()} units (at most {layout.MAXU})")
+            if counts.max() > st.views["units"].shape[1]:
+                raise RuntimeError(f"LoRA plan gives a worker {counts.max()} units "
+                                   f"(at most {st.views['units'].shape[1]})")
             units = np.zeros((nactive, max(counts), 6), np.int64)
             scale = np.zeros((nactive, max(counts)), np.float64)
             for w, us in enumerate(per):

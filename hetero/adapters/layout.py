@@ -10,8 +10,8 @@ A *site* is one adapted linear module of the model (an index into the generator'
 Staging segment (one per generator; who writes / who reads):
   hdr    [16] int64          main (before GO)   workers    rows, in of this job
   counts [NW] int64          main               workers    units of worker w
-  units  [NW, MAXU, 6] int64 main               workers    (slot, site, row0, row1, c0, c1)
-  scale  [NW, MAXU] f64      main               workers    LoRA scaling of each unit
+  units  [NW, 2*ROWS, 6] i64 main               workers    (slot, site, row0, row1, c0, c1)
+  scale  [NW, 2*ROWS] f64    main               workers    LoRA scaling of each unit
   x      [ROWS, IN] f32      main               workers    activations, rows = request-major tokens
   delta  [ROWS, OUT] f32     workers (own units) main      scaling * x A^T B^T for the adapted rows
 """
@@ -20,9 +20,13 @@ import numpy as np
 from hetero.ipc import shm
 
 ALIGN = 64
-HEADER_WORDS = 8      # per adapter entry
-ROWS = 256            # activation rows per job (longer inputs go in chunks)
-MAXU = 2 * ROWS       # units per worker per job (a chunk holds at most ROWS pieces; a few are cut in columns)
+HEADER_WORDS = 8           # per adapter entry
+STAGING_BYTES = 64 << 20   # x and delta together: a whole prompt's rows per job where they fit
+
+
+def staging_rows(max_in, max_out):
+    """Activation rows per LoRA job (longer inputs go in chunks): 256..4096, within STAGING_BYTES."""
+    return int(min(4096, max(256, STAGING_BYTES // (4 * (max_in + max_out)) // 64 * 64)))
 
 
 def _round(n, a=ALIGN):
@@ -53,14 +57,16 @@ def read_adapter(segment):
 
 
 def staging(nworkers, max_in, max_out):
-    """The staging segment's shm.pack layout."""
+    """The staging segment's shm.pack layout (ROWS = staging_rows; a worker gets at most 2*ROWS
+    units: a job holds at most ROWS pieces, a few of them cut in columns)."""
+    rows = staging_rows(max_in, max_out)
     return shm.pack([
         ("hdr", (16,), np.int64),
         ("counts", (nworkers,), np.int64),
-        ("units", (nworkers, MAXU, 6), np.int64),
-        ("scale", (nworkers, MAXU), np.float64),
-        ("x", (ROWS, max_in), np.float32),
-        ("delta", (ROWS, max_out), np.float32),
+        ("units", (nworkers, 2 * rows, 6), np.int64),
+        ("scale", (nworkers, 2 * rows), np.float64),
+        ("x", (rows, max_in), np.float32),
+        ("delta", (rows, max_out), np.float32),
     ])
 
 

@@ -70,8 +70,8 @@ class AdapterStore:
         packed = layout.staging(nworkers, self.max_in, self.max_out)
         self.staging = shm.Segment(shm.new_name("lora"), packed[1], create=True)
         self.views = shm.views(self.staging, packed)
-        self.x = torch.from_numpy(self.views["x"])          # [ROWS, max_in] f32
-        self.delta = torch.from_numpy(self.views["delta"])  # [ROWS, max_out] f32
+        self.x = torch.from_numpy(self.views["x"])          # [rows, max_in] f32 (layout.staging_rows)
+        self.delta = torch.from_numpy(self.views["delta"])  # [rows, max_out] f32
 
     def _map(self, a):
         w = self.pool.words
