@@ -16,7 +16,7 @@ from hetero.cpu_attention import planner as P
 from hetero.cpu_attention.simd import BK
 from hetero.ipc import control as C
 from hetero.model_spec import ModelSpec
-from hetero.offload.session import STORAGE_CODES, KVSession
+from hetero.offload.session import STORAGE_CODES, KVSession, merge_partials
 
 PROFILE_KV_HEADS = 8
 PROFILE_ROWS = 16384        # per kv head: 64 MB of bf16 KV at head_dim 128, past the caches
@@ -85,13 +85,8 @@ def measure(pool, group, head_dim, dtype, reps=5):
         o = torch.randn(1, Hkv, 16, group, head_dim)
         m, l = torch.randn(1, Hkv, 16, group), torch.rand(1, Hkv, 16, group) + 1
 
-        def merge(s):                                      # as KVSession.attend
-            if s == 1:
-                return o[:, :, 0] / l[:, :, 0, :, None]
-            wgt = torch.exp(m[:, :, :s] - m[:, :, :s].amax(2, keepdim=True))
-            return (wgt[..., None] * o[:, :, :s]).sum(2) / (wgt * l[:, :, :s]).sum(2)[..., None]
-
-        tm = median_times({s: (lambda s=s: merge(s)) for s in (1, 2, 16)}, 20, steady=True)
+        tm = median_times({s: (lambda s=s: merge_partials(o[:, :, :s], m[:, :, :s], l[:, :, :s]))
+                           for s in (1, 2, 16)}, 20, steady=True)
         merge_s = max(0.0, (tm[16] - tm[2]) / 14 / Hkv)
         merge_fixed_s = max(0.0, tm[2] - tm[1] - merge_s * Hkv)
     finally:

@@ -7,6 +7,7 @@ import torch
 
 from hetero.cpu_attention import kernel as K
 from hetero.cpu_attention.simd import BK, W
+from hetero.offload.session import merge_partials
 
 TORCH = {K.F32: torch.float32, K.BF16: torch.bfloat16, K.F16: torch.float16}
 
@@ -72,8 +73,7 @@ def run_kernel(q, kst, vst, lengths, T, window, scale, softcap, code, nsplit):
                 np.zeros((G * T, BK), np.float32))
     assert ticket[0] == B * Hkv * nsplit + 1                # every unit taken once, then one miss
     po, pm, pl = map(torch.from_numpy, (po, pm, pl))
-    w = torch.exp(pm - pm.amax(2, keepdim=True))
-    out = (w[..., None] * po).sum(2) / (w * pl).sum(2)[..., None]      # [B, Hkv, G*T, D]
+    out = merge_partials(po, pm, pl)                                   # [B, Hkv, G*T, D]
     Kr, Vr = from_blocks(Kc[0], Vc[0], code)
     return out.view(B, Hkv, G, T, D).reshape(B, Hq, T, D), Kr, Vr
 

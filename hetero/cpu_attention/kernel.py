@@ -196,7 +196,7 @@ def run_share(ctrl, next_word, layer, T, window, nsplit, scale, softcap, code,
     qbits = q.view(np.uint32)
     order = np.argsort(-lengths)                 # longest request first
     while True:
-        u = atomics.take(ctrl, next_word)
+        u = atomics.fetch_add(ctrl, next_word, 1)
         if u >= B * Hkv * nsplit:
             break
         s = u % nsplit

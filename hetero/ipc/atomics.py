@@ -12,6 +12,11 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 
+def _is_flags(arrty):
+    """The atomics take 1-d int64 arrays (flag words)."""
+    return isinstance(arrty, types.Array) and arrty.dtype == types.int64 and arrty.ndim == 1
+
+
 def _item_ptr(context, builder, arrty, arr, idx):
     ary = context.make_array(arrty)(context, builder, arr)
     return cgutils.get_item_pointer(context, builder, arrty, ary, [idx])
@@ -20,7 +25,7 @@ def _item_ptr(context, builder, arrty, arr, idx):
 @intrinsic
 def atomic_load(typingctx, arr, idx):
     """arr[idx] with acquire ordering (arr: 1-d int64 array)."""
-    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and arr.ndim == 1):
+    if not _is_flags(arr):
         return None
 
     def codegen(context, builder, sig, args):
@@ -33,7 +38,7 @@ def atomic_load(typingctx, arr, idx):
 @intrinsic
 def atomic_store(typingctx, arr, idx, val):
     """arr[idx] = val with release ordering (arr: 1-d int64 array)."""
-    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and arr.ndim == 1):
+    if not _is_flags(arr):
         return None
 
     def codegen(context, builder, sig, args):
@@ -48,7 +53,7 @@ def atomic_store(typingctx, arr, idx, val):
 @intrinsic
 def fetch_add(typingctx, arr, idx, val):
     """Atomically arr[idx] += val; returns the old value (acq_rel; arr: 1-d int64 array)."""
-    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and arr.ndim == 1):
+    if not _is_flags(arr):
         return None
 
     def codegen(context, builder, sig, args):
@@ -101,12 +106,6 @@ def load(flags, idx):
 
 
 @njit(cache=True)
-def take(flags, idx):
-    """flags[idx] += 1, atomically; the old value (a ticket)."""
-    return fetch_add(flags, idx, 1)
-
-
-@njit(cache=True)
 def post(flags, first, count, stride, value):
     """Release-store value into flags[first + k*stride] for k < count."""
     for k in range(count):
@@ -146,10 +145,9 @@ def warm_up():
     store(a, 0, 1)
     load(a, 0)
     post(a, 0, 2, 8, 0)
-    take(a, 0)
     spin_until_changed(a, 0, 1, 1)
     spin_until_all(a, 0, 2, 8, 1, 1)
 
 
-__all__ = ["atomic_load", "atomic_store", "fetch_add", "take", "cpu_relax", "u32_as_f32", "store", "load", "post",
+__all__ = ["atomic_load", "atomic_store", "fetch_add", "cpu_relax", "u32_as_f32", "store", "load", "post",
            "spin_until_changed", "spin_until_all", "warm_up", "numba"]

@@ -17,7 +17,7 @@
 import numpy as np
 
 LINE = 8  # int64 words per 64-byte cache line
-CMD, LAYER, QLEN, WINDOW, NSPLIT, NACTIVE = 8, 9, 10, 11, 12, 13
+CMD, LAYER, QLEN, WINDOW, NSPLIT = 8, 9, 10, 11, 12
 F_SCALE, F_SOFTCAP = 16, 17                     # float64 words
 S_BATCH, S_HQ, S_HKV, S_HDIM, S_CAP, S_LAYERS, S_CODE, S_TMAX = range(24, 32)
 S_NSPLIT_MAX = 32

@@ -1,9 +1,10 @@
 """Parent side of the process-per-core worker pool.
 
 The parent owns the control segment (creates and unlinks it). A job is: write
-CMD and params, release-store the job number into the GO word of each worker
-it uses (the first `active`), then spin until each of those DONE words holds it. While spinning it polls the workers' liveness, so a dead
-worker raises WorkerDiedError within milliseconds instead of hanging.
+CMD and params, zero the NEXT ticket, release-store the job number into the
+GO word of each worker it uses (the first `active`), then spin until each of
+those DONE words holds it. While spinning it polls the workers' liveness, so a
+dead worker raises WorkerDiedError within milliseconds instead of hanging.
 """
 import atexit
 import os
@@ -67,7 +68,6 @@ class WorkerPool:
     def submit(self, cmd, active):
         """Publish a job whose params the caller has already written to workers 0..active-1."""
         self.words[C.CMD] = cmd
-        self.words[C.NACTIVE] = active
         self.words[C.NEXT] = 0
         self.seq += 1
         atomics.post(self.words, C.go_word(0), active, C.LINE, self.seq)

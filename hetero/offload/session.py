@@ -19,6 +19,15 @@ from hetero.offload.arena import SessionLayout, whole_blocks
 STORAGE_CODES = {torch.float32: F32, torch.bfloat16: BF16, torch.float16: F16}
 
 
+def merge_partials(o, m, l):
+    """Exact combination of split partials: o [B, Hkv, ns, rows, D], m/l [B, Hkv, ns, rows]
+    -> [B, Hkv, rows, D] (see hetero.cpu_attention.kernel)."""
+    if o.shape[2] == 1:
+        return o[:, :, 0] / l[:, :, 0, :, None]
+    wgt = torch.exp(m - m.amax(2, keepdim=True))
+    return (wgt[..., None] * o).sum(2) / (wgt * l).sum(2)[..., None]
+
+
 class KVSession:
     def __init__(self, pool, spec, pads, real_lens, cap, planner=None):
         self.pool, self.spec = pool, spec
@@ -133,14 +142,8 @@ class KVSession:
         f[C.F_SCALE], f[C.F_SOFTCAP] = scale, softcap or 0.0
         self.pool.run(C.CMD_ATTN, active=self.nactive)
         rows = G * T
-        o = self.part_o[:, :, :nsplit, :rows]          # [B, Hkv, ns, G*T, D]
-        m = self.part_m[:, :, :nsplit, :rows]          # [B, Hkv, ns, G*T]
-        l = self.part_l[:, :, :nsplit, :rows]
-        if nsplit == 1:
-            out = o[:, :, 0] / l[:, :, 0, :, None]
-        else:
-            wgt = torch.exp(m - m.amax(2, keepdim=True))
-            out = (wgt[..., None] * o).sum(2) / (wgt * l).sum(2)[..., None]
+        out = merge_partials(self.part_o[:, :, :nsplit, :rows], self.part_m[:, :, :nsplit, :rows],
+                             self.part_l[:, :, :nsplit, :rows])    # [B, Hkv, G*T, D]
         out = out.view(B, Hkv, G, T, D).reshape(B, Hq, T, D)   # q head = h*G + g
         if layer == self.spec.layers - 1:
             self.lengths += T
