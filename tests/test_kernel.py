@@ -70,7 +70,7 @@ def run_kernel(q, kst, vst, lengths, T, window, scale, softcap, code, nsplit):
     K.run_share(ticket, 0, 0, T, window, nsplit, np.float32(scale), np.float32(softcap or 0), code,
                 q.numpy(), knew, vnew, Kc, Vc, np.asarray(lengths, np.int64), po, pm, pl,
                 np.zeros((G * T, D), np.float32), np.zeros((G * T, D // 2), np.uint32),
-                np.zeros((G * T, BK), np.float32))
+                K.score_scratch(G * T))
     assert ticket[0] == B * Hkv * nsplit + 1                # every unit taken once, then one miss
     po, pm, pl = map(torch.from_numpy, (po, pm, pl))
     out = merge_partials(po, pm, pl)                                   # [B, Hkv, G*T, D]
@@ -86,6 +86,8 @@ CASES = [  # (Hq, Hkv, D, lengths, T, window, softcap)
     (8, 2, 128, (77, 200), 1, 0, 20.0),       # softcap
     (8, 2, 64, (50, 91), 4, 9, 30.0),         # q_len 4 + window + softcap
     (4, 1, 64, (1, 33), 3, 0, None),          # tiny context, q_len 3
+    (16, 4, 128, (2100, 700), 2, 0, None),    # several softmax passes of SB_MAX blocks
+    (8, 2, 64, (1500, 999), 1, 300, None),    # window edge inside a pass
 ]
 
 
@@ -137,7 +139,7 @@ def test_widening_is_exact_for_every_bit_pattern(code, np_dtype):
         o = np.zeros((1, W), np.float32)
         for blk in range(vt.shape[0]):
             o[0, :] = 0.0
-            simd.pv1(P, 0, vt, blk, 1, o, code)
+            simd.pv1(P, 0, 0, vt, blk, 1, o, code)
             out[blk * W:(blk + 1) * W] = o[0]
 
     got = np.empty(bits.size, np.float32)

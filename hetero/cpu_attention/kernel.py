@@ -13,7 +13,8 @@ with AVX512-BF16 the scores use vdpbf16ps: exact bf16 products, fp32 sums.
 
 A *unit* is (request b, kv head h, sequence split s). For one unit the kernel
 reads each K/V block once and uses it for all G = Hq/Hkv query heads and all T
-query tokens (rows r = g*T + t), with an online (streaming) softmax. It writes
+query tokens (rows r = g*T + t), with an online (streaming) softmax taken over up to
+SB_MAX blocks at a time (the per-row max, rescale and sum are paid once per pass). It writes
 an unnormalised partial (o, m, l); the parent combines splits exactly:
     out = sum_s exp(m_s - M) o_s / sum_s exp(m_s - M) l_s,  M = max_s m_s.
 This module imports no torch: workers load it.
@@ -58,30 +59,40 @@ def exp_neg(x):
     return r if x >= EXP_MIN else np.float32(0.0)
 
 
-@njit(inline="always")
-def _scores(qs, qp, dp, R, kt, blk, S, code):
-    r = 0
-    while r + 4 <= R:
-        simd.qk4(qs, qp, r, kt, blk, S, code, dp)
-        r += 4
-    if r + 2 <= R:
-        simd.qk2(qs, qp, r, kt, blk, S, code, dp)
-        r += 2
-    if r < R:
-        simd.qk1(qs, qp, r, kt, blk, S, code, dp)
+SB_MAX = 8             # K blocks scored before each softmax pass (fewer per-row reductions and exps)
+S_FLOATS = 8192        # the score scratch holds at least this many floats (32 KB, L1)
+
+
+def score_scratch(rows):
+    """A worker's score scratch for up to `rows` query rows: room for [rows, BK] at least,
+    and for several blocks' scores at once when rows are few."""
+    return np.zeros(max(rows * BK, S_FLOATS), np.float32)
 
 
 @njit(inline="always")
-def _accumulate(S, R, vt, blk, n, o, code):
+def _scores(qs, qp, dp, R, kt, blk, S, c0, code):
     r = 0
     while r + 4 <= R:
-        simd.pv4(S, r, vt, blk, n, o, code)
+        simd.qk4(qs, qp, r, kt, blk, S, c0, code, dp)
         r += 4
     if r + 2 <= R:
-        simd.pv2(S, r, vt, blk, n, o, code)
+        simd.qk2(qs, qp, r, kt, blk, S, c0, code, dp)
         r += 2
     if r < R:
-        simd.pv1(S, r, vt, blk, n, o, code)
+        simd.qk1(qs, qp, r, kt, blk, S, c0, code, dp)
+
+
+@njit(inline="always")
+def _accumulate(S, c0, R, vt, blk, n, o, code):
+    r = 0
+    while r + 4 <= R:
+        simd.pv4(S, r, c0, vt, blk, n, o, code)
+        r += 4
+    if r + 2 <= R:
+        simd.pv2(S, r, c0, vt, blk, n, o, code)
+        r += 2
+    if r < R:
+        simd.pv1(S, r, c0, vt, blk, n, o, code)
 
 
 @njit(cache=True, fastmath=FASTMATH)
@@ -91,55 +102,53 @@ def attend_unit(qs, qp, dp, R, T, kt, vt, blk0, blk1, lo, hi, L, window, softcap
     (and j > L+t-window when window > 0).
     dp > 0 (bf16 only): scores from the unscaled bf16 pairs qp [>=R, D/2] u32, times dp.
     kt [nblk, D, BK] / vt [nblk, D/W, BK, W] storage; writes o [>=R, D] (unnormalised),
-    m/l [>=R]; S [>=R, BK] is scratch.
+    m/l [>=R]; S (score_scratch) is scratch.
     """
     D = o.shape[1]
-    use_dp = 1 if dp > 0.0 else 0
+    nb = max(1, min(SB_MAX, S.size // (R * BK)))      # blocks per softmax pass
+    Sv = S[:R * nb * BK].reshape((R, nb * BK))          # [R, nb*BK] scores, then probabilities
     for r in range(R):
         m[r] = -np.inf
         l[r] = 0.0
         for d in range(D):
             o[r, d] = 0.0
-    for blk in range(blk0, blk1):
-        j0 = blk * BK
-        _scores(qs, qp, use_dp, R, kt, blk, S, code)
-        if dp > 0.0:
-            for r in range(R):
-                for jj in range(BK):
-                    S[r, jj] *= dp
+    for sb in range(blk0, blk1, nb):
+        se = min(sb + nb, blk1)
+        for blk in range(sb, se):
+            _scores(qs, qp, dp, R, kt, blk, Sv, (blk - sb) * BK, code)
+        j0, w = sb * BK, (se - sb) * BK                 # KV rows [j0, j0+w) scored
         if softcap > 0.0:
             for r in range(R):
-                for jj in range(BK):
-                    S[r, jj] = softcap * math.tanh(S[r, jj] / softcap)
-        # mask only the blocks that cross a boundary: range ends, causal edge, window edge
-        if j0 < lo or j0 + BK > hi or j0 + BK - 1 > L or (window > 0 and j0 <= L + T - 1 - window):
+                for jj in range(w):
+                    Sv[r, jj] = softcap * math.tanh(Sv[r, jj] / softcap)
+        # mask only the passes that cross a boundary: range ends, causal edge, window edge
+        if j0 < lo or j0 + w > hi or j0 + w - 1 > L or (window > 0 and j0 <= L + T - 1 - window):
             for r in range(R):
                 pos = L + r % T
-                for jj in range(BK):
+                for jj in range(w):
                     j = j0 + jj
                     if j < lo or j >= hi or j > pos or (window > 0 and j <= pos - window):
-                        S[r, jj] = -np.inf
-        # online softmax: rescale the running sums to the new max, S becomes probabilities
+                        Sv[r, jj] = -np.inf
+        # online softmax: rescale the running sums to the new max, Sv becomes probabilities
         for r in range(R):
-            bm = m[r]
-            for jj in range(BK):
-                bm = max(bm, S[r, jj])
+            bm = simd.rowmax(Sv, r, w, m[r])
             if bm == -np.inf:            # nothing visible yet in this row
-                for jj in range(BK):
-                    S[r, jj] = 0.0
+                for jj in range(w):
+                    Sv[r, jj] = 0.0
                 continue
             alpha = exp_neg(m[r] - bm)
             m[r] = bm
             s = np.float32(0.0)
-            for jj in range(BK):
-                p = exp_neg(S[r, jj] - bm)
-                S[r, jj] = p
+            for jj in range(w):
+                p = exp_neg(Sv[r, jj] - bm)
+                Sv[r, jj] = p
                 s += p
             l[r] = l[r] * alpha + s
             if alpha != 1.0:
                 for d in range(D):
                     o[r, d] *= alpha
-        _accumulate(S, R, vt, blk, min(BK, hi - j0), o, code)
+        for blk in range(sb, se):
+            _accumulate(Sv, (blk - sb) * BK, R, vt, blk, min(BK, hi - blk * BK), o, code)
 
 
 @njit(inline="always")
@@ -185,7 +194,7 @@ def run_share(ctrl, next_word, layer, T, window, nsplit, scale, softcap, code,
     worker reads a row another worker is writing.
     q [B,Hq,Tmax,D] f32; knew/vnew [B,Hkv,Tmax,D]; K [layers,B,Hkv,nblk,D,BK];
     V [layers,B,Hkv,nblk,D/W,BK,W]; part_o [B,Hkv,NS,rows,D]; part_m/l [B,Hkv,NS,rows];
-    qs [rows, D] f32, qp [rows, D/2] u32 and S [rows, BK] f32 are the worker's scratch.
+    qs [rows, D] f32, qp [rows, D/2] u32 and S (score_scratch(rows)) are the worker's scratch.
     """
     B = lengths.shape[0]
     Hq = q.shape[1]
@@ -240,4 +249,4 @@ def warm_up():
         pm = np.zeros((1, 1, 1, 2), np.float32)
         run_share(np.zeros(1, np.int64), 0, 0, 1, 0, 1, np.float32(0.5), np.float32(0.0), code, q, new, new, K, V,
                   np.zeros(1, np.int64), po, pm, pm.copy(), np.zeros((2, D), np.float32),
-                  np.zeros((2, D // 2), np.uint32), np.zeros((2, BK), np.float32))
+                  np.zeros((2, D // 2), np.uint32), score_scratch(2))

@@ -9,21 +9,26 @@ for the host (one zmm on AVX-512, two ymm on AVX2, four q-registers on NEON).
 KV storage is widened in registers: fp32 loads as is, bf16 is (bits << 16),
 fp16 goes through `fpext half` (vcvtph2ps on x86 with F16C).
 
-  QK[nr](qs, qp, r0, kt, blk, S, code, dp)
-      S[r0+i, :BK] = sum_d qs[r0+i, d] * kt[blk, d, :BK]          i < nr
+  QK[nr](qs, qp, r0, kt, blk, S, c0, code, dp)
+      S[r0+i, c0:c0+BK] = sum_d qs[r0+i, d] * kt[blk, d, :BK]          i < nr
       qs [R, D] f32 (queries), kt [nblk, D, BK] storage (K blocks, transposed so a
-      block's BK scores are two vectors), S [R, BK] f32.
+      block's BK scores are two vectors), S [R, >= c0+BK] f32.
       bf16 K blocks are pair-interleaved: element (d, j) of a block sits at
       (d // 2) * 2*BK + 2*j + d % 2, i.e. the block is [D/2, BK, 2], so one
       32-bit lane holds dims (2p, 2p+1) of token j. Widening is then a shift and
-      a mask, and with dp != 0 on a CPU with AVX512-BF16 one vdpbf16ps does two
+      a mask, and with dp > 0 on a CPU with AVX512-BF16 one vdpbf16ps does two
       dims at once from qp [R, D/2] u32 (q as packed bf16 pairs, which must be
-      exact: bf16 models give bf16 q), halving the QK arithmetic.
-  PV[nr](P, r0, vt, blk, n, o, code)
-      o[r0+i, c*W:(c+1)*W] += sum_{jj<n} P[r0+i, jj] * vt[blk, c, jj, :]   i < nr
-      P [R, BK] f32 (probabilities), vt [nblk, D/W, BK, W] storage (V blocks cut
+      exact: bf16 models give bf16 q), halving the QK arithmetic; the scores are
+      then multiplied by dp (the softmax scale) as they are stored.
+  PV[nr](P, r0, c0, vt, blk, n, o, code)
+      o[r0+i, c*W:(c+1)*W] += sum_{jj<n} P[r0+i, c0+jj] * vt[blk, c, jj, :]   i < nr
+      P [R, >= c0+BK] f32 (probabilities), vt [nblk, D/W, BK, W] storage (V blocks cut
       into W-wide column panels, so each pass over a panel reads contiguous
       memory), o [R, D] f32.
+
+  ROWMAX(S, r, w, init)
+      max(init, S[r, :w]) for S [R, >= w] f32 and w a multiple of W (numba's own loop
+      cannot vectorize a max reduction without nnan, which would break -inf masking).
 
 Storage is a float32 array, or a uint16 array of bf16 (code 1) / fp16 (code 2)
 bits; the uint16 variants branch on `code` once per call, outside the loops.
@@ -132,39 +137,44 @@ def _f32_ok(arr):
 
 def _make_qk(nr):
     @intrinsic
-    def qk(typingctx, qs, qp, r0, kt, blk, S, code, dp):
+    def qk(typingctx, qs, qp, r0, kt, blk, S, c0, code, dp):
         if not (_f32_ok(qs) and _f32_ok(S) and _storage_ok(kt, 3)
                 and isinstance(qp, types.Array) and qp.ndim == 2 and qp.layout == "C" and qp.dtype == types.uint32
-                and all(isinstance(x, types.Integer) for x in (r0, blk, code, dp))):
+                and all(isinstance(x, types.Integer) for x in (r0, blk, c0, code)) and dp == types.float32):
             return None
 
         def codegen(context, builder, sig, args):
             qptr, (_, D) = _data(context, builder, sig.args[0], args[0])
             qpptr, _ = _data(context, builder, sig.args[1], args[1])
             kptr, _ = _data(context, builder, sig.args[3], args[3])
-            sptr, _ = _data(context, builder, sig.args[5], args[5])
-            r0v, blkv, dpv = (context.cast(builder, args[k], sig.args[k], types.int64) for k in (2, 4, 7))
+            sptr, (_, sstride) = _data(context, builder, sig.args[5], args[5])
+            r0v, blkv, c0v = (context.cast(builder, args[k], sig.args[k], types.int64) for k in (2, 4, 6))
+            dpv = args[8]
             kbase = builder.mul(blkv, builder.mul(D, ir.Constant(_I64, BK)))   # start of block blk
             accs = [cgutils.alloca_once(builder, _VF) for _ in range(2 * nr)]
             pairs = functools.partial(_qk_pairs, builder, nr, D, qptr, qpptr, r0v, kptr, kbase, accs)
 
             def emit(conv):
+                store = functools.partial(_store_scores, builder, nr, r0v, sptr, sstride, c0v, accs)
                 if conv != "bf16":
                     _qk_loop(builder, conv, nr, D, qptr, r0v, kptr, kbase, accs)
+                    store()
                 elif not HAS_DPBF16:
                     pairs(use_dp=False)
-                else:                          # runtime choice: dp != 0 means q is bf16-exact
-                    with builder.if_else(builder.icmp_signed("!=", dpv, ir.Constant(_I64, 0))) as (yes, no):
+                    store()
+                else:                          # runtime choice: dp > 0 means q is bf16-exact
+                    with builder.if_else(builder.fcmp_ordered(">", dpv, ir.Constant(_F32, 0.0))) as (yes, no):
                         with yes:
                             pairs(use_dp=True)
+                            store(_splat(builder, dpv))
                         with no:
                             pairs(use_dp=False)
-                _store_scores(builder, nr, r0v, sptr, accs)
+                            store()
 
-            _by_storage(context, builder, sig.args[3], args[6], sig.args[6], emit)
+            _by_storage(context, builder, sig.args[3], args[7], sig.args[7], emit)
             return context.get_dummy_value()
 
-        return types.void(qs, qp, r0, kt, blk, S, code, dp), codegen
+        return types.void(qs, qp, r0, kt, blk, S, c0, code, dp), codegen
 
     return qk
 
@@ -216,39 +226,44 @@ def _qk_pairs(builder, nr, D, qptr, qpptr, r0v, kptr, kbase, accs, use_dp):
                     builder.store(_fmuladd(builder, q1, odd[c], acc), accs[2 * i + c])
 
 
-def _store_scores(builder, nr, r0v, sptr, accs):
+def _store_scores(builder, nr, r0v, sptr, sstride, c0v, accs, scale=None):
     for i in range(nr):
         row = builder.add(r0v, ir.Constant(_I64, i))
-        soff = builder.mul(row, ir.Constant(_I64, BK))
+        soff = builder.add(builder.mul(row, sstride), c0v)
         for half in range(2):
             p = builder.gep(sptr, [builder.add(soff, ir.Constant(_I64, half * W))])
-            builder.store(builder.load(accs[2 * i + half]), builder.bitcast(p, _VF.as_pointer()), align=4)
+            acc = builder.load(accs[2 * i + half])
+            if scale is not None:
+                acc = builder.fmul(acc, scale)
+            builder.store(acc, builder.bitcast(p, _VF.as_pointer()), align=4)
 
 
 def _make_pv(nr):
     @intrinsic
-    def pv(typingctx, P, r0, vt, blk, n, o, code):
+    def pv(typingctx, P, r0, c0, vt, blk, n, o, code):
         if not (_f32_ok(P) and _f32_ok(o) and _storage_ok(vt, 4)
-                and all(isinstance(x, types.Integer) for x in (r0, blk, n, code))):
+                and all(isinstance(x, types.Integer) for x in (r0, c0, blk, n, code))):
             return None
 
         def codegen(context, builder, sig, args):
-            pptr, _ = _data(context, builder, sig.args[0], args[0])
-            vptr, (_, nchunks, _, _) = _data(context, builder, sig.args[2], args[2])
-            optr, (_, D) = _data(context, builder, sig.args[5], args[5])
-            r0v, blkv, nv = (context.cast(builder, args[k], sig.args[k], types.int64) for k in (1, 3, 4))
+            pptr, (_, pstride) = _data(context, builder, sig.args[0], args[0])
+            vptr, (_, nchunks, _, _) = _data(context, builder, sig.args[3], args[3])
+            optr, (_, D) = _data(context, builder, sig.args[6], args[6])
+            r0v, c0v, blkv, nv = (context.cast(builder, args[k], sig.args[k], types.int64) for k in (1, 2, 4, 5))
+            pptr = builder.gep(pptr, [c0v])
             vbase = builder.mul(blkv, builder.mul(D, ir.Constant(_I64, BK)))   # start of block blk
             accs = [cgutils.alloca_once(builder, _VF) for _ in range(nr)]
-            _by_storage(context, builder, sig.args[2], args[6], sig.args[6],
-                        lambda conv: _pv_loop(builder, conv, nr, D, nchunks, pptr, r0v, vptr, vbase, nv, optr, accs))
+            _by_storage(context, builder, sig.args[3], args[7], sig.args[7],
+                        lambda conv: _pv_loop(builder, conv, nr, D, nchunks, pptr, pstride, r0v, vptr, vbase, nv,
+                                              optr, accs))
             return context.get_dummy_value()
 
-        return types.void(P, r0, vt, blk, n, o, code), codegen
+        return types.void(P, r0, c0, vt, blk, n, o, code), codegen
 
     return pv
 
 
-def _pv_loop(builder, conv, nr, D, nchunks, pptr, r0v, vptr, vbase, nv, optr, accs):
+def _pv_loop(builder, conv, nr, D, nchunks, pptr, pstride, r0v, vptr, vbase, nv, optr, accs):
     with cgutils.for_range(builder, nchunks) as chunk:
         col = builder.mul(chunk.index, ir.Constant(_I64, W))
         optrs = []
@@ -263,7 +278,7 @@ def _pv_loop(builder, conv, nr, D, nchunks, pptr, r0v, vptr, vbase, nv, optr, ac
             v = _load_vec(builder, vptr, builder.add(panel, builder.mul(jj, ir.Constant(_I64, W))), conv)
             for i in range(nr):
                 row = builder.add(r0v, ir.Constant(_I64, i))
-                pw = builder.load(builder.gep(pptr, [builder.add(builder.mul(row, ir.Constant(_I64, BK)), jj)]))
+                pw = builder.load(builder.gep(pptr, [builder.add(builder.mul(row, pstride), jj)]))
                 builder.store(_fmuladd(builder, _splat(builder, pw), v, builder.load(accs[i])), accs[i])
         for i in range(nr):
             builder.store(builder.load(accs[i]), optrs[i], align=4)
@@ -272,3 +287,25 @@ def _pv_loop(builder, conv, nr, D, nchunks, pptr, r0v, vptr, vbase, nv, optr, ac
 qk1, qk2, qk4 = (_make_qk(nr) for nr in (1, 2, 4))
 pv1, pv2, pv4 = (_make_pv(nr) for nr in (1, 2, 4))
 
+
+
+@intrinsic
+def rowmax(typingctx, S, r, w, init):
+    if not (_f32_ok(S) and isinstance(r, types.Integer) and isinstance(w, types.Integer) and init == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        sptr, (_, stride) = _data(context, builder, sig.args[0], args[0])
+        rv, wv = (context.cast(builder, args[k], sig.args[k], types.int64) for k in (1, 2))
+        base = builder.gep(sptr, [builder.mul(rv, stride)])
+        acc = cgutils.alloca_once(builder, _VF)
+        builder.store(_splat(builder, args[3]), acc)
+        vmax = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF, _VF]), f"llvm.maxnum.v{W}f32")
+        with cgutils.for_range(builder, builder.udiv(wv, ir.Constant(_I64, W))) as loop:
+            x = _load_vec(builder, base, builder.mul(loop.index, ir.Constant(_I64, W)), "f32")
+            builder.store(builder.call(vmax, [builder.load(acc), x]), acc)
+        red = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_VF]),
+                                             f"llvm.vector.reduce.fmax.v{W}f32")
+        return builder.call(red, [builder.load(acc)])
+
+    return types.float32(S, r, w, init), codegen

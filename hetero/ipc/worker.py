@@ -48,7 +48,7 @@ class Worker:
         rows = (lay.q_heads // lay.kv_heads) * lay.tmax
         self.qs = np.zeros((rows, lay.head_dim), np.float32)   # private scratch: scaled queries
         self.qp = np.zeros((rows, lay.head_dim // 2), np.uint32)   # private scratch: bf16 query pairs
-        self.S = np.zeros((rows, kernel.BK), np.float32)       # private scratch: scores
+        self.S = kernel.score_scratch(rows)                     # private scratch: scores
 
     def close_session(self):
         if self.v is not None:
