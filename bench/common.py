@@ -8,6 +8,8 @@ import time
 import numpy as np
 from numba import njit, prange
 
+from hetero.ipc.shm import shmem_huge_pages
+
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -25,6 +27,7 @@ def machine():
     return {
         "platform": platform.platform(), "python": platform.python_version(), "cpus_usable": len(os.sched_getaffinity(0)),
         "lscpu": _run(["lscpu"]), "nvidia_smi": _run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv"]),
+        "shmem_thp": shmem_huge_pages(),   # KV in 2 MB pages unless "never"
         "torch": torch.__version__, "transformers": transformers.__version__,
         "commit": _run(["git", "-C", os.path.dirname(RESULTS), "rev-parse", "--short", "HEAD"]),
     }

@@ -1,4 +1,5 @@
 """Atomic flags, the worker pool and segment hygiene, with real processes and /dev/shm."""
+import multiprocessing as mp
 import os
 import signal
 import subprocess
@@ -101,3 +102,42 @@ def test_one_session_per_pool():
     finally:
         pool.close()
     assert set(os.listdir("/dev/shm")) <= before
+
+
+def _pmd_mapped_kb(name):
+    """kB of segment `name` this process maps with 2 MB page-table entries (from smaps)."""
+    kb, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if "-" in line.split(" ", 1)[0]:          # a mapping's header line
+                inside = line.rstrip().endswith(name[1:])
+            elif inside and line.startswith("ShmemPmdMapped:"):
+                kb += int(line.split()[1])
+    return kb
+
+
+def _map_and_report(name, q):
+    seg = shm.Segment(name)
+    a = seg.array(0, (seg.size,), np.uint8)
+    q.put((int(a[::4096].sum()), _pmd_mapped_kb(name)))
+    del a
+    seg.close()
+
+
+@pytest.mark.skipif(shm.shmem_huge_pages() not in ("advise", "within_size", "always", "force"),
+                    reason="/dev/shm has no transparent huge pages (mount -o remount,huge=advise /dev/shm)")
+def test_large_segments_are_mapped_with_huge_pages_in_every_process():
+    seg = shm.Segment(shm.new_name("huge"), 16 << 20, create=True)
+    try:
+        a = seg.array(0, (seg.size,), np.uint8)
+        a[:] = 1                                   # the owner faults the pages in, as prefill does
+        assert _pmd_mapped_kb(seg.name) == 16 << 10
+        q = mp.get_context("spawn").Queue()
+        p = mp.get_context("spawn").Process(target=_map_and_report, args=(seg.name, q))
+        p.start()
+        total, child_kb = q.get(timeout=60)
+        p.join(10)
+        assert total == (16 << 20) // 4096 and child_kb == 16 << 10     # a worker reads through 2 MB pages too
+        del a
+    finally:
+        seg.close()

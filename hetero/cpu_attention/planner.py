@@ -49,11 +49,14 @@ def _cpu_model():
 
 
 def fingerprint(cores, group, head_dim, code):
-    """What a profile depends on: the machine (CPU model, worker cores, versions) and the shape."""
+    """What a profile depends on: the machine (CPU model, worker cores, versions, shared-memory
+    page size mode) and the shape."""
     import numba
 
+    from hetero.ipc.shm import shmem_huge_pages
+
     return {"version": PROFILE_VERSION, "cpu": _cpu_model(), "machine": platform.machine(),
-            "cores": list(cores), "numba": numba.__version__,
+            "cores": list(cores), "numba": numba.__version__, "shmem_thp": shmem_huge_pages(),
             "group": int(group), "head_dim": int(head_dim), "code": int(code)}
 
 
@@ -76,6 +79,9 @@ class Profile:
         fp = self.fingerprint
         lines = [f"profile for {fp['cpu']} ({len(fp['cores'])} worker cores {fp['cores']}), "
                  f"group {fp['group']}, head_dim {fp['head_dim']}, storage code {fp['code']}",
+                 f"  shared-memory huge pages: {fp.get('shmem_thp')}"
+                 + ("  (KV reads run 20-35% slower on 4 KB pages: mount -o remount,huge=advise /dev/shm)"
+                    if fp.get("shmem_thp") in ("never", "deny") else ""),
                  f"  one worker: {self.block_s * 1e6:.3f} us per {BK}-row block "
                  f"({self.block_bytes / self.block_s / 1e9:.1f} GB/s) + {self.unit_s * 1e6:.2f} us per unit",
                  f"  merge: {self.merge_fixed_s * 1e6:.1f} us once split + {self.merge_s * 1e6:.3f} us per extra "
