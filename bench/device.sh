@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One command for a lent GPU machine (16 cores, one H100/H200, root, no package index):
+# the GPU tests, then the CPU benchmarks on its cores, logs and JSON under $OUT.
+#
+# Here, once per checkout (.whl is git-ignored):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl posix_ipc==1.3.2
+# Then with the device tool: run(command="bash bench/device.sh", carry=[".whl"]).
+# STEPS picks the parts (default all): STEPS="gpu attention ipc" bash bench/device.sh
+# At most 8 files come back from $OUT: one log per step and one JSON per benchmark.
+set -uo pipefail
+OUT=${OUT:-/tmp/hetero_device}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+# the KV cache streams much faster from 2 MB pages (README: Huge pages)
+mount -o remount,huge=advise /dev/shm 2>/dev/null || echo "note: /dev/shm stays on 4 KB pages"
+python3 -c "import torch, transformers, numba, posix_ipc; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(),
+'transformers', transformers.__version__, 'numba', numba.__version__)" || exit 1
+
+for step in ${STEPS:-gpu attention ipc}; do
+    echo "== $step"
+    case $step in
+        gpu)
+            python3 -m pytest -q -rs tests/test_gpu.py 2>&1 | tee "$OUT/test_gpu.log" ;;
+        attention)   # 16 workers x 5 split counts per row: the long contexts only
+            python3 bench/attention.py --contexts 8192 32768 65536 --out attention_gpu_host 2>&1 | tee "$OUT/attention.log"
+            cp bench/results/attention_gpu_host.json bench/results/attention_gpu_host.png "$OUT"/ ;;
+        ipc)
+            python3 bench/ipc.py --iters 5000 --out "$OUT/ipc_gpu_host.json" 2>&1 | tee "$OUT/ipc.log" ;;
+        *)
+            echo "unknown step $step (gpu, attention, ipc)" ;;
+    esac
+done
