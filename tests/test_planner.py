@@ -65,6 +65,15 @@ def test_split_k_when_heads_are_few():
     assert workers > 2 and splits > 1
 
 
+def test_units_go_out_in_rounds_of_the_workers():
+    """Compute-bound (bandwidth to spare): 8 equal units on 2 workers divide evenly, so no split;
+    3 units leave one worker idle for a whole unit, so split them in two (6 units, 3 each)."""
+    fast = synthetic()
+    fast.agg_gbps = [1000.0] * fast.workers
+    assert plan(fast, [65536], n=2, kv_heads=8) == (2, 1)
+    assert plan(fast, [65536], n=2, kv_heads=3) == (2, 2)
+
+
 def test_plan_respects_nsplit_max():
     lay = SessionLayout(1, 4, 1, 128, 1 << 20, 1, 1, nsplit_max=4)
     n, s = P.ProfiledPlanner(synthetic(), 15).plan(np.array([500_000]), 1, lay)
@@ -84,7 +93,7 @@ def test_profile_cache_roundtrip_and_invalidation(tmp_path, monkeypatch):
     assert P.load_profile(prof.fingerprint) == prof
     # another machine or model shape: another key, nothing cached
     for change in ({"cpu": "other"}, {"cores": [1, 2]}, {"group": 8}, {"head_dim": 64}, {"code": 0},
-                   {"version": P.PROFILE_VERSION + 1}):
+                   {"version": P.PROFILE_VERSION + 1}, {"shmem_thp": "advise"}):
         assert P.load_profile({**prof.fingerprint, **change}) is None
     # a file whose fingerprint does not match its name (edited, or hash clash) is ignored
     data = json.load(open(path))

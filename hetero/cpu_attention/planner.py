@@ -11,9 +11,10 @@ worker pool, on synthetic KV) and cached on disk:
 The planner predicts a step's time for every (workers n, splits s) and takes
 the fastest:
   t(n, s) = dispatch(n) + max(work / n + tail, longest unit, bytes / agg(n)) + merge(s)
-  tail = (1 - 1/n) shortest unit / 2
-Workers take units from a shared ticket, longest first (kernel.run_share), so the
-last finishes on average half a (shortest) unit after the others. The tail counts only
+  tail = (ceil(U / n) - U / n) shortest unit,   U = requests x kv heads x s units
+Workers take units from a shared ticket, longest first (kernel.run_share), so units
+go out in rounds of n and the last round, of the shortest units, leaves the workers
+without a unit idle (with equal units the makespan is exactly ceil(U/n) units). The tail counts only
 where compute is the limit: when bandwidth is, the workers still running read faster
 as the others stop. Short contexts stay on few workers and long ones spread over all
 of them, with split-K when requests x kv heads are fewer than the workers, and finer
@@ -134,7 +135,8 @@ def predict(profile, lengths, T, kv_heads, rows, nsplit_max):
     nbytes = kv_heads * nblk.sum() * profile.block_bytes
     n = np.arange(1, profile.workers + 1)[:, None]                        # [N, 1]
     agg = np.asarray(profile.agg_gbps)[:, None] * 1e9
-    tail = (1 - 1 / n) * shortest[None, :] / 2                            # [N, S]: the last units
+    U = len(nblk) * kv_heads * s[:, 0]                                    # [S] units
+    tail = (np.ceil(U / n) - U / n) * shortest[None, :]                   # [N, S]: the last round
     compute = np.maximum(work[None, :] / n + tail, longest[None, :])      # [N, S]
     extra = (s[:, 0] - 1)[None, :]                                        # [1, S]
     merge = profile.merge_s * len(nblk) * kv_heads * extra + profile.merge_fixed_s * (extra > 0)
