@@ -19,21 +19,28 @@ else
 fi
 export PYTHONUNBUFFERED=1
 # the KV cache streams much faster from 2 MB pages (README: Huge pages)
-mount -o remount,huge=advise /dev/shm 2>/dev/null || echo "note: /dev/shm stays on 4 KB pages"
-python3 -c "import torch, transformers, numba, posix_ipc; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(),
-'transformers', transformers.__version__, 'numba', numba.__version__)" || exit 1
+mount -o remount,huge=advise /dev/shm 2>/dev/null || echo "note: could not remount /dev/shm"
+python3 -c "import torch, transformers, numba, posix_ipc
+from hetero.ipc.shm import shmem_huge_pages
+print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__,
+      'numba', numba.__version__, '/dev/shm huge pages:', shmem_huge_pages())" || exit 1
 
+rc=0
 for step in ${STEPS:-gpu attention ipc}; do
     echo "== $step"
     case $step in
         gpu)
-            python3 -m pytest -q -rs tests/test_gpu.py 2>&1 | tee "$OUT/test_gpu.log" ;;
+            python3 -m pytest -q -rs tests/test_gpu.py 2>&1 | tee "$OUT/test_gpu.log" || rc=1 ;;
         attention)   # 16 workers x 5 split counts per row: the long contexts only
-            python3 bench/attention.py --contexts 8192 32768 65536 --out attention_gpu_host 2>&1 | tee "$OUT/attention.log"
-            cp bench/results/attention_gpu_host.json bench/results/attention_gpu_host.png "$OUT"/ ;;
+            if python3 bench/attention.py --contexts 8192 32768 65536 --out attention_gpu_host 2>&1 | tee "$OUT/attention.log"; then
+                cp bench/results/attention_gpu_host.json bench/results/attention_gpu_host.png "$OUT"/
+            else
+                rc=1
+            fi ;;
         ipc)
-            python3 bench/ipc.py --iters 5000 --out "$OUT/ipc_gpu_host.json" 2>&1 | tee "$OUT/ipc.log" ;;
+            python3 bench/ipc.py --iters 5000 --out "$OUT/ipc_gpu_host.json" 2>&1 | tee "$OUT/ipc.log" || rc=1 ;;
         *)
-            echo "unknown step $step (gpu, attention, ipc)" ;;
+            echo "unknown step $step (gpu, attention, ipc)"; rc=1 ;;
     esac
 done
+exit $rc

@@ -36,7 +36,7 @@ def attention_tables():
         return ""
     lines = [f"Streaming-read bound, measured next to each row ({len(r['cores'])} cores; best of the run: "
              f"1 core {r['stream_1core_gbps']:.1f} GB/s, all cores {r['stream_all_gbps']:.1f} GB/s); "
-             f"/dev/shm huge pages: {r['machine'].get('shmem_thp', 'never')}.", "",
+             f"/dev/shm huge pages: {r['machine'].get('shmem_thp', 'unknown')}.", "",
              "| shape, KV dtype | context | hetero 1 worker GB/s | of 1-core bound | hetero all workers GB/s | "
              "of all-core bound | SDPA 1 thread GB/s | SDPA all threads GB/s | planner (workers, splits) / best of sweep |",
              "|---|---|---|---|---|---|---|---|---|"]

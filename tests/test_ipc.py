@@ -131,13 +131,15 @@ def test_large_segments_are_mapped_with_huge_pages_in_every_process():
     try:
         a = seg.array(0, (seg.size,), np.uint8)
         a[:] = 1                                   # the owner faults the pages in, as prefill does
-        assert _pmd_mapped_kb(seg.name) == 16 << 10
+        # (>= half: the kernel falls back to 4 KB pages where it finds no free 2 MB one)
+        assert _pmd_mapped_kb(seg.name) >= 8 << 10
         q = mp.get_context("spawn").Queue()
         p = mp.get_context("spawn").Process(target=_map_and_report, args=(seg.name, q))
         p.start()
         total, child_kb = q.get(timeout=60)
         p.join(10)
-        assert total == (16 << 20) // 4096 and child_kb == 16 << 10     # a worker reads through 2 MB pages too
+        assert p.exitcode == 0
+        assert total == (16 << 20) // 4096 and child_kb >= 8 << 10     # a worker reads through 2 MB pages too
         del a
     finally:
         seg.close()

@@ -88,6 +88,8 @@ CASES = [  # (Hq, Hkv, D, lengths, T, window, softcap)
     (4, 1, 64, (1, 33), 3, 0, None),          # tiny context, q_len 3
     (16, 4, 128, (2100, 700), 2, 0, None),    # several softmax passes of SB_MAX blocks
     (8, 2, 64, (1500, 999), 1, 300, None),    # window edge inside a pass
+    (64, 1, 64, (1000, 37), 1, 0, None),      # 64 query rows: 2 blocks per pass
+    (40, 1, 64, (400, 31), 8, 0, None),       # 320 query rows: one block per pass, scratch sized by rows
 ]
 
 

@@ -59,8 +59,8 @@ def exp_neg(x):
     return r if x >= EXP_MIN else np.float32(0.0)
 
 
-SB_MAX = 8             # K blocks scored before each softmax pass (fewer per-row reductions and exps)
-S_FLOATS = 8192        # the score scratch holds at least this many floats (32 KB, L1)
+SB_MAX = 8             # K blocks scored before each softmax pass (per row and pass: one max, one rescale)
+S_FLOATS = 4096        # the score scratch holds at least this many floats (16 KB: half of L1)
 
 
 def score_scratch(rows):
@@ -105,6 +105,7 @@ def attend_unit(qs, qp, dp, R, T, kt, vt, blk0, blk1, lo, hi, L, window, softcap
     m/l [>=R]; S (score_scratch) is scratch.
     """
     D = o.shape[1]
+    dps = np.float32(dp)                                # the intrinsics take float32
     nb = max(1, min(SB_MAX, S.size // (R * BK)))      # blocks per softmax pass
     Sv = S[:R * nb * BK].reshape((R, nb * BK))          # [R, nb*BK] scores, then probabilities
     for r in range(R):
@@ -115,7 +116,7 @@ def attend_unit(qs, qp, dp, R, T, kt, vt, blk0, blk1, lo, hi, L, window, softcap
     for sb in range(blk0, blk1, nb):
         se = min(sb + nb, blk1)
         for blk in range(sb, se):
-            _scores(qs, qp, dp, R, kt, blk, Sv, (blk - sb) * BK, code)
+            _scores(qs, qp, dps, R, kt, blk, Sv, (blk - sb) * BK, code)
         j0, w = sb * BK, (se - sb) * BK                 # KV rows [j0, j0+w) scored
         if softcap > 0.0:
             for r in range(R):

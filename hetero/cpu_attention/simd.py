@@ -28,7 +28,8 @@ fp16 goes through `fpext half` (vcvtph2ps on x86 with F16C).
 
   ROWMAX(S, r, w, init)
       max(init, S[r, :w]) for S [R, >= w] f32 and w a multiple of W (numba's own loop
-      cannot vectorize a max reduction without nnan, which would break -inf masking).
+      cannot vectorize a max reduction without the nnan flag, which the kernel does not
+      set: it would let LLVM assume no NaN anywhere in the softmax).
 
 Storage is a float32 array, or a uint16 array of bf16 (code 1) / fp16 (code 2)
 bits; the uint16 variants branch on `code` once per call, outside the loops.
