@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from hetero.cpu_attention import kernel as K
+from hetero.cpu_attention import kernel as K, simd
 from hetero.cpu_attention.simd import BK, W
 from hetero.offload.session import merge_partials
 
@@ -150,24 +150,44 @@ def test_widening_is_exact_for_every_bit_pattern(code, np_dtype):
     assert np.array_equal(got, want, equal_nan=True)      # (+0 and -0 compare equal: 0 + -0 is +0)
 
 
-def test_exp_neg_is_within_two_ulp_and_zero_for_masked():
+def _exp_scalar(x, out):
+    for i in range(x.size):
+        out[i] = K.exp_neg(x[i])
+
+
+def _exp_rows(x, out):
+    """simd.exp_row over x viewed as rows of 16 lanes, with bm = 0; out[-1] is the worst error
+    of a row's returned sum."""
+    S = x[:x.size - 1].reshape(-1, 16).copy()
+    worst = 0.0
+    for r in range(S.shape[0]):
+        total = simd.exp_row(S, r, 16, np.float32(0.0))
+        worst = max(worst, abs(total - S[r].astype(np.float64).sum()) / max(1.0, total))
+    out[:x.size - 1] = S.reshape(-1)
+    out[-1] = worst
+
+
+@pytest.mark.parametrize("impl", ["exp_neg", "exp_row"])
+def test_exp_is_within_two_ulp_and_zero_for_masked(impl):
+    """The scalar exp (rescale factors) and the vector one (probabilities), for x <= 0."""
     from numba import njit
 
-    @njit
-    def run(x, out):
-        for i in range(x.size):
-            out[i] = K.exp_neg(x[i])
-
-    x = np.concatenate([-np.geomspace(1e-8, 87, 200000).astype(np.float32), np.float32([0.0, -0.0])])
-    out = np.empty_like(x)
+    run = njit(_exp_scalar) if impl == "exp_neg" else njit(_exp_rows)
+    x = np.concatenate([-np.geomspace(1e-8, 87, 200000 - 2).astype(np.float32), np.float32([0.0, -0.0, -1.0])])
+    out = np.empty_like(x)                 # (the last element: exp_row's sum check)
     run(x, out)
+    if impl == "exp_row":
+        assert out[-1] <= 1e-6             # each row's returned sum is the sum of its values
+    x, out = x[:-1], out[:-1]
     ref = np.exp(x.astype(np.float64))
     normal = x >= -80                      # results well above the subnormal range
     ulp = np.spacing(ref[normal].astype(np.float32)).astype(np.float64)
     assert np.max(np.abs(out[normal] - ref[normal]) / ulp) <= 2.0
     assert np.max(np.abs(out - ref) / ref) < 1e-5
-    run(np.float32([-np.inf, -88.0, -1e30]), out[:3])
-    assert np.all(out[:3] == 0)
+    masked = np.float32([-np.inf, -88.0, -1e30] + [-1.0] * 14)
+    out = np.empty_like(masked)
+    run(masked, out)
+    assert np.all(out[:3] == 0) and np.allclose(out[3:16], np.exp(-1.0))
 
 
 @pytest.mark.parametrize("n", [1, 31, 32, 33, 100])

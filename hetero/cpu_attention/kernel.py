@@ -139,12 +139,7 @@ def attend_unit(qs, qp, dp, R, T, kt, vt, blk0, blk1, lo, hi, L, window, softcap
                 continue
             alpha = exp_neg(m[r] - bm)
             m[r] = bm
-            s = np.float32(0.0)
-            for jj in range(w):
-                p = exp_neg(Sv[r, jj] - bm)
-                Sv[r, jj] = p
-                s += p
-            l[r] = l[r] * alpha + s
+            l[r] = l[r] * alpha + simd.exp_row(Sv, r, w, bm)     # Sv[r, :w] = exp(Sv[r, :w] - bm)
             if alpha != 1.0:
                 for d in range(D):
                     o[r, d] *= alpha

@@ -31,6 +31,11 @@ fp16 goes through `fpext half` (vcvtph2ps on x86 with F16C).
       cannot vectorize a max reduction without the nnan flag, which the kernel does not
       set: it would let LLVM assume no NaN anywhere in the softmax).
 
+  EXP_ROW(S, r, w, bm)
+      S[r, :w] = exp(S[r, :w] - bm) (0 below -87, so masked -inf scores give 0), returns
+      their sum; the same Cody-Waite + degree-7 polynomial as kernel.exp_neg, 16 lanes at
+      a time (numba's loop ran it 8 wide at 2.3x the time here).
+
 Storage is a float32 array, or a uint16 array of bf16 (code 1) / fp16 (code 2)
 bits; the uint16 variants branch on `code` once per call, outside the loops.
 D must be a multiple of W = 16. All arrays must be C-contiguous. nr is 1, 2 or 4
@@ -310,3 +315,47 @@ def rowmax(typingctx, S, r, w, init):
         return builder.call(red, [builder.load(acc)])
 
     return types.float32(S, r, w, init), codegen
+
+
+_EXP_C = [1.0, 1.0, 0.5, 1 / 6, 1 / 24, 1 / 120, 1 / 720, 1 / 5040]   # e**y Taylor, as kernel.exp_neg
+
+
+def _vf(x):
+    return ir.Constant(_VF, [float(x)] * W)
+
+
+@intrinsic
+def exp_row(typingctx, S, r, w, bm):
+    if not (_f32_ok(S) and isinstance(r, types.Integer) and isinstance(w, types.Integer) and bm == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        sptr, (_, stride) = _data(context, builder, sig.args[0], args[0])
+        rv, wv = (context.cast(builder, args[k], sig.args[k], types.int64) for k in (1, 2))
+        base = builder.gep(sptr, [builder.mul(rv, stride)])
+        bmv = _splat(builder, args[3])
+        acc = cgutils.alloca_once(builder, _VF)
+        builder.store(_vf(0.0), acc)
+        mod = builder.module
+        vmax = cgutils.get_or_insert_function(mod, ir.FunctionType(_VF, [_VF, _VF]), f"llvm.maxnum.v{W}f32")
+        vfloor = cgutils.get_or_insert_function(mod, ir.FunctionType(_VF, [_VF]), f"llvm.floor.v{W}f32")
+        with cgutils.for_range(builder, builder.udiv(wv, ir.Constant(_I64, W))) as loop:
+            off = builder.mul(loop.index, ir.Constant(_I64, W))
+            ptr = builder.bitcast(builder.gep(base, [off]), _VF.as_pointer())
+            x = builder.fsub(builder.load(ptr, align=4), bmv)
+            xc = builder.call(vmax, [x, _vf(-87.0)])
+            n = builder.call(vfloor, [_fmuladd(builder, xc, _vf(1.4426950408889634), _vf(0.5))])
+            y = _fmuladd(builder, n, _vf(-0.693145751953125), xc)
+            y = _fmuladd(builder, n, _vf(-1.428606765330187e-06), y)
+            p = _vf(_EXP_C[7])
+            for c in reversed(_EXP_C[:7]):
+                p = _fmuladd(builder, p, y, _vf(c))
+            e = builder.shl(builder.add(builder.fptosi(n, _VI), ir.Constant(_VI, [127] * W)), ir.Constant(_VI, [23] * W))
+            v = builder.fmul(p, builder.bitcast(e, _VF))
+            v = builder.select(builder.fcmp_ordered(">=", x, _vf(-87.0)), v, _vf(0.0))
+            builder.store(v, ptr, align=4)
+            builder.store(builder.fadd(builder.load(acc), v), acc)
+        red = cgutils.get_or_insert_function(mod, ir.FunctionType(_F32, [_F32, _VF]), f"llvm.vector.reduce.fadd.v{W}f32")
+        return builder.call(red, [ir.Constant(_F32, 0.0), builder.load(acc)])
+
+    return types.float32(S, r, w, bm), codegen
