@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -143,3 +144,20 @@ def test_large_segments_are_mapped_with_huge_pages_in_every_process():
         del a
     finally:
         seg.close()
+
+
+def test_big_kv_arena_on_small_pages_warns_once(monkeypatch):
+    monkeypatch.setattr(shm, "_warned_small_pages", False)
+    monkeypatch.setattr(shm, "shmem_huge_pages", lambda: "never")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        shm.warn_if_small_pages(64 << 20)           # small: no warning
+        shm.warn_if_small_pages(4 << 30)
+        shm.warn_if_small_pages(4 << 30)            # once per process
+    assert len(seen) == 1 and "huge=advise" in str(seen[0].message)
+    monkeypatch.setattr(shm, "_warned_small_pages", False)
+    monkeypatch.setattr(shm, "shmem_huge_pages", lambda: "advise")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        shm.warn_if_small_pages(4 << 30)
+    assert not seen

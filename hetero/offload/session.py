@@ -40,6 +40,7 @@ class KVSession:
                                     code=STORAGE_CODES[spec.dtype])
         self.prefilled = False
         self.opened = False
+        shm.warn_if_small_pages(self.layout.nbytes)
         self.seg = shm.Segment(shm.new_name("kv"), self.layout.nbytes, create=True)
         try:
             v = self.layout.views(self.seg)
