@@ -34,6 +34,7 @@ from hetero.profile import load_or_measure, median_times  # noqa: E402
 SHAPES = {"llama3-8b": (32, 8, 128), "llama2-7b": (32, 32, 128)}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 SPLITS = (1, 2, 4, 8, 16)
+BATCH = (32768, 8192, 2048, 300)   # the mixed batch for the planner
 TARGETS = {"one_worker_of_stream": 0.70, "vs_sdpa": 3.0, "scaling": 0.85, "planner_of_best": 0.90}
 
 
@@ -50,38 +51,68 @@ def local_bounds(cores):
         os.sched_setaffinity(0, parent)
 
 
-def bench_config(pool, cores, shape, dtype, L, reps, sdpa_threads):
+def sweep_and_plan(pool, profile, session, lengths, reps):
+    """Time one decode step (layer 0, one query token) for every (workers, splits) and for the
+    planner's choice; then the sweep's best and the planner's choice again, head to head (the
+    sweep's minimum of ~10 noisy medians is biased low: it picks a lucky one)."""
+    w = pool.words
+
+    def kernel(n, s):
+        def job():
+            session.lengths[:] = lengths
+            w[C.NSPLIT] = s
+            pool.run(C.CMD_ATTN, active=n)
+        return job
+
+    session.lengths[:] = lengths
+    plan = ProfiledPlanner(profile, pool.n).plan(session.lengths, 1, session.layout)
+    configs = {(n, s) for n in range(1, pool.n + 1) for s in SPLITS} | {plan}
+    sweep = median_times({c: kernel(*c) for c in sorted(configs)}, reps)
+    best = min(sweep, key=sweep.get)
+    final = median_times({c: kernel(*c) for c in {best, plan}}, 3 * reps)
+    return sweep, best, plan, final
+
+
+def make_session(pool, shape, dtype, lengths):
+    """A one-layer session holding random KV for `lengths`, staged for a one-token decode step."""
     Hq, Hkv, D = shape
-    bounds = local_bounds(cores)
     spec = ModelSpec(model_type="bench", layers=1, q_heads=Hq, kv_heads=Hkv, head_dim=D, dtype=dtype,
                      max_positions=None, sliding=(False,))
     profile, _ = load_or_measure(pool, spec)
-    session = KVSession(pool, spec, pads=[0], real_lens=[L], cap=L + BK)
+    session = KVSession(pool, spec, pads=[0] * len(lengths), real_lens=list(lengths), cap=max(lengths) + BK)
     try:
         session.K.normal_()
         session.V.normal_()
         session.q.copy_(torch.randn_like(session.q).to(dtype).float())   # a bf16 model stages bf16 q
-        scale = D ** -0.5
         w, f = pool.words, pool.floats
         w[C.LAYER], w[C.QLEN], w[C.WINDOW] = 0, 1, 0
-        f[C.F_SCALE], f[C.F_SOFTCAP] = scale, 0.0
+        f[C.F_SCALE], f[C.F_SOFTCAP] = D ** -0.5, 0.0
+    except BaseException:
+        session.close()
+        raise
+    return profile, session
+
+
+def bench_batch(pool, shape, dtype, lengths, reps):
+    """The planner against the sweep on a batch of unequal contexts (units of unequal size)."""
+    profile, session = make_session(pool, shape, dtype, lengths)
+    try:
+        sweep, best, plan, final = sweep_and_plan(pool, profile, session, lengths, reps)
+    finally:
+        session.close()
+    return {"lengths": list(lengths), "sweep_ms": {f"{n}x{s}": t * 1e3 for (n, s), t in sweep.items()},
+            "best": best, "best_ms": final[best] * 1e3, "planner": plan, "planner_ms": final[plan] * 1e3,
+            "planner_of_best": final[best] / final[plan]}
+
+
+def bench_config(pool, cores, shape, dtype, L, reps, sdpa_threads):
+    Hq, Hkv, D = shape
+    bounds = local_bounds(cores)
+    profile, session = make_session(pool, shape, dtype, [L])
+    try:
+        scale = D ** -0.5
         nbytes = 2 * Hkv * (L + 1) * D * torch.finfo(dtype).bits // 8
-
-        def kernel(n, s):
-            def job():
-                session.lengths[:] = L
-                w[C.NSPLIT] = s
-                pool.run(C.CMD_ATTN, active=n)
-            return job
-
-        session.lengths[:] = L
-        plan = ProfiledPlanner(profile, pool.n).plan(session.lengths, 1, session.layout)
-        configs = {(n, s) for n in range(1, pool.n + 1) for s in SPLITS} | {plan}
-        sweep = median_times({c: kernel(*c) for c in sorted(configs)}, reps)
-        best = min(sweep, key=sweep.get)
-        # the sweep's minimum of ~10 noisy medians is biased low (it picks a lucky one): time the
-        # best and the planner's choice again, head to head, for the ratio
-        final = median_times({c: kernel(*c) for c in {best, plan}}, 3 * reps)
+        sweep, best, plan, final = sweep_and_plan(pool, profile, session, [L], reps)
         # torch SDPA on the same rows
         k, v = session.read_rows(0, 0, L + 1)
         q = session.q[:, :, :1].to(dtype)                                     # [1, Hq, 1, D]
@@ -155,6 +186,10 @@ def summarize(payload):
                         round(g / (n * one), 3), ok)
         worst = min(r["planner_of_best"] for r in rows)
         out[f"{key} planner / exhaustive best (worst context)"] = (round(worst, 3), worst >= TARGETS["planner_of_best"])
+    for key, r in payload.get("batch", {}).items():
+        ratio = r["planner_of_best"]
+        out[f"{key} planner / exhaustive best (batch {'/'.join(str(n) for n in r['lengths'])})"] = (
+            round(ratio, 3), ratio >= TARGETS["planner_of_best"])
     return out
 
 
@@ -168,7 +203,7 @@ def main():
     args = ap.parse_args()
 
     cores = sorted(os.sched_getaffinity(0))
-    payload = {"machine": machine(), "cores": cores, "targets": TARGETS, "results": {}}
+    payload = {"machine": machine(), "cores": cores, "targets": TARGETS, "results": {}, "batch": {}}
     # the parent waits on the first core; worker 0 (the one-worker runs) gets a core of its own
     os.sched_setaffinity(0, {cores[0]})
     pool = WorkerPool(len(cores), cores[1:] + cores[:1], spin_budget=500)
@@ -186,6 +221,11 @@ def main():
                     print(f"{key:16s} {L // 1024:3d}K  read bound 1c {b['1']:.1f} all {b['all']:.1f} | "
                           f"hetero GB/s: {kg}  | SDPA GB/s: {sg}  | "
                           f"planner {r['planner']} {r['planner_ms']:.2f} ms vs best {r['best']} {r['best_ms']:.2f} ms")
+            for dt in args.dtypes:     # a mixed batch: the planner with units of unequal size
+                key = f"{shape} {dt}"
+                r = payload["batch"][key] = bench_batch(pool, SHAPES[shape], DTYPES[dt], BATCH, args.reps)
+                print(f"{key:16s} batch {r['lengths']}  planner {r['planner']} {r['planner_ms']:.2f} ms "
+                      f"vs best {r['best']} {r['best_ms']:.2f} ms")
     finally:
         pool.close()
         os.sched_setaffinity(0, cores)

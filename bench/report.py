@@ -47,6 +47,12 @@ def attention_tables():
             lines.append(f"| {key} | {row['context'] // 1024}K | {k['1']:.1f} | {k['1'] / b['1']:.2f} | "
                          f"{k[n]:.1f} | {k[n] / b['all']:.2f} | {s['1']:.2f} | {s[t]:.2f} | "
                          f"{tuple(row['planner'])} {row['planner_ms']:.2f} ms / {tuple(row['best'])} {row['best_ms']:.2f} ms |")
+    if r.get("batch"):
+        lines += ["", "Planner on a mixed batch (units of unequal size):", "",
+                  "| shape, KV dtype | contexts | planner (workers, splits) | best of sweep | planner / best |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {key} | {'/'.join(str(n) for n in b['lengths'])} | {tuple(b['planner'])} {b['planner_ms']:.2f} ms | "
+                  f"{tuple(b['best'])} {b['best_ms']:.2f} ms | {b['planner_of_best']:.3f} |" for key, b in r["batch"].items()]
     lines += [""] + _targets([(name, value, met) for name, (value, met) in r["summary"].items()])
     return "\n".join(lines)
 
