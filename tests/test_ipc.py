@@ -48,6 +48,27 @@ def test_pool_round_trips_and_dead_worker_detection():
     assert all(p.poll() is not None for p in pool.procs)
 
 
+def test_idle_workers_leave_their_cores_free():
+    """Between requests (and during a long prefill) a worker polls rarely: it must not keep
+    spinning (it took a third of its core before the cold back-off), yet it still answers."""
+    import psutil
+
+    pool = WorkerPool(2, [0, 1] if os.cpu_count() > 1 else [0])
+    try:
+        pool.run(C.CMD_PING)
+        time.sleep(0.3)                               # past the hot and warm back-off
+        procs = [psutil.Process(p.pid) for p in pool.procs]
+        before = [sum(p.cpu_times()[:2]) for p in procs]
+        time.sleep(2.0)
+        used = [sum(p.cpu_times()[:2]) - b for p, b in zip(procs, before)]
+        assert max(used) < 0.2, f"idle workers used {used} CPU seconds in 2 s"
+        t0 = time.perf_counter()
+        pool.run(C.CMD_PING)                          # a cold worker wakes within its sleep
+        assert time.perf_counter() - t0 < 0.5
+    finally:
+        pool.close()
+
+
 def test_segment_names_unique_and_sweep_only_dead_owners():
     a, b = shm.Segment(shm.new_name("t"), 64, create=True), shm.Segment(shm.new_name("t"), 64, create=True)
     try:

@@ -19,8 +19,14 @@ from hetero.cpu_attention import kernel
 from hetero.ipc import atomics, control as C, shm
 from hetero.offload.arena import SessionLayout
 
-YIELD_SECONDS = 0.002   # after this long idle, sleep between polls instead of yielding
-MAX_SLEEP = 0.001
+# Idle back-off. Hot (decode: the next layer's job is due within ~ms): spin, yielding the core
+# between bursts. Warm: short spins between 0.1 ms sleeps. Cold (prefill, or no request at all):
+# one poll per COLD_SLEEP, so an idle pool costs ~nothing; the first job after that waits up to
+# COLD_SLEEP (once per prefill, not per step).
+HOT_SECONDS = 0.002
+WARM_SECONDS = 0.05
+WARM_SPIN, WARM_SLEEP = 200, 0.0001
+COLD_SLEEP = 0.002
 
 
 class Worker:
@@ -95,19 +101,25 @@ class Worker:
         return True
 
     def run(self):
-        w, last, idle_since = self.words, 0, None
+        w, last, idle_since, budget = self.words, 0, None, self.spin
         while True:
-            seq = atomics.spin_until_changed(w, C.go_word(self.rank), last, self.spin)
+            seq = atomics.spin_until_changed(w, C.go_word(self.rank), last, budget)
             if seq == last:  # idle: back off, and notice a dead parent
                 if self.orphaned():
                     return
                 now = time.perf_counter()
                 idle_since = idle_since or now
-                if now - idle_since < YIELD_SECONDS:
+                idle = now - idle_since
+                if idle < HOT_SECONDS:
                     os.sched_yield()
+                elif idle < WARM_SECONDS:
+                    budget = WARM_SPIN
+                    time.sleep(WARM_SLEEP)
                 else:
-                    time.sleep(min(MAX_SLEEP, (now - idle_since) / 10))
+                    budget = 1
+                    time.sleep(COLD_SLEEP)
                 continue
+            budget = self.spin
             idle_since, last = None, seq
             cmd = int(w[C.CMD])
             try:
