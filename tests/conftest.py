@@ -1,5 +1,7 @@
 """Tiny real transformers models built from configs (no hub access), shared by the tests."""
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -10,6 +12,7 @@ from hetero.ipc import shm
 
 # planner profiles measured by the tests go to a throw-away cache, not the user's
 os.environ["HETERO_CACHE_DIR"] = tempfile.mkdtemp(prefix="hetero-test-cache-")
+atexit.register(shutil.rmtree, os.environ["HETERO_CACHE_DIR"], True)
 
 VOCAB = 160
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
