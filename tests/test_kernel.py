@@ -90,6 +90,7 @@ CASES = [  # (Hq, Hkv, D, lengths, T, window, softcap)
     (8, 2, 64, (1500, 999), 1, 300, None),    # window edge inside a pass
     (64, 1, 64, (1000, 37), 1, 0, None),      # 64 query rows: 2 blocks per pass
     (40, 1, 64, (400, 31), 8, 0, None),       # 320 query rows: one block per pass, scratch sized by rows
+    (4, 4, 64, (3000, 1100), 1, 0, None),     # MHA: 32-block passes
 ]
 
 
