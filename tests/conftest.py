@@ -10,9 +10,11 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from hetero.ipc import shm
 
-# planner profiles measured by the tests go to a throw-away cache, not the user's
-os.environ["HETERO_CACHE_DIR"] = tempfile.mkdtemp(prefix="hetero-test-cache-")
-atexit.register(shutil.rmtree, os.environ["HETERO_CACHE_DIR"], True)
+# planner profiles measured by the tests go to a throw-away cache, not the user's; processes the
+# tests start (and may kill) inherit the pytest process's, which removes it at exit
+if not os.path.basename(os.environ.get("HETERO_CACHE_DIR", "")).startswith("hetero-test-cache-"):
+    os.environ["HETERO_CACHE_DIR"] = tempfile.mkdtemp(prefix="hetero-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["HETERO_CACHE_DIR"], True)
 
 VOCAB = 160
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
