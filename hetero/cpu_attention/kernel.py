@@ -27,7 +27,6 @@ from numba import njit
 from hetero.cpu_attention import simd
 from hetero.cpu_attention.simd import BK, W
 from hetero.ipc import atomics
-from hetero.ipc.atomics import u32_as_f32
 
 F32, BF16, F16 = 0, 1, 2           # storage dtype codes
 NP_STORAGE = {F32: np.float32, BF16: np.uint16, F16: np.uint16}
@@ -35,28 +34,6 @@ NP_STORAGE = {F32: np.float32, BF16: np.uint16, F16: np.uint16}
 
 # Reassociation lets LLVM vectorize the softmax loops; no nnan/ninf: masking uses -inf.
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
-EXP_MIN = np.float32(-87.0)
-
-
-@njit(inline="always", fastmath=FASTMATH)
-def exp_neg(x):
-    """exp(x) for x <= 0 (0 below -87), branch-free so the softmax loops vectorize.
-    2**n * e**r with n = round(x / ln2), r = x - n ln2 (Cody-Waite, ln2 in two parts, so
-    |r| <= ln2/2 exactly), e**r by a degree-7 Taylor polynomial: within 2 ulp."""
-    xc = max(x, EXP_MIN)
-    n = math.floor(xc * np.float32(1.4426950408889634) + np.float32(0.5))
-    y = xc - n * np.float32(0.693145751953125)          # ln2 high part: n * it is exact
-    y = y - n * np.float32(1.428606765330187e-06)       # ln2 low part
-    p = np.float32(1 / 5040)
-    p = p * y + np.float32(1 / 720)
-    p = p * y + np.float32(1 / 120)
-    p = p * y + np.float32(1 / 24)
-    p = p * y + np.float32(1 / 6)
-    p = p * y + np.float32(0.5)
-    p = p * y + np.float32(1.0)
-    p = p * y + np.float32(1.0)
-    r = p * u32_as_f32(np.uint32(np.int32(n) + np.int32(127)) << np.uint32(23))
-    return r if x >= EXP_MIN else np.float32(0.0)
 
 
 SB_MAX = 32            # K blocks scored before each softmax pass: per row and pass one max and one
@@ -138,7 +115,7 @@ def attend_unit(qs, qp, dp, R, T, kt, vt, blk0, blk1, lo, hi, L, window, softcap
                 for jj in range(w):
                     Sv[r, jj] = 0.0
                 continue
-            alpha = exp_neg(m[r] - bm)
+            alpha = simd.exp_neg(m[r] - bm)
             m[r] = bm
             l[r] = l[r] * alpha + simd.exp_row(Sv, r, w, bm)     # Sv[r, :w] = exp(Sv[r, :w] - bm)
             if alpha != 1.0:

@@ -33,8 +33,8 @@ fp16 goes through `fpext half` (vcvtph2ps on x86 with F16C).
 
   EXP_ROW(S, r, w, bm)
       S[r, :w] = exp(S[r, :w] - bm) (0 below -87, so masked -inf scores give 0), returns
-      their sum; the same Cody-Waite + degree-7 polynomial as kernel.exp_neg, 16 lanes at
-      a time (numba's loop ran it 8 wide at 2.3x the time here).
+      their sum, 16 lanes at a time (numba's own loop of the same formula ran 8 wide at
+      2.3x the time here). EXP_NEG(x) is the same exp of one float32 (see _exp).
 
 Storage is a float32 array, or a uint16 array of bf16 (code 1) / fp16 (code 2)
 bits; the uint16 variants branch on `code` once per call, outside the loops.
@@ -86,6 +86,11 @@ def _data(context, builder, arrty, arr):
 def _splat(builder, x):
     v = builder.insert_element(ir.Constant(_VF, ir.Undefined), x, ir.Constant(_I32, 0))
     return builder.shuffle_vector(v, ir.Constant(_VF, ir.Undefined), ir.Constant(ir.VectorType(_I32, W), [0] * W))
+
+
+def _vf(x):
+    """A <W x float> constant."""
+    return ir.Constant(_VF, [float(x)] * W)
 
 
 def _fmuladd(builder, a, b, c):
@@ -187,7 +192,7 @@ def _make_qk(nr):
 
 def _qk_loop(builder, conv, nr, D, qptr, r0v, kptr, kbase, accs):
     for a in accs:
-        builder.store(ir.Constant(_VF, [0.0] * W), a)
+        builder.store(_vf(0.0), a)
     with cgutils.for_range(builder, D) as loop:
         d = loop.index
         koff = builder.add(kbase, builder.mul(d, ir.Constant(_I64, BK)))
@@ -204,7 +209,7 @@ def _qk_pairs(builder, nr, D, qptr, qpptr, r0v, kptr, kbase, accs, use_dp):
     """bf16 K in pair-interleaved blocks [D/2, BK, 2]: lane j of the i32 vector at pair p
     holds (k[2p, j] | k[2p+1, j] << 16)."""
     for a in accs:
-        builder.store(ir.Constant(_VF, [0.0] * W), a)
+        builder.store(_vf(0.0), a)
     half = builder.lshr(D, ir.Constant(_I64, 1))
     with cgutils.for_range(builder, half) as loop:
         p = loop.index
@@ -295,21 +300,54 @@ pv1, pv2, pv4 = (_make_pv(nr) for nr in (1, 2, 4))
 
 
 
+def _vfn(builder, name, nargs):
+    """LLVM's vector intrinsic llvm.<name>.v16f32 of `nargs` <16 x float> operands."""
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF] * nargs), f"llvm.{name}.v{W}f32")
+
+
+EXP_MIN = -87.0
+_EXP_C = [1.0, 1.0, 0.5, 1 / 6, 1 / 24, 1 / 120, 1 / 720, 1 / 5040]   # e**y Taylor, degree 7
+
+
+def _exp(builder, x):
+    """exp(x) per lane for x <= 0, 0 below EXP_MIN (so -inf gives 0): 2**n e**y with
+    n = round(x / ln2), y = x - n ln2 (Cody-Waite, ln2 in two parts, so |y| <= ln2/2 exactly),
+    e**y by the degree-7 Taylor polynomial: within 2 ulp."""
+    xc = builder.call(_vfn(builder, "maxnum", 2), [x, _vf(EXP_MIN)])
+    n = builder.call(_vfn(builder, "floor", 1), [_fmuladd(builder, xc, _vf(1.4426950408889634), _vf(0.5))])
+    y = _fmuladd(builder, n, _vf(-0.693145751953125), xc)       # ln2 high part: n * it is exact
+    y = _fmuladd(builder, n, _vf(-1.428606765330187e-06), y)    # ln2 low part
+    p = _vf(_EXP_C[-1])
+    for c in reversed(_EXP_C[:-1]):
+        p = _fmuladd(builder, p, y, _vf(c))
+    e = builder.shl(builder.add(builder.fptosi(n, _VI), ir.Constant(_VI, [127] * W)), ir.Constant(_VI, [23] * W))
+    v = builder.fmul(p, builder.bitcast(e, _VF))                # p * 2**n
+    return builder.select(builder.fcmp_ordered(">=", x, _vf(EXP_MIN)), v, _vf(0.0))
+
+
+def _row_ok(S, r, w, x):
+    return _f32_ok(S) and isinstance(r, types.Integer) and isinstance(w, types.Integer) and x == types.float32
+
+
+def _row(context, builder, sig, args):
+    """Pointer to S[r, 0] and the number of W-vectors in w, from a row intrinsic's (S, r, w, ...)."""
+    sptr, (_, stride) = _data(context, builder, sig.args[0], args[0])
+    rv, wv = (context.cast(builder, args[k], sig.args[k], types.int64) for k in (1, 2))
+    return builder.gep(sptr, [builder.mul(rv, stride)]), builder.udiv(wv, ir.Constant(_I64, W))
+
+
 @intrinsic
 def rowmax(typingctx, S, r, w, init):
-    if not (_f32_ok(S) and isinstance(r, types.Integer) and isinstance(w, types.Integer) and init == types.float32):
+    if not _row_ok(S, r, w, init):
         return None
 
     def codegen(context, builder, sig, args):
-        sptr, (_, stride) = _data(context, builder, sig.args[0], args[0])
-        rv, wv = (context.cast(builder, args[k], sig.args[k], types.int64) for k in (1, 2))
-        base = builder.gep(sptr, [builder.mul(rv, stride)])
+        base, nvec = _row(context, builder, sig, args)
         acc = cgutils.alloca_once(builder, _VF)
         builder.store(_splat(builder, args[3]), acc)
-        vmax = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF, _VF]), f"llvm.maxnum.v{W}f32")
-        with cgutils.for_range(builder, builder.udiv(wv, ir.Constant(_I64, W))) as loop:
+        with cgutils.for_range(builder, nvec) as loop:
             x = _load_vec(builder, base, builder.mul(loop.index, ir.Constant(_I64, W)), "f32")
-            builder.store(builder.call(vmax, [builder.load(acc), x]), acc)
+            builder.store(builder.call(_vfn(builder, "maxnum", 2), [builder.load(acc), x]), acc)
         red = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_VF]),
                                              f"llvm.vector.reduce.fmax.v{W}f32")
         return builder.call(red, [builder.load(acc)])
@@ -317,45 +355,35 @@ def rowmax(typingctx, S, r, w, init):
     return types.float32(S, r, w, init), codegen
 
 
-_EXP_C = [1.0, 1.0, 0.5, 1 / 6, 1 / 24, 1 / 120, 1 / 720, 1 / 5040]   # e**y Taylor, as kernel.exp_neg
-
-
-def _vf(x):
-    return ir.Constant(_VF, [float(x)] * W)
-
-
 @intrinsic
 def exp_row(typingctx, S, r, w, bm):
-    if not (_f32_ok(S) and isinstance(r, types.Integer) and isinstance(w, types.Integer) and bm == types.float32):
+    if not _row_ok(S, r, w, bm):
         return None
 
     def codegen(context, builder, sig, args):
-        sptr, (_, stride) = _data(context, builder, sig.args[0], args[0])
-        rv, wv = (context.cast(builder, args[k], sig.args[k], types.int64) for k in (1, 2))
-        base = builder.gep(sptr, [builder.mul(rv, stride)])
+        base, nvec = _row(context, builder, sig, args)
         bmv = _splat(builder, args[3])
         acc = cgutils.alloca_once(builder, _VF)
         builder.store(_vf(0.0), acc)
-        mod = builder.module
-        vmax = cgutils.get_or_insert_function(mod, ir.FunctionType(_VF, [_VF, _VF]), f"llvm.maxnum.v{W}f32")
-        vfloor = cgutils.get_or_insert_function(mod, ir.FunctionType(_VF, [_VF]), f"llvm.floor.v{W}f32")
-        with cgutils.for_range(builder, builder.udiv(wv, ir.Constant(_I64, W))) as loop:
-            off = builder.mul(loop.index, ir.Constant(_I64, W))
-            ptr = builder.bitcast(builder.gep(base, [off]), _VF.as_pointer())
-            x = builder.fsub(builder.load(ptr, align=4), bmv)
-            xc = builder.call(vmax, [x, _vf(-87.0)])
-            n = builder.call(vfloor, [_fmuladd(builder, xc, _vf(1.4426950408889634), _vf(0.5))])
-            y = _fmuladd(builder, n, _vf(-0.693145751953125), xc)
-            y = _fmuladd(builder, n, _vf(-1.428606765330187e-06), y)
-            p = _vf(_EXP_C[7])
-            for c in reversed(_EXP_C[:7]):
-                p = _fmuladd(builder, p, y, _vf(c))
-            e = builder.shl(builder.add(builder.fptosi(n, _VI), ir.Constant(_VI, [127] * W)), ir.Constant(_VI, [23] * W))
-            v = builder.fmul(p, builder.bitcast(e, _VF))
-            v = builder.select(builder.fcmp_ordered(">=", x, _vf(-87.0)), v, _vf(0.0))
+        with cgutils.for_range(builder, nvec) as loop:
+            ptr = builder.bitcast(builder.gep(base, [builder.mul(loop.index, ir.Constant(_I64, W))]), _VF.as_pointer())
+            v = _exp(builder, builder.fsub(builder.load(ptr, align=4), bmv))
             builder.store(v, ptr, align=4)
             builder.store(builder.fadd(builder.load(acc), v), acc)
-        red = cgutils.get_or_insert_function(mod, ir.FunctionType(_F32, [_F32, _VF]), f"llvm.vector.reduce.fadd.v{W}f32")
+        red = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32, _VF]),
+                                             f"llvm.vector.reduce.fadd.v{W}f32")
         return builder.call(red, [ir.Constant(_F32, 0.0), builder.load(acc)])
 
     return types.float32(S, r, w, bm), codegen
+
+
+@intrinsic
+def exp_neg(typingctx, x):
+    """exp(x) of one float32 x <= 0 by the same formula (the softmax's rescale factor)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.extract_element(_exp(builder, _splat(builder, args[0])), ir.Constant(_I32, 0))
+
+    return types.float32(x), codegen

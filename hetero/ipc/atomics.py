@@ -78,23 +78,6 @@ def cpu_relax(typingctx):
     return types.void(), codegen
 
 
-@intrinsic
-def u32_as_f32(typingctx, x):
-    """Reinterpret the low 32 bits of an integer as a float32."""
-    if not isinstance(x, types.Integer):
-        return None
-
-    def codegen(context, builder, sig, args):
-        v = args[0]
-        if x.bitwidth > 32:
-            v = builder.trunc(v, ir.IntType(32))
-        elif x.bitwidth < 32:
-            v = builder.zext(v, ir.IntType(32))
-        return builder.bitcast(v, ir.FloatType())
-
-    return types.float32(x), codegen
-
-
 @njit(cache=True)
 def store(flags, idx, value):
     atomic_store(flags, idx, value)
@@ -149,5 +132,5 @@ def warm_up():
     spin_until_all(a, 0, 2, 8, 1, 1)
 
 
-__all__ = ["atomic_load", "atomic_store", "fetch_add", "cpu_relax", "u32_as_f32", "store", "load", "post",
+__all__ = ["atomic_load", "atomic_store", "fetch_add", "cpu_relax", "store", "load", "post",
            "spin_until_changed", "spin_until_all", "warm_up", "numba"]
