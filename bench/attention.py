@@ -65,6 +65,7 @@ def sweep_and_plan(pool, profile, session, lengths, reps):
         return job
 
     session.lengths[:] = lengths
+    session.order[:] = np.argsort(-np.asarray(lengths), kind="stable")    # as KVSession does per step
     plan = ProfiledPlanner(profile, pool.n).plan(session.lengths, 1, session.layout)
     configs = {(n, s) for n in range(1, pool.n + 1) for s in SPLITS} | {plan}
     sweep = median_times({c: kernel(*c) for c in sorted(configs)}, reps)

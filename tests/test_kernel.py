@@ -68,7 +68,7 @@ def run_kernel(q, kst, vst, lengths, T, window, scale, softcap, code, nsplit):
     pl = pm.copy()
     ticket = np.zeros(1, np.int64)          # the pool's NEXT word: one caller takes every unit
     K.run_share(ticket, 0, 0, T, window, nsplit, np.float32(scale), np.float32(softcap or 0), code,
-                q.numpy(), knew, vnew, Kc, Vc, np.asarray(lengths, np.int64), po, pm, pl,
+                q.numpy(), knew, vnew, Kc, Vc, np.asarray(lengths, np.int64), np.argsort(-np.asarray(lengths)), po, pm, pl,
                 np.zeros((G * T, D), np.float32), np.zeros((G * T, D // 2), np.uint32),
                 K.score_scratch(G * T))
     assert ticket[0] == B * Hkv * nsplit + 1                # every unit taken once, then one miss

@@ -157,16 +157,18 @@ def unit_span(L, T, window, nsplit, s):
 
 @njit(cache=True)
 def run_share(ctrl, next_word, layer, T, window, nsplit, scale, softcap, code,
-              q, knew, vnew, K, V, lengths, part_o, part_m, part_l, qs, qp, S):
+              q, knew, vnew, K, V, lengths, order, part_o, part_m, part_l, qs, qp, S):
     """One worker's part of a decode step for one layer.
 
     Units (b, h, s) = (request, kv head, split) are taken one at a time from a shared
-    ticket (ctrl[next_word], fetch-added; the parent zeroes it before GO), longest
-    requests first, so a worker that wakes late or shares its core does fewer units.
+    ticket (ctrl[next_word], fetch-added; the parent zeroes it before GO), requests in
+    `order` (the parent's longest-first permutation, written once per step), so a worker
+    that wakes late or shares its core does fewer units. Any permutation gives the same
+    result; the order only shortens the tail.
     Split s of (b, h) covers whole blocks; before reading, it appends those of the T
     new rows (staged in knew/vnew, at rows L..L+T-1) that fall in its blocks, so no
     worker reads a row another worker is writing.
-    q [B,Hq,Tmax,D] f32; knew/vnew [B,Hkv,Tmax,D]; K [layers,B,Hkv,nblk,D,BK];
+    q [B,Hq,Tmax,D] f32; knew/vnew [B,Hkv,Tmax,D]; lengths/order [B]; K [layers,B,Hkv,nblk,D,BK];
     V [layers,B,Hkv,nblk,D/W,BK,W]; part_o [B,Hkv,NS,rows,D]; part_m/l [B,Hkv,NS,rows];
     qs [rows, D] f32, qp [rows, D/2] u32 and S (score_scratch(rows)) are the worker's scratch.
     """
@@ -177,7 +179,6 @@ def run_share(ctrl, next_word, layer, T, window, nsplit, scale, softcap, code,
     G = Hq // Hkv
     R = G * T
     qbits = q.view(np.uint32)
-    order = np.argsort(-lengths)                 # longest request first
     while True:
         u = atomics.fetch_add(ctrl, next_word, 1)
         if u >= B * Hkv * nsplit:
@@ -222,5 +223,5 @@ def warm_up():
         po = np.zeros((1, 1, 1, 2, D), np.float32)
         pm = np.zeros((1, 1, 1, 2), np.float32)
         run_share(np.zeros(1, np.int64), 0, 0, 1, 0, 1, np.float32(0.5), np.float32(0.0), code, q, new, new, K, V,
-                  np.zeros(1, np.int64), po, pm, pm.copy(), np.zeros((2, D), np.float32),
+                  np.zeros(1, np.int64), np.zeros(1, np.int64), po, pm, pm.copy(), np.zeros((2, D), np.float32),
                   np.zeros((2, D // 2), np.uint32), score_scratch(2))

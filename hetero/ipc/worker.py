@@ -86,7 +86,7 @@ class Worker:
         w, f, v = self.words, self.floats, self.v
         kernel.run_share(w, C.NEXT, int(w[C.LAYER]), int(w[C.QLEN]), int(w[C.WINDOW]),
                          int(w[C.NSPLIT]), np.float32(f[C.F_SCALE]), np.float32(f[C.F_SOFTCAP]), self.code,
-                         v["q"], v["knew"], v["vnew"], v["K"], v["V"], v["lengths"],
+                         v["q"], v["knew"], v["vnew"], v["K"], v["V"], v["lengths"], v["order"],
                          v["part_o"], v["part_m"], v["part_l"], self.qs, self.qp, self.S)
 
     def orphaned(self):

@@ -5,6 +5,7 @@ parent and the workers agree on every offset. numpy only (workers import it).
 
   array    shape                          dtype    written by              read by
   lengths  [B]                            int64    main (after each step)  workers
+  order    [B]                            int64    main (after each step)  workers: requests, longest first
   q        [B, Hq, Tmax, D]               f32      main (each layer)       workers
   knew     [B, Hkv, Tmax, D]              storage  main (each layer)       workers (append)
   vnew     [B, Hkv, Tmax, D]              storage  main (each layer)       workers (append)
@@ -59,6 +60,7 @@ class SessionLayout:
         st = NP_STORAGE[self.code]
         return [
             ("lengths", (B,), np.int64),
+            ("order", (B,), np.int64),
             ("q", (B, Hq, T, D), np.float32),
             ("knew", (B, Hkv, T, D), st),
             ("vnew", (B, Hkv, T, D), st),

@@ -51,6 +51,8 @@ class KVSession:
             self.V = self._storage(v["V"])              # [layers, B, Hkv, nblk, D/W, BK, W]
             self.part_o, self.part_m, self.part_l = (torch.from_numpy(v[n]) for n in ("part_o", "part_m", "part_l"))
             self.lengths[:] = 0
+            self.order = v["order"]                     # numpy, the workers' unit order (see _plan_step)
+            self.order[:] = np.arange(self.batch)
             self._real_lens = np.asarray(real_lens, np.int64)
             self._open()
         except BaseException:
@@ -117,8 +119,10 @@ class KVSession:
         self.prefilled = True
 
     def _plan_step(self, T):
-        """Workers and split count for the next decode step (lengths change once per step, not per layer)."""
+        """Workers, split count and request order (longest first: the longest units are taken
+        first) for the next decode step: lengths change once per step, not per layer."""
         self.nactive, self.nsplit = self.planner.plan(self.lengths, T, self.layout)
+        self.order[:] = np.argsort(-self.lengths, kind="stable")
         self._planned_T = T
 
     # ---- decode
