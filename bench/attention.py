@@ -12,10 +12,8 @@ Llama-2-7B (32 / 32 / 128) head shapes. Workers are pinned to every usable core 
 parent shares the first one and backs off while it waits). Writes JSON and a PNG.
 """
 import argparse
-import math
 import os
 import sys
-import time
 
 import numpy as np
 import torch
@@ -25,11 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import RESULTS, machine, stream_read_all_gbps, stream_read_gbps, write_json  # noqa: E402
 from hetero.cpu_attention.planner import ProfiledPlanner  # noqa: E402
 from hetero.cpu_attention.simd import BK  # noqa: E402
-from hetero.ipc import control as C  # noqa: E402
 from hetero.ipc.pool import WorkerPool  # noqa: E402
 from hetero.model_spec import ModelSpec  # noqa: E402
-from hetero.offload.session import KVSession  # noqa: E402
-from hetero.profile import load_or_measure, median_times  # noqa: E402
+from hetero.profile import attention_job, load_or_measure, median_times, synthetic_session  # noqa: E402
 
 SHAPES = {"llama3-8b": (32, 8, 128), "llama2-7b": (32, 32, 128)}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -55,22 +51,13 @@ def sweep_and_plan(pool, profile, session, lengths, reps):
     """Time one decode step (layer 0, one query token) for every (workers, splits) and for the
     planner's choice; then the sweep's best and the planner's choice again, head to head (the
     sweep's minimum of ~10 noisy medians is biased low: it picks a lucky one)."""
-    w = pool.words
-
-    def kernel(n, s):
-        def job():
-            session.lengths[:] = lengths
-            w[C.NSPLIT] = s
-            pool.run(C.CMD_ATTN, active=n)
-        return job
-
     session.lengths[:] = lengths
     session.order[:] = np.argsort(-np.asarray(lengths), kind="stable")    # as KVSession does per step
     plan = ProfiledPlanner(profile, pool.n).plan(session.lengths, 1, session.layout)
     configs = {(n, s) for n in range(1, pool.n + 1) for s in SPLITS} | {plan}
-    sweep = median_times({c: kernel(*c) for c in sorted(configs)}, reps)
+    sweep = median_times({c: attention_job(pool, session, lengths, *c) for c in sorted(configs)}, reps)
     best = min(sweep, key=sweep.get)
-    final = median_times({c: kernel(*c) for c in {best, plan}}, 3 * reps)
+    final = median_times({c: attention_job(pool, session, lengths, *c) for c in {best, plan}}, 3 * reps)
     return sweep, best, plan, final
 
 
@@ -80,18 +67,7 @@ def make_session(pool, shape, dtype, lengths):
     spec = ModelSpec(model_type="bench", layers=1, q_heads=Hq, kv_heads=Hkv, head_dim=D, dtype=dtype,
                      max_positions=None, sliding=(False,))
     profile, _ = load_or_measure(pool, spec)
-    session = KVSession(pool, spec, pads=[0] * len(lengths), real_lens=list(lengths), cap=max(lengths) + BK)
-    try:
-        session.K.normal_()
-        session.V.normal_()
-        session.q.copy_(torch.randn_like(session.q).to(dtype).float())   # a bf16 model stages bf16 q
-        w, f = pool.words, pool.floats
-        w[C.LAYER], w[C.QLEN], w[C.WINDOW] = 0, 1, 0
-        f[C.F_SCALE], f[C.F_SOFTCAP] = D ** -0.5, 0.0
-    except BaseException:
-        session.close()
-        raise
-    return profile, session
+    return profile, synthetic_session(pool, spec, lengths, max(lengths) + BK)
 
 
 def bench_batch(pool, shape, dtype, lengths, reps):
@@ -125,7 +101,6 @@ def bench_config(pool, cores, shape, dtype, L, reps, sdpa_threads):
             sdpa[threads] = median_times({0: lambda: torch.nn.functional.scaled_dot_product_attention(
                 q, k[None], v[None], scale=scale, enable_gqa=Hq != Hkv)}, reps)[0]
         os.sched_setaffinity(0, parent)
-        del k, v
     finally:
         session.close()
     best_n = {n: min(t for (m, _), t in sweep.items() if m == n) for n in range(1, pool.n + 1)}

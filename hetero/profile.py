@@ -6,6 +6,7 @@ context in 16 splits instead of 1 (per-unit cost), all worker counts on a long
 context (the aggregate bandwidth), empty jobs (dispatch cost), and the parent's
 merge (fixed, and per split). A few seconds; cached on disk per machine and shape.
 """
+import functools
 import math
 import time
 
@@ -40,28 +41,41 @@ def median_times(jobs, reps, rounds=3, steady=False):
     return {k: float(np.median(sum(v, []))) for k, v in ts.items()}
 
 
+def synthetic_session(pool, spec, lengths, cap):
+    """A KVSession of random KV (and a random q staged as a model of spec.dtype would: bf16-exact
+    for bf16) for `lengths`, with the pool's words set for a one-token decode step of layer 0."""
+    session = KVSession(pool, spec, pads=[0] * len(lengths), real_lens=list(lengths), cap=cap)
+    try:
+        g = torch.Generator().manual_seed(0)
+        session.K.copy_(torch.randn(session.K.shape, generator=g).to(session.K.dtype))
+        session.V.copy_(torch.randn(session.V.shape, generator=g).to(session.V.dtype))
+        session.q.copy_(torch.randn(session.q.shape, generator=g).to(spec.dtype).float())
+        w, f = pool.words, pool.floats
+        f[C.F_SCALE], f[C.F_SOFTCAP] = spec.head_dim ** -0.5, 0.0
+        w[C.LAYER], w[C.QLEN], w[C.WINDOW] = 0, 1, 0
+    except BaseException:
+        session.close()
+        raise
+    return session
+
+
+def attention_job(pool, session, lengths, n, s):
+    """A callable running one decode-attention step over `lengths` on n workers in s splits."""
+    def job():
+        session.lengths[:] = lengths
+        pool.words[C.NSPLIT] = s
+        pool.run(C.CMD_ATTN, active=n)
+    return job
+
+
 def measure(pool, group, head_dim, dtype, reps=5):
     """Profile for `pool` and queries of `group` heads per kv head, `head_dim`, KV in `dtype`."""
     Hkv = PROFILE_KV_HEADS
     spec = ModelSpec(model_type="profile", layers=1, q_heads=Hkv * group, kv_heads=Hkv, head_dim=head_dim,
                      dtype=dtype, max_positions=None, sliding=(False,))
-    session = KVSession(pool, spec, pads=[0], real_lens=[1], cap=PROFILE_ROWS + BK)
+    session = synthetic_session(pool, spec, [1], PROFILE_ROWS + BK)
     try:
-        g = torch.Generator().manual_seed(0)
-        session.K.copy_(torch.randn(session.K.shape, generator=g).to(session.K.dtype))
-        session.V.copy_(torch.randn(session.V.shape, generator=g).to(session.V.dtype))
-        session.q.copy_(torch.randn(session.q.shape, generator=g).to(dtype).float())   # a model of this dtype stages q in it
-        w, f = pool.words, pool.floats
-        f[C.F_SCALE], f[C.F_SOFTCAP] = head_dim ** -0.5, 0.0
-        w[C.LAYER], w[C.QLEN], w[C.WINDOW] = 0, 1, 0
-
-        def attn(L, n, s):
-            def job():
-                session.lengths[:] = L
-                w[C.NSPLIT] = s
-                pool.run(C.CMD_ATTN, active=n)
-            return job
-
+        attn = functools.partial(attention_job, pool, session)     # attn(lengths, n, s)
         ping = median_times({n: (lambda n=n: pool.run(C.CMD_PING, active=n)) for n in range(1, pool.n + 1)}, 100,
                             steady=True)
         dispatch = [ping[n] for n in range(1, pool.n + 1)]

@@ -218,7 +218,7 @@ def test_concurrent_generate_on_one_generator_is_refused(llama, llama_gen):
     import threading
 
     ids, mask = padded_batch()
-    started, release, errors = threading.Event(), threading.Event(), []
+    started, release = threading.Event(), threading.Event()
 
     def slow():
         started.set()

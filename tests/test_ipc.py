@@ -1,7 +1,6 @@
 """Atomic flags, the worker pool and segment hygiene, with real processes and /dev/shm."""
 import multiprocessing as mp
 import os
-import signal
 import subprocess
 import sys
 import time

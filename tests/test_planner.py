@@ -2,7 +2,6 @@
 import json
 
 import numpy as np
-import pytest
 
 from hetero.cpu_attention import planner as P
 from hetero.offload.arena import SessionLayout

@@ -19,7 +19,6 @@ from contextvars import ContextVar
 import numpy as np
 import torch
 
-from hetero.adapters import layout
 from hetero.ipc import control as C
 
 active_batch = ContextVar("hetero_lora_batch", default=None)

@@ -24,7 +24,6 @@ import hashlib
 import json
 import os
 import platform
-import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
