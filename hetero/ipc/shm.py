@@ -110,11 +110,14 @@ _warned_small_pages = False
 def warn_if_small_pages(nbytes, threshold=1 << 30):
     """Once per process: warn that a KV arena of `nbytes` (>= threshold) will sit on 4 KB pages."""
     global _warned_small_pages
-    if _warned_small_pages or nbytes < threshold or shmem_huge_pages() not in ("never", "deny"):
+    if _warned_small_pages or nbytes < threshold:
+        return
+    policy = shmem_huge_pages()
+    if policy not in ("never", "deny"):
         return
     _warned_small_pages = True
     warnings.warn(f"the {nbytes / 2**30:.1f} GiB KV cache sits on 4 KB pages (/dev/shm huge pages: "
-                  f"{shmem_huge_pages()}); decode attention reads it 15-30% slower than from 2 MB pages. "
+                  f"{policy}); decode attention reads it 15-30% slower than from 2 MB pages. "
                   "Enable them with: mount -o remount,huge=advise /dev/shm", RuntimeWarning, stacklevel=3)
 
 
