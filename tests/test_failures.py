@@ -237,3 +237,25 @@ def test_concurrent_generate_on_one_generator_is_refused(llama, llama_gen):
         release.set()
         t.join(10)
     assert only_ctrl_segment(llama_gen)
+
+
+def _mapped_kv_segments():
+    """KV arenas still mapped into this process (unlinked ones show as '(deleted)')."""
+    with open("/proc/self/maps") as f:
+        return [line.split()[-2] if line.rstrip().endswith("(deleted)") else line.split()[-1]
+                for line in f if "/dev/shm/hetero_" in line and "_kv" in line]
+
+
+def test_kept_outputs_do_not_pin_the_kv_arena(llama, llama_gen):
+    """return_dict_in_generate outputs hold the cache (and through it the session): closing the
+    session must release every view so the arena is unmapped, not pinned by each kept output."""
+    import warnings
+
+    ids, mask = padded_batch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)     # a view left alive warns in Segment.close
+        outs = [llama_gen.generate(ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0,
+                                   return_dict_in_generate=True) for _ in range(20)]
+    assert all(o.past_key_values is not None for o in outs)   # HF keeps our cache in the output
+    assert _mapped_kv_segments() == []
+    assert only_ctrl_segment(llama_gen)

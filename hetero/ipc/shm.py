@@ -59,8 +59,9 @@ class Segment:
         if mm is not None:
             try:
                 mm.close()
-            except BufferError:
-                pass  # numpy/torch views still reference it; the kernel frees it with the last view
+            except BufferError:   # a numpy/torch view still references it: the memory stays mapped
+                warnings.warn(f"shared segment {self.name} is still referenced by a view and stays mapped "
+                              f"({self.size} bytes) until that view is freed", ResourceWarning, stacklevel=2)
         if self.owner:
             self.owner = False
             unlink(self.name)

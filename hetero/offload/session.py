@@ -165,6 +165,8 @@ class KVSession:
                     self.pool.run(C.CMD_CLOSE, timeout=5.0)
                 except Exception:
                     pass
+        # drop every view first: a live view pins the mapping (and an output that keeps this
+        # session through its cache would pin the whole arena)
         self.q = self.knew = self.vnew = self.K = self.V = None
-        self.part_o = self.part_m = self.part_l = self.lengths = None
+        self.part_o = self.part_m = self.part_l = self.lengths = self.order = None
         self.seg.close()
