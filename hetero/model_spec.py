@@ -20,6 +20,7 @@ class ModelSpec:
     dtype: torch.dtype
     max_positions: int | None
     sliding: tuple  # per layer: True for sliding-window attention layers
+    windows: tuple = ()  # per layer: the sliding window in tokens (0: full attention)
 
 
 def inspect_model(model):
@@ -56,9 +57,14 @@ def inspect_model(model):
     other = sorted(set(layer_types) - ATTENTION_LAYER_TYPES)
     if other:
         raise UnsupportedModelError(f"{name} has layer types {other}; the engine supports only {sorted(ATTENTION_LAYER_TYPES)}")
+    window = getattr(cfg, "sliding_window", None) or 0
+    if getattr(cfg, "layer_types", None):
+        windows = tuple(window if t == "sliding_attention" else 0 for t in layer_types)
+    else:       # no layer types (Mistral, Phi-3, ...): a configured window applies to every layer
+        windows = (window,) * layers
     dtype = model.dtype
     if dtype not in SUPPORTED_DTYPES:
         raise UnsupportedModelError(f"{name} is in {dtype}; supported: float32, bfloat16, float16")
     return ModelSpec(model_type=cfg.model_type, layers=layers, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
                      dtype=dtype, max_positions=getattr(cfg, "max_position_embeddings", None),
-                     sliding=tuple(t == "sliding_attention" for t in layer_types))
+                     sliding=tuple(t == "sliding_attention" for t in layer_types), windows=windows)
