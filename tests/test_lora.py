@@ -180,3 +180,32 @@ def test_plan_units_is_rank_aware():
     assert n == 4 and all(len(us) == 1 for us in per)
     # never more workers than there are
     assert plan_units(pieces, 4096, 4096, 2)[0] == 2
+
+
+def test_hooks_keep_accelerate_dispatch_hooks(tmp_path):
+    """An accelerate-dispatched model keeps its device hooks after the adapters' hooks are removed."""
+    from accelerate import dispatch_model
+
+    base, pm, ref_impl = make_adapters("llama", tmp_path)
+    base = dispatch_model(base, device_map={"": "cpu"}, force_hooks=True)
+    q = base.get_submodule("model.layers.0.self_attn.q_proj")
+    assert hasattr(q, "_hf_hook") and "forward" in q.__dict__
+    accelerate_forward = q.__dict__["forward"]
+    ids, mask = padded_batch()
+    with HeteroGenerator(base, cpu_workers=1, adapters={"legal": tmp_path / "legal"}) as gen:
+        out = gen.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                           adapter_names=["legal"] * 3)
+    assert q.__dict__.get("forward") is accelerate_forward
+    pm.set_adapter("legal")
+    ref = pm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, ref)
+
+
+def test_missing_peft_is_a_clear_error(tmp_path, monkeypatch):
+    base, _, _ = make_adapters("llama", tmp_path)
+    with HeteroGenerator(base, cpu_workers=1) as gen:
+        for mod in [m for m in list(__import__("sys").modules) if m == "peft" or m.startswith("peft.")]:
+            monkeypatch.setitem(__import__("sys").modules, mod, None)      # import peft now fails
+        with pytest.raises(AdapterError, match=r"need peft.*hetero\[lora\]"):
+            gen.load_adapter("legal", tmp_path / "legal")
+        assert gen.adapters == []

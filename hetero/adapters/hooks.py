@@ -1,8 +1,9 @@
 """Per-request LoRA inside generate: instance hooks on the adapted linear layers.
 
 Each adapted module (a peft LoRA layer, or a plain nn.Linear when the adapter came from a
-directory) gets its `forward` replaced on the instance; model and peft code are untouched and
-`remove()` restores them. Outside generate the original forward runs. Inside, with a
+directory) gets its `forward` wrapped on the instance; model and peft code are untouched and
+`remove()` puts back exactly what was there (the class's forward, or another wrapper such as
+accelerate's device hooks). Outside generate the original forward runs. Inside, with a
 `LoraBatch` active (one adapter name or None per request, like peft's adapter_names):
 
   decode (one token per request): stage x in shared memory, start the CPU workers on the LoRA
@@ -163,7 +164,7 @@ class LoraHooks:
         if path in self.hooked:
             return
         mod = self.model.get_submodule(path)
-        original = mod.forward                     # bound: the class's (or peft's) forward
+        original = mod.forward                     # bound: the class's, peft's, or another wrapper's
         base = mod.base_layer if hasattr(mod, "base_layer") else original   # peft layer: skip its own LoRA
 
         def forward(x, *args, **kwargs):
@@ -172,12 +173,20 @@ class LoraHooks:
                 return original(x, *args, **kwargs)
             return batch.apply(site, x, lambda: base(x, *args, **kwargs))
 
+        # an instance attribute already there (accelerate's device hooks put one) is kept to restore
+        self.hooked[path] = (mod, mod.__dict__.get("forward"), forward)
         mod.forward = forward
-        self.hooked[path] = mod
 
     def remove(self):
-        for mod in self.hooked.values():
-            mod.__dict__.pop("forward", None)
+        """Restore each module's forward as it was before ensure(): the class's, or the instance
+        attribute another library had set (e.g. accelerate's dispatch hooks)."""
+        for mod, previous, ours in self.hooked.values():
+            if mod.__dict__.get("forward") is not ours:
+                continue                           # replaced after us: not ours to undo
+            if previous is None:
+                del mod.forward
+            else:
+                mod.forward = previous
         self.hooked.clear()
 
 

@@ -62,9 +62,20 @@ def base_linear(model, path, name):
     return base.in_features, base.out_features
 
 
-def _pattern(patterns, path, default):
-    from peft.utils.other import get_pattern_key
+def _peft():
+    """peft, or an AdapterError naming the extra to install (it is not a core dependency)."""
+    try:
+        import peft
+        import peft.tuners.lora
+        import peft.utils.other
+    except ImportError as e:
+        raise AdapterError(f"LoRA adapters need peft, which is not installed ({e}): "
+                           "pip install 'hetero[lora]' (or pip install peft)") from None
+    return peft
 
+
+def _pattern(patterns, path, default):
+    get_pattern_key = _peft().utils.other.get_pattern_key
     key = get_pattern_key(patterns.keys(), path)
     return patterns.get(key, default)
 
@@ -125,7 +136,7 @@ def from_directory(name, path, model):
 def from_peft_model(peft_model, name, model):
     """Adapter `name` of a live PeftModel (its LoRA layers) -> {module path: (A, B, scaling)}."""
     check_config(name, {k: v for k, v in vars(peft_model.peft_config[name]).items()})
-    from peft.tuners.lora import LoraLayer
+    LoraLayer = _peft().tuners.lora.LoraLayer
 
     out = {}
     for path, mod in model.named_modules():
