@@ -18,6 +18,8 @@ class HeteroConfig:
     ram_fraction: float = 0.8             # share of available RAM one generate's KV arena may take
     spin_budget: int = 20000              # atomic polls before a waiter backs off
     start_timeout: float = 300.0          # seconds for workers to start (numba compiles on a cold cache)
+    worker_timeout: float = 5.0           # seconds a job may go without progress before WorkerError (a stopped
+                                          # or stuck worker); progress = a unit taken or a worker finished
     profile: str = "auto"                 # "auto": plan decode steps from a measured profile (cached on disk,
                                           # measured on first use); "off": every worker, a fixed split rule
 
@@ -27,8 +29,10 @@ class HeteroConfig:
         _check_int("spin_budget", self.spin_budget, 1, allow_none=False)
         if not (isinstance(self.ram_fraction, (int, float)) and 0 < self.ram_fraction <= 1):
             raise ValueError(f"HeteroConfig.ram_fraction must be in (0, 1], got {self.ram_fraction!r}")
-        if not (isinstance(self.start_timeout, (int, float)) and self.start_timeout > 0):
-            raise ValueError(f"HeteroConfig.start_timeout must be > 0 seconds, got {self.start_timeout!r}")
+        for name in ("start_timeout", "worker_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"HeteroConfig.{name} must be > 0 seconds, got {value!r}")
         if self.profile not in ("auto", "off"):
             raise ValueError(f"HeteroConfig.profile must be 'auto' or 'off', got {self.profile!r}")
         if self.worker_cores is not None:

@@ -1,6 +1,7 @@
 """HeteroGenerator: HF-style generate() with the KV cache and decode attention on CPU workers."""
 import contextlib
 import copy
+import os
 import sys
 import threading
 from dataclasses import replace
@@ -12,6 +13,7 @@ from hetero import attention
 from hetero.adapters import hooks as lora_hooks, source as lora_source
 from hetero.config import HeteroConfig
 from hetero.errors import AdapterError, CapacityError, GeneratorClosedError, WorkerError
+from hetero.ipc import shm
 from hetero.ipc.pool import WorkerPool
 from hetero.model_spec import inspect_model
 from hetero.cpu_attention.planner import ProfiledPlanner, StaticPlanner
@@ -156,7 +158,7 @@ class HeteroGenerator:
                 self._pool.close()
             n, cores = self.config.resolve_workers()
             self._pool = WorkerPool(n, cores, spin_budget=self.config.spin_budget,
-                                    start_timeout=self.config.start_timeout)
+                                    start_timeout=self.config.start_timeout, job_timeout=self.config.worker_timeout)
             self._planner = None
             if self._store is not None:
                 self._store.attach(self._pool)
@@ -230,12 +232,17 @@ class HeteroGenerator:
         s = self.spec
         layout = SessionLayout(batch=len(real), q_heads=s.q_heads, kv_heads=s.kv_heads, head_dim=s.head_dim,
                                cap=cap, layers=s.layers, code=STORAGE_CODES[s.dtype])
+        what = (f"the KV cache for this batch needs {layout.nbytes / 2**30:.2f} GiB ({len(real)} requests x {cap} rows "
+                f"x {s.layers} layers x 2 x {s.kv_heads} heads x {s.head_dim} x {s.dtype})")
         avail = psutil.virtual_memory().available
         if layout.nbytes > self.config.ram_fraction * avail:
-            raise CapacityError(f"the KV cache for this batch needs {layout.nbytes / 2**30:.2f} GiB "
-                                f"({len(real)} requests x {cap} rows x {s.layers} layers x 2 x {s.kv_heads} heads x "
-                                f"{s.head_dim} x {s.dtype}) but only {avail / 2**30:.2f} GiB of RAM is available "
+            raise CapacityError(f"{what} but only {avail / 2**30:.2f} GiB of RAM is available "
                                 f"(ram_fraction={self.config.ram_fraction})")
+        shm_free = shm_free_bytes()     # a segment past the tmpfs's free space dies of SIGBUS on first touch
+        if shm_free is not None and layout.nbytes > shm_free:
+            raise CapacityError(f"{what} but the shared-memory filesystem {shm.SHM_DIR} has only "
+                                f"{shm_free / 2**30:.2f} GiB free; enlarge it (docker run --shm-size=..., or "
+                                f"mount -o remount,size=... {shm.SHM_DIR})")
         pads = attention_mask.shape[1] - real
         return pads.tolist(), real.tolist(), cap
 
@@ -312,6 +319,15 @@ def _active(lora_batch):
         yield
     finally:
         lora_hooks.active_batch.reset(token)
+
+
+def shm_free_bytes():
+    """Free bytes of the tmpfs behind POSIX shared memory (/dev/shm), or None when unknown."""
+    try:
+        st = os.statvfs(shm.SHM_DIR)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def _is_peft_model(model):

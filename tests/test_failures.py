@@ -129,7 +129,7 @@ def test_exception_inside_generate_leaks_nothing(llama, llama_gen):
 def test_worker_killed_during_decode_raises_fast(llama):
     ids, mask = padded_batch()
     before = our_segments(os.getpid())
-    gen = HeteroGenerator(llama, cpu_workers=2)
+    gen = HeteroGenerator(llama, config=HeteroConfig(cpu_workers=2, profile="off"))   # worker 1 has work
     victim = gen._pool.procs[1]
     killed = {}
 
@@ -258,4 +258,117 @@ def test_kept_outputs_do_not_pin_the_kv_arena(llama, llama_gen):
                                    return_dict_in_generate=True) for _ in range(20)]
     assert all(o.past_key_values is not None for o in outs)   # HF keeps our cache in the output
     assert _mapped_kv_segments() == []
+    assert only_ctrl_segment(llama_gen)
+
+
+class _OneWorker:
+    """A planner that leaves every worker but the first idle."""
+
+    def plan(self, lengths, T, layout):
+        return 1, 1
+
+
+def test_dead_idle_worker_is_noticed_at_the_next_step(llama):
+    ids, mask = padded_batch()
+    before = our_segments(os.getpid())
+    with HeteroGenerator(llama, cpu_workers=2) as gen:
+        gen._planner = _OneWorker()
+        victim = gen._pool.procs[1]
+
+        def kill():
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.wait()
+            time.sleep(0.01)
+
+        with pytest.raises(WorkerDiedError, match=r"worker 1 .*SIGKILL before the job; the pool is broken"):
+            gen.generate(ids, attention_mask=mask, max_new_tokens=8, streamer=_Streamer(2, kill), pad_token_id=0)
+        assert our_segments(os.getpid()) == before
+        assert gen.generate(ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0).shape[1] == ids.shape[1] + 3
+
+
+def test_stopped_worker_raises_within_the_timeout_and_the_generator_recovers(llama):
+    from hetero import WorkerError
+
+    ids, mask = padded_batch()
+    before = our_segments(os.getpid())
+    with HeteroGenerator(llama, config=HeteroConfig(cpu_workers=2, profile="off", worker_timeout=0.5)) as gen:
+        victim = gen._pool.procs[1]
+        stopped = {}
+
+        def stop():
+            os.kill(victim.pid, signal.SIGSTOP)
+            stopped["t"] = time.perf_counter()
+
+        try:
+            with pytest.raises(WorkerError, match=r"no progress on the attention job for 0.5 s: worker 1 .*state T"):
+                gen.generate(ids, attention_mask=mask, max_new_tokens=8, streamer=_Streamer(2, stop), pad_token_id=0)
+            assert time.perf_counter() - stopped["t"] < 0.5 + 3.0      # the timeout, plus killing the pool
+        finally:
+            os.kill(victim.pid, signal.SIGCONT) if victim.poll() is None else None
+        assert victim.poll() is not None                           # the stuck worker was stopped for good
+        assert our_segments(os.getpid()) == before
+        out = gen.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0)
+    llama.set_attn_implementation("sdpa")
+    assert torch.equal(out, llama.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0))
+
+
+def test_submit_waits_for_a_job_still_in_flight():
+    """A job abandoned between submit and wait (an exception, Ctrl-C) is finished before the next
+    job rewrites the command words under the workers."""
+    import threading
+
+    from hetero.ipc import control as C
+    from hetero.ipc.pool import WorkerPool
+
+    pool = WorkerPool(2, sorted(os.sched_getaffinity(0)))
+    try:
+        os.kill(pool.procs[0].pid, signal.SIGSTOP)
+        first = pool.submit(C.CMD_PING, 2)                  # never waited for
+        threading.Timer(0.3, os.kill, (pool.procs[0].pid, signal.SIGCONT)).start()
+        pool.submit(C.CMD_PING, 2)
+        assert all(pool.words[C.done_word(r)] >= first for r in range(2))
+        pool.wait(*pool.inflight)
+    finally:
+        os.kill(pool.procs[0].pid, signal.SIGCONT)
+        pool.close()
+
+
+def test_ctrl_c_during_a_decode_wait_leaks_nothing(llama, llama_gen, monkeypatch):
+    from hetero.ipc import pool as pool_mod
+
+    ids, mask = padded_batch()
+    real, calls = pool_mod.atomics.spin_until_all, {"n": 0}
+
+    def interrupted(*args):
+        calls["n"] += 1
+        if calls["n"] == 12:        # a decode layer's wait, mid-generate
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(pool_mod.atomics, "spin_until_all", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llama_gen.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0)
+    monkeypatch.undo()
+    assert only_ctrl_segment(llama_gen) and llama_gen._pool.inflight is None
+    llama.set_attn_implementation("sdpa")
+    ref = llama.generate(ids, attention_mask=mask, max_new_tokens=5, pad_token_id=0)
+    assert torch.equal(llama_gen.generate(ids, attention_mask=mask, max_new_tokens=5, pad_token_id=0), ref)
+
+
+def test_small_shared_memory_filesystem_is_a_capacity_error(llama, llama_gen, monkeypatch):
+    """Docker's default /dev/shm is 64 MB: an arena past its free space must be refused, not SIGBUS."""
+    from hetero import generator
+
+    real = os.statvfs
+
+    def tiny(path):
+        st = real(path)
+        if path != generator.shm.SHM_DIR:
+            return st
+        return os.statvfs_result((st.f_bsize, st.f_frsize, 16, 16, 16, *st[5:]))   # 16 blocks free
+
+    monkeypatch.setattr(generator.os, "statvfs", tiny)
+    ids, mask = padded_batch()
+    with pytest.raises(CapacityError, match=r"/dev/shm has only 0.00 GiB free.*--shm-size"):
+        llama_gen.generate(ids, attention_mask=mask, max_new_tokens=4)
     assert only_ctrl_segment(llama_gen)

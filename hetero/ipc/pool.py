@@ -4,7 +4,13 @@ The parent owns the control segment (creates and unlinks it). A job is: write
 CMD and params, zero the NEXT ticket, release-store the job number into the
 GO word of each worker it uses (the first `active`), then spin until each of
 those DONE words holds it. While spinning it polls the workers' liveness, so a
-dead worker raises WorkerDiedError within milliseconds instead of hanging.
+dead worker raises WorkerDiedError within milliseconds instead of hanging, and
+a worker that makes no progress for `job_timeout` seconds (stopped, stuck)
+raises WorkerError. Idle workers are checked too, every few ms of submits: a
+pool with a dead worker is broken even when the plan leaves that worker idle.
+One job is in flight at a time: a submit while one is (an exception or Ctrl-C
+between submit and wait) first waits for it, so CMD and NEXT are never rewritten
+under running workers.
 """
 import atexit
 import os
@@ -32,12 +38,26 @@ def _describe_exit(code):
     return f"exited with code {code}"
 
 
+LIVENESS_PERIOD = 0.005    # seconds between checks of every worker's liveness at submit
+
+
+def _process_state(pid):
+    """The state letter of /proc/<pid>/stat (R, S, T = stopped, ...), or '?'."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
 class WorkerPool:
-    def __init__(self, nworkers, cores, spin_budget=20000, start_timeout=300.0):
+    def __init__(self, nworkers, cores, spin_budget=20000, start_timeout=300.0, job_timeout=5.0):
         if nworkers < 1:
             raise ValueError(f"a worker pool needs at least one worker, got {nworkers}")
-        self.n, self.cores, self.spin = nworkers, list(cores), spin_budget
+        self.n, self.cores, self.spin, self.job_timeout = nworkers, list(cores), spin_budget, job_timeout
         self.procs, self.seq, self.closed = [], 0, False
+        self.inflight = None      # (seq, active) of a submitted job not yet waited for
+        self._checked = 0.0       # perf_counter of the last liveness check of every worker
         self.session = None   # the KVSession mapped in the workers (one at a time)
         shm.sweep_stale()
         self.ctrl = shm.Segment(shm.new_name("ctrl"), C.nbytes(nworkers), create=True)
@@ -66,32 +86,65 @@ class WorkerPool:
         return not self.closed and all(p.poll() is None for p in self.procs)
 
     def submit(self, cmd, active):
-        """Publish a job whose params the caller has already written to workers 0..active-1."""
+        """Publish a job whose params the caller has already written to workers 0..active-1.
+        A job still in flight is waited for first; a dead worker (idle ones too) raises."""
+        if self.inflight is not None:
+            self.wait(*self.inflight)
+        now = time.perf_counter()
+        if now - self._checked > LIVENESS_PERIOD:
+            self._checked = now
+            self._raise_if_dead("before the job")
+        return self._publish(cmd, active)
+
+    def _publish(self, cmd, active):
         self.words[C.CMD] = cmd
         self.words[C.NEXT] = 0
         self.seq += 1
         atomics.post(self.words, C.go_word(0), active, C.LINE, self.seq)
+        self.inflight = (self.seq, active)
         return self.seq
 
+    def _cmd_name(self):
+        return CMD_NAMES.get(int(self.words[C.CMD]), "?")
+
+    def _raise_if_dead(self, when):
+        for rank, p in enumerate(self.procs):
+            if p.poll() is not None:
+                raise WorkerDiedError(f"CPU worker {rank} (pid {p.pid}, core {self.worker_cores[rank]}) "
+                                      f"{_describe_exit(p.returncode)} {when}; the pool is broken")
+
+    def _progress(self, active):
+        """What changes while a job advances: the attention ticket and the finished workers."""
+        return int(self.words[C.NEXT]), tuple(int(self.words[C.done_word(r)]) for r in range(active))
+
     def wait(self, seq, active, timeout=None):
-        start = None
+        """Spin until workers 0..active-1 finished job `seq`. Raises WorkerDiedError when a worker
+        dies, WorkerError when none makes progress for `timeout` s (default: job_timeout)."""
+        timeout = self.job_timeout if timeout is None else timeout
+        start = progress = None
         while not atomics.spin_until_all(self.words, C.done_word(0), active, C.LINE, seq, self.spin):
             now = time.perf_counter()
-            start = start or now
-            for rank, p in enumerate(self.procs):
-                if p.poll() is not None:
-                    cmd = CMD_NAMES.get(int(self.words[C.CMD]), "?")
-                    raise WorkerDiedError(f"CPU worker {rank} (pid {p.pid}, core {self.worker_cores[rank]}) "
-                                          f"{_describe_exit(p.returncode)} during the {cmd} job")
-            if timeout is not None and now - start > timeout:
-                raise WorkerError(f"CPU workers did not finish the {CMD_NAMES.get(int(self.words[C.CMD]))} job in {timeout:.0f} s")
+            if start is None:
+                start, progress = now, self._progress(active)
+            self._raise_if_dead(f"during the {self._cmd_name()} job")
+            if now - start > timeout:
+                seen = self._progress(active)
+                if seen != progress:          # still advancing: a long job, not a stuck one
+                    start, progress = now, seen
+                else:
+                    stuck = [r for r in range(active) if self.words[C.done_word(r)] != seq]
+                    states = ", ".join(f"worker {r} (pid {self.procs[r].pid}, state "
+                                       f"{_process_state(self.procs[r].pid)})" for r in stuck)
+                    raise WorkerError(f"CPU workers made no progress on the {self._cmd_name()} job for "
+                                      f"{timeout:g} s: {states} (HeteroConfig.worker_timeout)")
             if now - start < 0.002:
                 os.sched_yield()
             else:
                 time.sleep(0.0002)
+        self.inflight = None
         failed = [r for r in range(active) if self.words[C.err_word(r)] == seq]
         if failed:
-            raise WorkerError(f"CPU worker(s) {failed} failed the {CMD_NAMES.get(int(self.words[C.CMD]))} job; "
+            raise WorkerError(f"CPU worker(s) {failed} failed the {self._cmd_name()} job; "
                               "their traceback is on stderr")
 
     def run(self, cmd, timeout=None, active=None):
@@ -111,7 +164,7 @@ class WorkerPool:
         atexit.unregister(self.close)
         try:
             if any(p.poll() is None for p in self.procs):  # survivors read EXIT; the dead ignore it
-                self.submit(C.CMD_EXIT, self.n)
+                self._publish(C.CMD_EXIT, self.n)          # (a worker still on a job reads it after)
             deadline = time.monotonic() + 2.0
             for p in self.procs:
                 try:
