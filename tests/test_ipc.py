@@ -1,6 +1,8 @@
 """Atomic flags, the worker pool and segment hygiene, with real processes and /dev/shm."""
+import fcntl
 import multiprocessing as mp
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -68,23 +70,251 @@ def test_idle_workers_leave_their_cores_free():
         pool.close()
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A segment owner: creates `n` segments, prints their names, waits for its stdin to close, then
+# closes the first one and exits normally (the exit handler unlinks the rest and the lock).
+OWNER = """
+import os, sys
+sys.path.insert(0, {root!r})
+{pre}
+from hetero.ipc import shm
+segs = [shm.Segment(shm.new_name("t"), 64, create=True) for _ in range({n})]
+print(*[s.name for s in segs], flush=True)
+sys.stdin.read()
+segs[0].close()
+"""
+
+
+def _start_owner(n=1, pre="", argv=()):
+    p = subprocess.Popen([*argv, sys.executable, "-c", OWNER.format(root=ROOT, n=n, pre=pre)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    return p, p.stdout.readline().split()
+
+
+def _lock_of(name):
+    """The owner lock guarding segment `name`."""
+    return shm.LOCK_PREFIX + shm._SEG_RE.match(name.lstrip("/")).group(1)
+
+
+def _dead_pid():
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def _ours():
+    """This process's segments (other processes may be creating and sweeping theirs meanwhile)."""
+    return [n for n in shm.list_ours() if n.startswith(f"{shm.PREFIX}{os.getpid()}_")]
+
+
+def _swept(names, removed=()):
+    """`names` are gone, and a sweep that returned `removed` removed nothing else of their owner
+    (another process's sweep, e.g. a pool starting, may have removed some first)."""
+    key = shm._SEG_RE.match(names[0].lstrip("/")).group(1)
+    expected = {n.lstrip("/") for n in names} | {_lock_of(names[0])}
+    return _gone(expected) and {n for n in removed if key in n} <= expected
+
+
+def _gone(names):
+    here = set(shm.list_ours())
+    return not any(n.lstrip("/") in here for n in names)
+
+
 def test_segment_names_unique_and_sweep_only_dead_owners():
+    import posix_ipc
+
     a, b = shm.Segment(shm.new_name("t"), 64, create=True), shm.Segment(shm.new_name("t"), 64, create=True)
+    own_lock = _lock_of(a.name)
+    old = f"/{shm.PREFIX}{_dead_pid()}_abc_kv"          # the old name format: no lock, nothing proven
+    posix_ipc.SharedMemory(old, posix_ipc.O_CREX, size=64).close_fd()
+    owner, names = _start_owner(2)
     try:
-        assert a.name != b.name
-        # a segment "left" by a process that no longer exists
-        p = subprocess.Popen([sys.executable, "-c", "pass"])
-        p.wait()
-        dead = f"/{shm.PREFIX}{p.pid}_abc_kv"
-        import posix_ipc
-        posix_ipc.SharedMemory(dead, posix_ipc.O_CREX, size=64).close_fd()
+        assert a.name != b.name and _lock_of(b.name) == own_lock and own_lock in shm.list_ours()
+        assert len(names) == 2 and _lock_of(names[0]) != own_lock
         removed = shm.sweep_stale()
-        assert dead[1:] in removed
-        assert a.name[1:] in shm.list_ours() and b.name[1:] in shm.list_ours()   # ours are alive: kept
+        assert not {a.name[1:], b.name[1:], own_lock, *(n[1:] for n in names)} & set(removed)    # all alive
+        assert shm.sweep_owner(names[0]) == [] and shm.sweep_owner(a.name) == []
+        owner.kill()                                                            # (b) killed: no exit handler
+        owner.wait()
+        assert _swept(names, shm.sweep_stale())
+        assert old[1:] in shm.list_ours()                                       # never guessed at
+        assert {a.name[1:], b.name[1:], own_lock} <= set(shm.list_ours())      # ours are alive: kept
     finally:
+        owner.kill()
+        owner.wait()
+        shm.unlink(old)
         a.close()
         b.close()
-    assert a.name[1:] not in shm.list_ours()
+    assert a.name[1:] not in shm.list_ours() and own_lock in shm.list_ours()  # the lock lives with us
+
+
+def test_sweep_keeps_a_live_owner_whose_pid_is_dead_here():
+    """(a), simulated: a live owner's names rewritten to carry a pid that is dead in this namespace
+    (as another container's look from here) are kept while it holds its lock, swept once it dies."""
+    owner, names = _start_owner(1)
+    try:
+        pid, dead = names[0].split("_")[1], str(_dead_pid())
+        moved = []
+        for n in [names[0][1:], _lock_of(names[0])]:
+            moved.append(n.replace(f"_{pid}_", f"_{dead}_"))
+            os.rename(f"/dev/shm/{n}", f"/dev/shm/{moved[-1]}")               # same inode: still locked
+        assert shm._SEG_RE.match(moved[0]) and _lock_of(moved[0]) == moved[1]
+        assert not set(moved) & set(shm.sweep_stale()) and shm.sweep_owner(moved[0]) == []
+        assert set(moved) <= set(shm.list_ours())
+        owner.kill()
+        owner.wait()
+        assert _swept(moved[:1], shm.sweep_owner(moved[0]))      # as a worker does when its parent died
+    finally:
+        owner.kill()
+        owner.wait()
+
+
+def _unshare_works():
+    if shutil.which("unshare") is None:
+        return False
+    try:
+        return subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], timeout=30,
+                              capture_output=True).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+# inside a new pid namespace (as pid 1): fork the owner with pid `want` (dead in the outer namespace)
+UNSHARED = """
+try:
+    with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+        f.write(str({want} - 1))
+except OSError:
+    pass
+if os.fork():
+    os.wait()
+    os._exit(0)
+"""
+
+
+@pytest.mark.skipif(not _unshare_works(), reason="needs unshare --pid --fork --mount-proc (root)")
+def test_sweep_keeps_a_live_owner_in_another_pid_namespace():
+    """(a) for real: an owner in another pid namespace, whose pid means another process or none
+    here, keeps its segments while it lives; once it is killed the next sweep removes them."""
+    import random
+
+    want = random.choice([p for p in range(2000, 30000) if not os.path.exists(f"/proc/{p}")])
+    owner, names = _start_owner(1, pre=UNSHARED.format(want=want),
+                                argv=["unshare", "--pid", "--mount-proc", "--kill-child"])
+    try:
+        assert len(names) == 1, names
+        inner = int(names[0].split("_")[1])
+        assert inner == want or inner < 3     # 2 where ns_last_pid cannot be set: init here, or nothing
+        for _ in range(3):
+            assert not {names[0][1:], _lock_of(names[0])} & set(shm.sweep_stale())
+        assert names[0][1:] in shm.list_ours() and _lock_of(names[0]) in shm.list_ours()
+        owner.kill()          # unshare dies; --kill-child kills the namespace's init, and all in it
+        owner.wait()
+        deadline, removed = time.monotonic() + 10, []
+        while time.monotonic() < deadline and not _gone(names + [_lock_of(names[0])]):
+            removed += shm.sweep_stale()
+            time.sleep(0.05)
+        assert _swept(names, removed)
+    finally:
+        owner.kill()
+        owner.wait()
+
+
+def test_owner_lock_is_not_inherited_and_goes_with_a_clean_exit():
+    """(c) The lock descriptor is close-on-exec (no worker holds it); a normal exit leaves nothing
+    of the owner in /dev/shm, segments it forgot to close included."""
+    seg = shm.Segment(shm.new_name("t"), 64, create=True)
+    lock = _lock_of(seg.name)
+    pool = WorkerPool(1, [])
+    try:
+        assert fcntl.fcntl(shm._owner[2], fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+        ls = subprocess.run(["ls", "-l", "/proc/self/fd/"], close_fds=False, capture_output=True, text=True)
+        assert ls.returncode == 0 and "/dev/shm/" not in ls.stdout
+        for p in pool.procs:
+            fds = [os.readlink(f"/proc/{p.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{p.pid}/fd")]
+            assert not any(shm.LOCK_PREFIX in f for f in fds), fds
+    finally:
+        pool.close()
+        seg.close()
+    assert lock in shm.list_ours()
+    owner, names = _start_owner(3)
+    owner.communicate("")              # closes one segment, exits normally with two left open
+    assert owner.returncode == 0 and len(names) == 3
+    assert _nothing_of(names[0].split("_")[1])
+
+
+def _nothing_of(pid):
+    return not [n for n in shm.list_ours() if n.startswith((f"{shm.PREFIX}{pid}_", f"{shm.LOCK_PREFIX}{pid}_"))]
+
+
+FORKER = """
+import fcntl, os, sys
+sys.path.insert(0, {root!r})
+from hetero.ipc import shm
+seg = shm.Segment(shm.new_name("t"), 64, create=True)
+key = shm._owner[1]
+r, w = os.pipe()
+if os.fork() == 0:
+    child = shm.Segment(shm.new_name("t"), 64, create=True)
+    os.write(w, (child.name + " " + shm._owner[1]).encode())
+    fds = [os.readlink(f"/proc/self/fd/{{f}}") for f in os.listdir("/proc/self/fd") if f.isdigit()]
+    assert sum(shm.LOCK_PREFIX in f for f in fds) == 1, fds     # its own lock, not its parent's
+    seg.close()                     # a copy in the child: must not unlink its parent's segment
+    sys.exit(0)                     # runs the exit handlers: the child's names only
+os.wait()
+child_name, child_key = os.read(r, 1000).decode().split()
+assert child_key != key and not child_key.startswith(str(os.getpid()) + "_")
+assert child_name[1:] not in shm.list_ours() and shm.LOCK_PREFIX + child_key not in shm.list_ours()
+assert seg.name[1:] in shm.list_ours()
+fd = os.open("/dev/shm/" + shm.LOCK_PREFIX + key, os.O_RDONLY)
+try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    sys.exit("the parent lost its lock when its child closed it")
+except BlockingIOError:
+    pass
+assert seg.name[1:] not in shm.sweep_stale() and seg.name[1:] in shm.list_ours()
+print("OK", os.getpid(), flush=True)
+"""
+
+
+def test_forked_child_takes_its_own_lock_and_names():
+    out = subprocess.run([sys.executable, "-c", FORKER.format(root=ROOT)], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith("OK"), out.stderr
+    assert _nothing_of(out.stdout.split()[1])
+
+
+# forks owners in a loop; each takes its lock, creates a segment, checks both are still there a
+# moment later (while the test sweeps), and dies without cleaning up (so sweeps have work)
+CHURN = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+from hetero.ipc import shm
+end, bad, pids = time.monotonic() + {seconds}, 0, []
+while time.monotonic() < end:
+    pid = os.fork()
+    if pid == 0:
+        seg = shm.Segment(shm.new_name("t"), 64, create=True)
+        lock = shm.LOCK_PREFIX + shm._owner[1]
+        time.sleep(0.002)
+        os._exit(0 if os.path.exists("/dev/shm" + seg.name) and os.path.exists("/dev/shm/" + lock) else 1)
+    bad += os.waitpid(pid, 0)[1] != 0
+    pids.append(pid)
+print(bad, *pids, flush=True)
+"""
+
+
+def test_concurrent_sweeps_never_remove_a_live_owner():
+    churn = subprocess.Popen([sys.executable, "-c", CHURN.format(root=ROOT, seconds=3)],
+                             stdout=subprocess.PIPE, text=True)
+    sweeps, deadline = 0, time.monotonic() + 60
+    while churn.poll() is None and time.monotonic() < deadline:
+        shm.sweep_stale()
+        sweeps += 1
+    bad, *pids = churn.communicate(timeout=60)[0].split()
+    assert churn.returncode == 0 and len(pids) > 50 and sweeps > 50 and bad == "0", (bad, len(pids), sweeps)
+    shm.sweep_stale()                                            # the dead owners' leftovers go
+    assert all(_nothing_of(p) for p in pids)
 
 
 def test_job_wakes_only_the_workers_it_uses():
@@ -112,7 +342,7 @@ def test_one_session_per_pool():
 
     spec = ModelSpec(model_type="t", layers=1, q_heads=2, kv_heads=1, head_dim=16, dtype=torch.float32,
                      max_positions=None, sliding=(False,))
-    before = set(os.listdir("/dev/shm"))
+    before = set(_ours())
     pool = WorkerPool(1, [])
     try:
         first = KVSession(pool, spec, pads=[0], real_lens=[4], cap=40)
@@ -122,7 +352,7 @@ def test_one_session_per_pool():
         KVSession(pool, spec, pads=[0], real_lens=[4], cap=40).close()
     finally:
         pool.close()
-    assert set(os.listdir("/dev/shm")) <= before
+    assert set(_ours()) <= before
 
 
 def _pmd_mapped_kb(name):

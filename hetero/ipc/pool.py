@@ -56,6 +56,7 @@ class WorkerPool:
             raise ValueError(f"a worker pool needs at least one worker, got {nworkers}")
         self.n, self.cores, self.spin, self.job_timeout = nworkers, list(cores), spin_budget, job_timeout
         self.procs, self.seq, self.closed = [], 0, False
+        self.pid = os.getpid()    # a forked child's copy (its atexit too) must leave the workers alone
         self.inflight = None      # (seq, active) of a submitted job not yet waited for
         self._checked = 0.0       # perf_counter of the last liveness check of every worker
         self.session = None   # the KVSession mapped in the workers (one at a time)
@@ -161,6 +162,8 @@ class WorkerPool:
         if self.closed:
             return
         self.closed = True
+        if os.getpid() != self.pid:
+            return
         atexit.unregister(self.close)
         try:
             if any(p.poll() is None for p in self.procs):  # survivors read EXIT; the dead ignore it

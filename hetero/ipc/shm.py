@@ -1,27 +1,108 @@
 """POSIX shared-memory segments with hygiene.
 
-Names look like `/hetero_<pid>_<nonce>_<tag>`: <pid> is the process that
-created (and alone unlinks) the segment, so a new process can tell which
-segments were left behind by a dead parent and remove them (`sweep_stale`).
+Names look like `/hetero_<pid>_<key>_<n>_<tag>`, <key> = `o` + 8 random hex digits. The
+process that creates a segment alone unlinks it (`Segment.close`, and at exit any it left).
+Before its first segment a process creates its *owner lock* `/hetero_lock_<pid>_<key>` and
+holds an exclusive flock on it for as long as it lives: the kernel drops the lock when the
+process dies, however it dies. `sweep_stale` removes an owner's segments only when it can take
+that lock itself (or the lock is gone): the owner is then provably dead. The <pid> is only a
+hint for humans and tests: across PID namespaces (containers sharing /dev/shm) it means
+nothing, so it never decides anything. Names of any other shape are never touched.
 """
+import atexit
+import fcntl
 import itertools
 import mmap
 import os
 import re
 import secrets
+import threading
 import warnings
 
 import numpy as np
 import posix_ipc
 
+SHM_DIR = "/dev/shm"   # where Linux keeps POSIX shared memory (shm_open names)
 PREFIX = "hetero_"
-_NAME_RE = re.compile(r"^hetero_(\d+)_[0-9a-f]+_\w+$")
+LOCK_PREFIX = PREFIX + "lock_"       # not `hetero_<pid>_`: counting an owner's segments skips its lock
+_KEY = r"\d+_o[0-9a-f]{8}"            # <pid>_o<nonce>
+_SEG_RE = re.compile(rf"^{PREFIX}({_KEY})_[0-9a-f]+_\w+$")
+_LOCK_RE = re.compile(rf"^{LOCK_PREFIX}({_KEY})$")
 _counter = itertools.count()
-_nonce = secrets.token_hex(3)
+_owner = None   # (pid, key, fd) of this process's owner lock, once it has taken one
+_owner_mutex = threading.Lock()
 
 
 def new_name(tag):
-    return f"/{PREFIX}{os.getpid()}_{_nonce}{next(_counter):x}_{tag}"
+    """A fresh segment name for this process (creating its owner lock first, see the module doc)."""
+    return f"/{PREFIX}{_owner_key()}_{next(_counter):x}_{tag}"
+
+
+def _owner_key():
+    """This process's <pid>_<key>, taking its owner lock the first time (again after a fork)."""
+    global _owner
+    pid, own = os.getpid(), _owner
+    if own and own[0] == pid:
+        return own[1]
+    with _owner_mutex:
+        while not (_owner and _owner[0] == pid):
+            key = f"{pid}_o{secrets.token_hex(4)}"
+            path = os.path.join(SHM_DIR, LOCK_PREFIX + key)
+            try:   # O_CLOEXEC: processes we exec (the workers) never hold it
+                fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            except FileExistsError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                ours = _same_file(fd, path)
+            except BlockingIOError:   # a sweeper opened it before we locked it: it will unlink it
+                ours = False
+            except BaseException:
+                os.close(fd)
+                raise
+            if ours:   # locked and still under its name: no sweeper can take it from now on
+                _owner = (pid, key, fd)
+            else:      # a sweeper took it for a dead owner's lock and unlinked it: pick another name
+                os.close(fd)
+        return _owner[1]
+
+
+def _same_file(fd, path):
+    try:
+        a, b = os.fstat(fd), os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _release_owner_lock():
+    """At exit: unlink the segments this process still owns, then its lock (the last of its names)."""
+    global _owner
+    with _owner_mutex:
+        if not (_owner and _owner[0] == os.getpid()):
+            return
+        _, key, fd = _owner
+        _owner = None
+        for n in list_ours():
+            if n.startswith(f"{PREFIX}{key}_"):
+                _remove(SHM_DIR, n)
+        _remove(SHM_DIR, LOCK_PREFIX + key)
+        os.close(fd)
+
+
+def _forget_parent_lock():
+    """In a forked child: drop the inherited descriptor of the parent's lock (closing it does not
+    release the parent's flock; unlocking would), so the child takes its own lock and names."""
+    global _owner, _owner_mutex
+    _owner_mutex = threading.Lock()
+    if _owner:
+        os.close(_owner[2])
+    _owner = None
+
+
+# registered at import, so it runs after the exit handlers of pools and sessions (LIFO)
+atexit.register(_release_owner_lock)
+os.register_at_fork(after_in_child=_forget_parent_lock)
 
 
 class Segment:
@@ -30,6 +111,7 @@ class Segment:
     def __init__(self, name, size=0, create=False):
         self.name = name
         self.owner = create
+        self.pid = os.getpid()   # a forked child's copy must not unlink its parent's segment
         if create:
             shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=max(int(size), 1))
         else:
@@ -64,11 +146,11 @@ class Segment:
                               f"({self.size} bytes) until that view is freed", ResourceWarning, stacklevel=2)
         if self.owner:
             self.owner = False
-            unlink(self.name)
+            if os.getpid() == self.pid:
+                unlink(self.name)
 
 
 HUGE_PAGE = 2 << 20
-SHM_DIR = "/dev/shm"
 THP_SHMEM = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 
 
@@ -147,29 +229,67 @@ def unlink(name):
         pass
 
 
-def _pid_alive(pid):
+def _remove(shm_dir, n):
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+        os.unlink(os.path.join(shm_dir, n))
         return True
-    return True
+    except (FileNotFoundError, PermissionError):   # gone already, or another user's
+        return False
 
 
-def list_ours(shm_dir="/dev/shm"):
+def list_ours(shm_dir=SHM_DIR):
+    """Every hetero name in `shm_dir`: segments and owner locks."""
     try:
         return sorted(n for n in os.listdir(shm_dir) if n.startswith(PREFIX))
     except FileNotFoundError:
         return []
 
 
-def sweep_stale(shm_dir="/dev/shm"):
-    """Unlink segments whose creating process no longer exists. Returns the names removed."""
+def _sweep_owner(key, names, shm_dir):
+    """Unlink owner `key`'s segments among `names`, then its lock, if the owner is provably dead."""
+    lock = LOCK_PREFIX + key
+    try:
+        fd = os.open(os.path.join(shm_dir, lock), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        fd = None   # an owner creates its lock before its first segment and unlinks it last
+        #             (or a sweeper did, having proved it dead): dead
+    except OSError:
+        return []   # cannot look (another user's): cannot prove anything
+    try:
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                return []   # held: the owner lives, whatever its pid means in this namespace
+            # ours now: the owner is dead (it never created any name after dying), and any other
+            # sweeper waits on it; an owner that had created the lock but not locked it yet finds
+            # it unlinked once we release it and picks another name
+        prefix = f"{PREFIX}{key}_"
+        removed = [n for n in names if n.startswith(prefix) and _remove(shm_dir, n)]
+        if fd is not None and _same_file(fd, os.path.join(shm_dir, lock)) and _remove(shm_dir, lock):
+            removed.append(lock)   # unlinked while we hold it; closing releases it
+        return removed
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def sweep_stale(shm_dir=SHM_DIR):
+    """Unlink the segments (and locks) of owners that are provably dead. Returns the names removed.
+    Names that appear after the listing are left for the next sweep."""
+    names = list_ours(shm_dir)
+    owners = {m.group(1) for n in names for m in [_SEG_RE.match(n) or _LOCK_RE.match(n)] if m}
+    own = _owner
+    if own and own[0] == os.getpid():
+        owners.discard(own[1])   # we are alive
     removed = []
-    for n in list_ours(shm_dir):
-        m = _NAME_RE.match(n)
-        if m and not _pid_alive(int(m.group(1))):
-            unlink("/" + n)
-            removed.append(n)
+    for key in sorted(owners):
+        removed += _sweep_owner(key, names, shm_dir)
     return removed
+
+
+def sweep_owner(name, shm_dir=SHM_DIR):
+    """Remove all names of the owner of segment `name` (with or without its leading "/") if that
+    owner is provably dead; for a worker whose parent died. Returns the names removed."""
+    m = _SEG_RE.match(name.lstrip("/"))
+    return _sweep_owner(m.group(1), list_ours(shm_dir), shm_dir) if m else []
