@@ -17,9 +17,9 @@ from hetero.ipc import shm
 from hetero.ipc.pool import WorkerPool
 from hetero.model_spec import inspect_model
 from hetero.cpu_attention.planner import ProfiledPlanner, StaticPlanner
-from hetero.offload.arena import SessionLayout, whole_blocks
+from hetero.offload.arena import whole_blocks
 from hetero.offload.cache import HeteroCache
-from hetero.offload.session import STORAGE_CODES, KVSession
+from hetero.offload.session import KVSession
 
 # generate() keywords passed through to transformers' generate (its processors and stopping criteria)
 GENERATE_KWARGS = frozenset({
@@ -230,10 +230,10 @@ class HeteroGenerator:
             raise CapacityError(f"a request needs {rows} KV rows (prompt {int(real.max())} + {max_new_tokens} new) "
                                 f"but the cache capacity is max_cache_tokens={limit}")
         s = self.spec
-        layout = SessionLayout(batch=len(real), q_heads=s.q_heads, kv_heads=s.kv_heads, head_dim=s.head_dim,
-                               cap=cap, layers=s.layers, code=STORAGE_CODES[s.dtype])
+        layout = KVSession.layout_for(s, len(real), cap)     # sliding layers: a ring of their window
+        rings = f"; {layout.ring_layers} sliding layers keep {layout.ring} rows" if layout.ring_layers else ""
         what = (f"the KV cache for this batch needs {layout.nbytes / 2**30:.2f} GiB ({len(real)} requests x {cap} rows "
-                f"x {s.layers} layers x 2 x {s.kv_heads} heads x {s.head_dim} x {s.dtype})")
+                f"x {s.layers} layers x 2 x {s.kv_heads} heads x {s.head_dim} x {s.dtype}{rings})")
         avail = psutil.virtual_memory().available
         if layout.nbytes > self.config.ram_fraction * avail:
             raise CapacityError(f"{what} but only {avail / 2**30:.2f} GiB of RAM is available "

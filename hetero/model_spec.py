@@ -45,9 +45,6 @@ def inspect_model(model):
     layers, q_heads = cfg.num_hidden_layers, cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or q_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // q_heads
-    if head_dim % 16:
-        raise UnsupportedModelError(f"{name}: head_dim {head_dim} is not a multiple of 16, which the CPU attention "
-                                    "kernel's vector tiles need")
     if q_heads % kv_heads:
         raise UnsupportedModelError(f"{name}: {q_heads} query heads are not a multiple of {kv_heads} KV heads")
     for attr in ("kv_lora_rank", "q_lora_rank", "linear_num_key_heads", "global_head_dim"):

@@ -12,8 +12,10 @@ from hetero.offload.session import merge_partials
 TORCH = {K.F32: torch.float32, K.BF16: torch.bfloat16, K.F16: torch.float16}
 
 
-def reference(q, k, v, L, T, window, scale, softcap):
-    """q [Hq, T, D] f32; k/v [Hkv, L+T, D] f32 -> [Hq, T, D]; token t is at position L+t."""
+def reference(q, k, v, L, T, window, scale, softcap, sinks=None):
+    """q [Hq, T, D] f32; k/v [Hkv, L+T, D] f32 -> [Hq, T, D]; token t is at position L+t.
+    sinks [Hq]: a logit per head joining the softmax with no value, as transformers' gpt_oss
+    eager_attention_forward (concatenated after scaling and masking, then dropped)."""
     G = q.shape[0] // k.shape[0]
     k, v = k.repeat_interleave(G, 0), v.repeat_interleave(G, 0)
     s = (q @ k.transpose(1, 2)) * scale
@@ -25,6 +27,9 @@ def reference(q, k, v, L, T, window, scale, softcap):
     if window:
         allowed &= j > pos - window
     s = s.masked_fill(~allowed, -math.inf)
+    if sinks is not None:
+        s = torch.cat([s, sinks[:, None, None].expand(-1, T, 1)], -1)
+        return torch.softmax(s, -1)[..., :-1] @ v
     return torch.softmax(s, -1) @ v
 
 
@@ -48,8 +53,9 @@ def from_blocks(kb, vb, code):
             vb.transpose(0, 1, 2, 4, 3, 5).reshape(B, Hkv, nblk * BK, D))
 
 
-def run_kernel(q, kst, vst, lengths, T, window, scale, softcap, code, nsplit):
-    """Drive run_share exactly as the workers do, with the new rows staged in knew/vnew."""
+def run_kernel(q, kst, vst, lengths, T, window, scale, softcap, code, nsplit, sinks=None):
+    """Drive run_share exactly as the workers do, with the new rows staged in knew/vnew; merge
+    as KVSession.attend does (sinks [Hq]: row g*T + t of kv head h takes sinks[h*G + g])."""
     B, Hq, _, D = q.shape
     Hkv, cap = kst.shape[1], -(-kst.shape[2] // BK) * BK
     G = Hq // Hkv
@@ -73,7 +79,8 @@ def run_kernel(q, kst, vst, lengths, T, window, scale, softcap, code, nsplit):
                 K.score_scratch(G * T))
     assert ticket[0] == B * Hkv * nsplit + 1                # every unit taken once, then one miss
     po, pm, pl = map(torch.from_numpy, (po, pm, pl))
-    out = merge_partials(po, pm, pl)                                   # [B, Hkv, G*T, D]
+    sink = None if sinks is None else sinks.view(Hkv, G, 1).expand(Hkv, G, T).reshape(Hkv, G * T)
+    out = merge_partials(po, pm, pl, sink)                             # [B, Hkv, G*T, D]
     Kr, Vr = from_blocks(Kc[0], Vc[0], code)
     return out.view(B, Hkv, G, T, D).reshape(B, Hq, T, D), Kr, Vr
 
@@ -121,6 +128,32 @@ def test_kernel_matches_reference(case, code, q_bf16, nsplit):
             expect = src[b, :, L:L + T]
             expect = expect.view(torch.uint16).numpy() if code else expect.numpy()
             np.testing.assert_array_equal(stored[b, :, L:L + T], expect)
+
+
+SINK_CASES = [CASES[1], CASES[5], CASES[8]]    # group 4; q_len 4 + window + softcap; window edge
+
+
+@pytest.mark.parametrize("sink_scale", [0.0, 3.0, 50.0], ids=["small", "comparable", "dominant"])
+@pytest.mark.parametrize("case", SINK_CASES, ids=[f"case{i}" for i in range(len(SINK_CASES))])
+@pytest.mark.parametrize("nsplit", [1, 4])
+def test_merge_with_sinks_matches_softmax_with_sink_column(case, sink_scale, nsplit):
+    """merge_partials' sink term == a softmax over the scores with the sink logit appended
+    (gpt_oss), for one split and several; a dominant sink (above every score) sets the max."""
+    Hq, Hkv, D, lengths, T, window, softcap = case
+    g = torch.Generator().manual_seed(11)
+    B, cap = len(lengths), max(lengths) + T + 5
+    q = torch.randn(B, Hq, T, D, generator=g)
+    kst, vst = torch.randn(B, Hkv, cap, D, generator=g) * 2, torch.randn(B, Hkv, cap, D, generator=g)
+    sinks = torch.randn(Hq, generator=g) + sink_scale
+    out, _, _ = run_kernel(q, kst, vst, lengths, T, window, D ** -0.5, softcap, K.F32, nsplit, sinks)
+    for b, L in enumerate(lengths):
+        ref = reference(q[b], kst[b, :, :L + T], vst[b, :, :L + T], L, T, window, D ** -0.5, softcap, sinks)
+        torch.testing.assert_close(out[b], ref, atol=2e-5, rtol=1e-4)
+    if sink_scale == 0.0:     # a sink of -inf is no sink
+        none, _, _ = run_kernel(q, kst, vst, lengths, T, window, D ** -0.5, softcap, K.F32, nsplit,
+                                torch.full((Hq,), -math.inf))
+        ref, _, _ = run_kernel(q, kst, vst, lengths, T, window, D ** -0.5, softcap, K.F32, nsplit)
+        torch.testing.assert_close(none, ref, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("code,np_dtype", [(K.F16, np.float16), (K.BF16, None)], ids=["fp16", "bf16"])

@@ -8,15 +8,20 @@ Cache layout (per layer, request, kv head), in blocks of BK = 32 rows:
                           (bf16: pair-interleaved, each block is [D/2, BK, 2]; see k_index)
   V  [nblk, D/W, BK, W]   a block's values in W=16-wide column panels
 so the inner products run register-tiled (see simd.py) and every block is one
-contiguous read. For bf16 storage and bf16-exact queries (a bf16 model) on a CPU
-with AVX512-BF16 the scores use vdpbf16ps: exact bf16 products, fp32 sums.
+contiguous read. Row j lives in block (j // BK) % nblk: the identity for a layer that keeps
+every row, a ring for a sliding-window layer that keeps only the blocks its window can still
+see (hetero.offload.arena); the kernel reads only those (unit_span). For bf16 storage and
+bf16-exact queries (a bf16 model) on a CPU with AVX512-BF16 the scores use vdpbf16ps: exact
+bf16 products, fp32 sums.
 
 A *unit* is (request b, kv head h, sequence split s). For one unit the kernel
 reads each K/V block once and uses it for all G = Hq/Hkv query heads and all T
 query tokens (rows r = g*T + t), with an online (streaming) softmax taken over up to
 SB_MAX blocks at a time (the per-row max, rescale and sum are paid once per pass). It writes
 an unnormalised partial (o, m, l); the parent combines splits exactly:
-    out = sum_s exp(m_s - M) o_s / sum_s exp(m_s - M) l_s,  M = max_s m_s.
+    out = sum_s exp(m_s - M) o_s / sum_s exp(m_s - M) l_s,  M = max_s m_s
+(attention sinks, gpt_oss: one more exp(sink - M) term in the denominator and in M;
+hetero.offload.session.merge_partials).
 This module imports no torch: workers load it.
 """
 import math
@@ -76,13 +81,14 @@ def _accumulate(S, c0, R, vt, blk, n, o, code):
 @njit(cache=True, fastmath=FASTMATH)
 def attend_unit(qs, qp, dp, R, T, kt, vt, blk0, blk1, lo, hi, L, window, softcap, code, o, m, l, S):
     """Attention of query rows r < R (r = g*T + t, pre-scaled in qs [>=R, D]) over KV rows
-    [lo, hi) in blocks [blk0, blk1). Token t sits at position L+t and sees rows j <= L+t
+    [lo, hi) in (logical) blocks [blk0, blk1). Token t sits at position L+t and sees rows j <= L+t
     (and j > L+t-window when window > 0).
     dp > 0 (bf16 only): scores from the unscaled bf16 pairs qp [>=R, D/2] u32, times dp.
-    kt [nblk, D, BK] / vt [nblk, D/W, BK, W] storage; writes o [>=R, D] (unnormalised),
-    m/l [>=R]; S (score_scratch) is scratch.
+    kt [nblk, D, BK] / vt [nblk, D/W, BK, W] storage, logical block blk at blk % nblk; writes
+    o [>=R, D] (unnormalised), m/l [>=R]; S (score_scratch) is scratch.
     """
     D = o.shape[1]
+    nphys = kt.shape[0]                                 # blocks stored (a ring when fewer than blk1)
     dps = np.float32(dp)                                # the intrinsics take float32
     nb = max(1, min(SB_MAX, S.size // (R * BK)))      # blocks per softmax pass
     Sv = S[:R * nb * BK].reshape((R, nb * BK))          # [R, nb*BK] scores, then probabilities
@@ -94,7 +100,7 @@ def attend_unit(qs, qp, dp, R, T, kt, vt, blk0, blk1, lo, hi, L, window, softcap
     for sb in range(blk0, blk1, nb):
         se = min(sb + nb, blk1)
         for blk in range(sb, se):
-            _scores(qs, qp, dps, R, kt, blk, Sv, (blk - sb) * BK, code)
+            _scores(qs, qp, dps, R, kt, blk % nphys, Sv, (blk - sb) * BK, code)
         j0, w = sb * BK, (se - sb) * BK                 # KV rows [j0, j0+w) scored
         if softcap > 0.0:
             for r in range(R):
@@ -122,7 +128,7 @@ def attend_unit(qs, qp, dp, R, T, kt, vt, blk0, blk1, lo, hi, L, window, softcap
                 for d in range(D):
                     o[r, d] *= alpha
         for blk in range(sb, se):
-            _accumulate(Sv, (blk - sb) * BK, R, vt, blk, min(BK, hi - blk * BK), o, code)
+            _accumulate(Sv, (blk - sb) * BK, R, vt, blk % nphys, min(BK, hi - blk * BK), o, code)
 
 
 @njit(inline="always")
@@ -136,8 +142,8 @@ def k_index(d, jj, code):
 
 @njit(cache=True)
 def put_row(K, V, layer, b, h, j, k, v, code):
-    """Write one KV row (k/v [D]) at row j of the blocked layout."""
-    blk, jj = j // BK, j % BK
+    """Write one KV row (k/v [D]) at row j of the blocked layout (block (j // BK) % nblk)."""
+    blk, jj = (j // BK) % K.shape[3], j % BK
     for d in range(k.shape[0]):
         kr, kc = k_index(d, jj, code)
         K[layer, b, h, blk, kr, kc] = k[d]
@@ -169,7 +175,8 @@ def run_share(ctrl, next_word, layer, T, window, nsplit, scale, softcap, code,
     new rows (staged in knew/vnew, at rows L..L+T-1) that fall in its blocks, so no
     worker reads a row another worker is writing.
     q [B,Hq,Tmax,D] f32; knew/vnew [B,Hkv,Tmax,D]; lengths/order [B]; K [layers,B,Hkv,nblk,D,BK];
-    V [layers,B,Hkv,nblk,D/W,BK,W]; part_o [B,Hkv,NS,rows,D]; part_m/l [B,Hkv,NS,rows];
+    V [layers,B,Hkv,nblk,D/W,BK,W] (the arena's K/V, or Kr/Vr for a ring layer: `layer` indexes
+    the arrays given); part_o [B,Hkv,NS,rows,D]; part_m/l [B,Hkv,NS,rows];
     qs [rows, D] f32, qp [rows, D/2] u32 and S (score_scratch(rows)) are the worker's scratch.
     """
     B = lengths.shape[0]

@@ -21,6 +21,7 @@ CMD, LAYER, QLEN, WINDOW, NSPLIT = 8, 9, 10, 11, 12
 F_SCALE, F_SOFTCAP = 16, 17                     # float64 words
 S_BATCH, S_HQ, S_HKV, S_HDIM, S_CAP, S_LAYERS, S_CODE, S_TMAX = range(24, 32)
 S_NSPLIT_MAX = 32
+S_RING, S_RING_LAYERS = 35, 36                   # ring rows and ring layers (sliding windows, arena.ring_plan)
 ARG0, ARG1 = 33, 34
 NAME_WORD, NAME_BYTES = 40, 128                 # lines 5-6
 NEXT = 56                                       # line 7, alone: every worker hits it

@@ -17,7 +17,7 @@ import numpy as np
 from hetero.adapters import layout as lora
 from hetero.cpu_attention import kernel
 from hetero.ipc import atomics, control as C, shm
-from hetero.offload.arena import SessionLayout
+from hetero.offload.arena import SessionLayout, layer_slots
 
 # Idle back-off. Hot (decode: the next layer's job is due within ~ms): spin, yielding the core
 # between bursts. Warm: short spins between 0.1 ms sleeps. Cold (prefill, or no request at all):
@@ -46,19 +46,22 @@ class Worker:
         self.close_session()
         lay = SessionLayout(batch=int(w[C.S_BATCH]), q_heads=int(w[C.S_HQ]), kv_heads=int(w[C.S_HKV]),
                             head_dim=int(w[C.S_HDIM]), cap=int(w[C.S_CAP]), layers=int(w[C.S_LAYERS]),
-                            code=int(w[C.S_CODE]), tmax=int(w[C.S_TMAX]), nsplit_max=int(w[C.S_NSPLIT_MAX]))
+                            code=int(w[C.S_CODE]), tmax=int(w[C.S_TMAX]), nsplit_max=int(w[C.S_NSPLIT_MAX]),
+                            ring=int(w[C.S_RING]), ring_layers=int(w[C.S_RING_LAYERS]))
         self.session_name = C.read_name(w)
         self.seg = shm.Segment(self.session_name)
-        self.v = lay.views(self.seg)
+        v = self.v = lay.views(self.seg)
         self.code = lay.code
+        # per layer: the arrays holding its KV (K/V, or Kr/Vr for a ring) and its index in them
+        self.kv = [(v["Kr"], v["Vr"], i) if r else (v["K"], v["V"], i) for r, i in layer_slots(v["ringed"])]
         rows = (lay.q_heads // lay.kv_heads) * lay.tmax
-        self.qs = np.zeros((rows, lay.head_dim), np.float32)   # private scratch: scaled queries
-        self.qp = np.zeros((rows, lay.head_dim // 2), np.uint32)   # private scratch: bf16 query pairs
+        self.qs = np.zeros((rows, lay.dpad), np.float32)        # private scratch: scaled queries
+        self.qp = np.zeros((rows, lay.dpad // 2), np.uint32)    # private scratch: bf16 query pairs
         self.S = kernel.score_scratch(rows)                     # private scratch: scores
 
     def close_session(self):
         if self.v is not None:
-            self.v = None
+            self.v = self.kv = None
             self.seg.close()
         self.session_name = None
 
@@ -84,9 +87,10 @@ class Worker:
 
     def attend(self):
         w, f, v = self.words, self.floats, self.v
-        kernel.run_share(w, C.NEXT, int(w[C.LAYER]), int(w[C.QLEN]), int(w[C.WINDOW]),
+        K, V, i = self.kv[int(w[C.LAYER])]
+        kernel.run_share(w, C.NEXT, i, int(w[C.QLEN]), int(w[C.WINDOW]),
                          int(w[C.NSPLIT]), np.float32(f[C.F_SCALE]), np.float32(f[C.F_SOFTCAP]), self.code,
-                         v["q"], v["knew"], v["vnew"], v["K"], v["V"], v["lengths"], v["order"],
+                         v["q"], v["knew"], v["vnew"], K, V, v["lengths"], v["order"],
                          v["part_o"], v["part_m"], v["part_l"], self.qs, self.qp, self.S)
 
     def orphaned(self):
@@ -98,6 +102,7 @@ class Worker:
                 if name:
                     shm.unlink(name)
             shm.unlink(self.ctrl.name)
+            shm.sweep_owner(self.ctrl.name)   # the rest of the dead parent's names, its lock included
         return True
 
     def run(self):

@@ -2,21 +2,31 @@
 
 Both sides build the same `SessionLayout` from the same shape numbers, so the
 parent and the workers agree on every offset. numpy only (workers import it).
+Dp = head_dim rounded up to W (`SessionLayout.dpad`): heads are stored padded with zero
+columns (zero q and K columns add nothing to a score, zero V columns give output columns
+the parent drops).
 
-  array    shape                          dtype    written by              read by
-  lengths  [B]                            int64    main (after each step)  workers
-  order    [B]                            int64    main (after each step)  workers: requests, longest first
-  q        [B, Hq, Tmax, D]               f32      main (each layer)       workers
-  knew     [B, Hkv, Tmax, D]              storage  main (each layer)       workers (append)
-  vnew     [B, Hkv, Tmax, D]              storage  main (each layer)       workers (append)
-  part_o   [B, Hkv, NS, G*Tmax, D]        f32      workers                 main (merge)
-  part_m   [B, Hkv, NS, G*Tmax]           f32      workers                 main (merge)
-  part_l   [B, Hkv, NS, G*Tmax]           f32      workers                 main (merge)
-  K        [layers, B, Hkv, nblk, D, BK]  storage  main (prefill), workers (decode append)
-  V        [layers, B, Hkv, nblk, D/W, BK, W]  storage  (same)
+  array    shape                               dtype    written by              read by
+  lengths  [B]                                 int64    main (after each step)  workers
+  order    [B]                                 int64    main (after each step)  workers: requests, longest first
+  ringed   [layers]                            int64    main (before OPEN)      workers: 1 = layer kept in Kr/Vr
+  q        [B, Hq, Tmax, Dp]                   f32      main (each layer)       workers
+  knew     [B, Hkv, Tmax, Dp]                  storage  main (each layer)       workers (append)
+  vnew     [B, Hkv, Tmax, Dp]                  storage  main (each layer)       workers (append)
+  part_o   [B, Hkv, NS, G*Tmax, Dp]            f32      workers                 main (merge)
+  part_m   [B, Hkv, NS, G*Tmax]                f32      workers                 main (merge)
+  part_l   [B, Hkv, NS, G*Tmax]                f32      workers                 main (merge)
+  K        [Lfull, B, Hkv, nblk, Dp, BK]       storage  main (prefill), workers (decode append); read by workers
+  V        [Lfull, B, Hkv, nblk, Dp/W, BK, W]  storage  (same)
+  Kr       [Lring, B, Hkv, nring, Dp, BK]      storage  (same): sliding-window layers, rings of nring blocks
+  Vr       [Lring, B, Hkv, nring, Dp/W, BK, W] storage  (same)
 K and V are blocked (BK = 32 rows per block, nblk = cap / BK; see
 hetero.cpu_attention.kernel for why): row j of a request lives in block j // BK;
-bf16 K blocks are pair-interleaved inside (kernel.k_index).
+bf16 K blocks are pair-interleaved inside (kernel.k_index). A layer with a sliding
+window keeps only the rows it can still see, in a ring: row j lives in block
+(j // BK) % nring of its Kr/Vr (the kernel takes every block index modulo the array's
+block count, which is the identity for K/V). Layers keep their order inside K/V and
+inside Kr/Vr (`layer_slots`).
 """
 from dataclasses import dataclass
 
@@ -38,37 +48,79 @@ def whole_blocks(rows):
     return _round(rows, BK)
 
 
+def ring_rows(window, tmax=1):
+    """Rows of a ring holding all that a decode step of up to tmax tokens reads or appends with a
+    sliding window: rows [L - window + 1, L + tmax) (window + tmax - 1 rows, see
+    kernel.unit_span), which start anywhere in a block and so span at most this many whole
+    blocks. Distinct rows of that range then never share a ring block, so a step's appends
+    overwrite only rows no query sees any more."""
+    return (window + tmax - 1 + 2 * BK - 2) // BK * BK
+
+
+def ring_plan(windows, cap, tmax=1):
+    """(ring rows, per-layer flags) for per-layer sliding windows (0 = full attention): layers
+    with a window are kept as rings when that is smaller than cap rows. One ring size serves
+    them all (the largest window's)."""
+    ring = max((ring_rows(w, tmax) for w in windows if w > 0), default=0)
+    if ring == 0 or ring >= cap:
+        return 0, (False,) * len(windows)
+    return ring, tuple(w > 0 for w in windows)
+
+
+def layer_slots(ringed):
+    """Per layer, (kept as a ring?, its index in K/V or in Kr/Vr)."""
+    count, out = [0, 0], []
+    for r in ringed:
+        r = int(bool(r))
+        out.append((bool(r), count[r]))
+        count[r] += 1
+    return out
+
+
 @dataclass(frozen=True)
 class SessionLayout:
     batch: int
     q_heads: int
     kv_heads: int
-    head_dim: int
+    head_dim: int     # the model's; stored padded to dpad
     cap: int          # KV rows per request (real prompt + max_new_tokens), a multiple of BK
     layers: int
     code: int         # storage dtype code (kernel.F32 / BF16 / F16)
     tmax: int = 1     # query tokens per decode step
     nsplit_max: int = 16
+    ring: int = 0           # KV rows per request of a ring layer (see ring_plan), a multiple of BK
+    ring_layers: int = 0    # layers kept as rings (Kr/Vr); the other layers keep cap rows (K/V)
 
     def __post_init__(self):
-        if self.cap % BK or self.head_dim % W:
-            raise ValueError(f"cap must be a multiple of {BK} and head_dim of {W}, got {self.cap}, {self.head_dim}")
+        if self.cap % BK or self.ring % BK:
+            raise ValueError(f"cap and ring must be multiples of {BK}, got {self.cap}, {self.ring}")
+        if not 0 <= self.ring_layers <= self.layers or (self.ring_layers > 0) != (self.ring > 0):
+            raise ValueError(f"{self.ring_layers} ring layers of {self.ring} rows in {self.layers} layers")
+
+    @property
+    def dpad(self):
+        """The stored head dimension: head_dim rounded up to the tile width W."""
+        return -(-self.head_dim // W) * W
 
     def arrays(self):
-        B, Hq, Hkv, D, T, NS = self.batch, self.q_heads, self.kv_heads, self.head_dim, self.tmax, self.nsplit_max
+        B, Hq, Hkv, D, T, NS = self.batch, self.q_heads, self.kv_heads, self.dpad, self.tmax, self.nsplit_max
         rows = (Hq // Hkv) * T
         st = NP_STORAGE[self.code]
+        full, nring = self.layers - self.ring_layers, self.ring // BK
         return [
             ("lengths", (B,), np.int64),
             ("order", (B,), np.int64),
+            ("ringed", (self.layers,), np.int64),
             ("q", (B, Hq, T, D), np.float32),
             ("knew", (B, Hkv, T, D), st),
             ("vnew", (B, Hkv, T, D), st),
             ("part_o", (B, Hkv, NS, rows, D), np.float32),
             ("part_m", (B, Hkv, NS, rows), np.float32),
             ("part_l", (B, Hkv, NS, rows), np.float32),
-            ("K", (self.layers, B, Hkv, self.cap // BK, D, BK), st),
-            ("V", (self.layers, B, Hkv, self.cap // BK, D // W, BK, W), st),
+            ("K", (full, B, Hkv, self.cap // BK, D, BK), st),
+            ("V", (full, B, Hkv, self.cap // BK, D // W, BK, W), st),
+            ("Kr", (self.ring_layers, B, Hkv, nring, D, BK), st),
+            ("Vr", (self.ring_layers, B, Hkv, nring, D // W, BK, W), st),
         ]
 
     def offsets(self):
@@ -80,7 +132,8 @@ class SessionLayout:
 
     @property
     def kv_bytes(self):
-        return 2 * self.layers * self.batch * self.kv_heads * self.cap * self.head_dim * np.dtype(NP_STORAGE[self.code]).itemsize
+        rows = (self.layers - self.ring_layers) * self.cap + self.ring_layers * self.ring
+        return 2 * self.batch * self.kv_heads * rows * self.dpad * np.dtype(NP_STORAGE[self.code]).itemsize
 
     def views(self, segment):
         """name -> numpy view into `segment` (a hetero.ipc.shm.Segment)."""

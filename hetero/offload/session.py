@@ -6,38 +6,55 @@ it. Prefill writes each layer's real (unpadded) KV rows straight into the
 arena; a decode step stages q/k/v, runs one CMD_ATTN job and merges the
 workers' partials. Per-request lengths count real tokens only: request b's
 row j holds its j-th real token, so left padding never reaches the cache.
+Heads are stored padded to the layout's dpad (q/k/v go into the first head_dim
+columns; the rest stay zero) and outputs are sliced back. Sliding-window layers
+keep a ring of the rows their window can still see (arena.ring_plan).
 """
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from hetero.cpu_attention.kernel import BF16, F16, F32
 from hetero.cpu_attention.planner import StaticPlanner
 from hetero.cpu_attention.simd import BK, W
+from hetero.errors import UnsupportedModelError
 from hetero.ipc import control as C, shm
-from hetero.offload.arena import SessionLayout, whole_blocks
+from hetero.offload.arena import SessionLayout, layer_slots, ring_plan, whole_blocks
 
 STORAGE_CODES = {torch.float32: F32, torch.bfloat16: BF16, torch.float16: F16}
 
 
-def merge_partials(o, m, l):
+def merge_partials(o, m, l, sink=None):
     """Exact combination of split partials: o [B, Hkv, ns, rows, D], m/l [B, Hkv, ns, rows]
-    -> [B, Hkv, rows, D] (see hetero.cpu_attention.kernel)."""
-    if o.shape[2] == 1:
-        return o[:, :, 0] / l[:, :, 0, :, None]
-    wgt = torch.exp(m - m.amax(2, keepdim=True))
-    return (wgt[..., None] * o).sum(2) / (wgt * l).sum(2)[..., None]
+    -> [B, Hkv, rows, D] (see hetero.cpu_attention.kernel).
+    sink: None, or a logit per row (broadcasting to [B, Hkv, rows]) that joins the softmax's
+    denominator but adds no value (gpt_oss's s_aux, unscaled and not soft-capped):
+        out = sum_s e^(m_s - M) o_s / (sum_s e^(m_s - M) l_s + e^(sink - M)),  M = max(max_s m_s, sink)."""
+    if sink is None:
+        if o.shape[2] == 1:
+            return o[:, :, 0] / l[:, :, 0, :, None]
+        M = m.amax(2, keepdim=True)                          # [B, Hkv, 1, rows]
+    else:
+        M = torch.maximum(m.amax(2), sink).unsqueeze(2)      # [B, Hkv, 1, rows]
+    wgt = torch.exp(m - M)                                   # [B, Hkv, ns, rows]
+    den = (wgt * l).sum(2)                                   # [B, Hkv, rows]
+    if sink is not None:
+        den = den + torch.exp(sink - M[:, :, 0])
+    return (wgt[..., None] * o).sum(2) / den[..., None]
 
 
 class KVSession:
     def __init__(self, pool, spec, pads, real_lens, cap, planner=None):
         self.pool, self.spec = pool, spec
         self.planner = planner or StaticPlanner(pool.n)
-        cap = whole_blocks(cap)
         self.batch = len(pads)
         self.pads = [int(p) for p in pads]            # left pads per request
-        self.layout = SessionLayout(batch=self.batch, q_heads=spec.q_heads, kv_heads=spec.kv_heads,
-                                    head_dim=spec.head_dim, cap=cap, layers=spec.layers,
-                                    code=STORAGE_CODES[spec.dtype])
+        self.layout = self.layout_for(spec, self.batch, cap)
+        windows = spec.windows or (0,) * spec.layers
+        _, ringed = ring_plan(windows, self.layout.cap, self.layout.tmax)
+        # per layer: the window its ring was sized for (0: the layer keeps every row)
+        self.ring_window = tuple(w if r else 0 for w, r in zip(windows, ringed))
+        self._sinks = {}                              # layer -> (sinks given, their CPU rows; see _sink_rows)
         self.prefilled = False
         self.opened = False
         shm.warn_if_small_pages(self.layout.nbytes)
@@ -45,10 +62,15 @@ class KVSession:
         try:
             v = self.layout.views(self.seg)
             self.lengths = v["lengths"]                 # numpy, real rows per request
-            self.q = torch.from_numpy(v["q"])           # [B, Hq, Tmax, D] f32
+            self.q = torch.from_numpy(v["q"])           # [B, Hq, Tmax, Dp] f32
             self.knew, self.vnew = self._storage(v["knew"]), self._storage(v["vnew"])
-            self.K = self._storage(v["K"])              # [layers, B, Hkv, nblk, D, BK]
-            self.V = self._storage(v["V"])              # [layers, B, Hkv, nblk, D/W, BK, W]
+            self.K = self._storage(v["K"])              # [Lfull, B, Hkv, nblk, Dp, BK]
+            self.V = self._storage(v["V"])              # [Lfull, B, Hkv, nblk, Dp/W, BK, W]
+            self.Kr = self._storage(v["Kr"])            # [Lring, B, Hkv, nring, Dp, BK]
+            self.Vr = self._storage(v["Vr"])            # [Lring, B, Hkv, nring, Dp/W, BK, W]
+            v["ringed"][:] = ringed                     # read by the workers at CMD_OPEN
+            # per layer: its (K, V) blocks [B, Hkv, nblk or nring, ...]
+            self.kv = [(self.Kr[i], self.Vr[i]) if r else (self.K[i], self.V[i]) for r, i in layer_slots(ringed)]
             self.part_o, self.part_m, self.part_l = (torch.from_numpy(v[n]) for n in ("part_o", "part_m", "part_l"))
             self.lengths[:] = 0
             self.order = v["order"]                     # numpy, the workers' unit order (see _plan_step)
@@ -58,6 +80,15 @@ class KVSession:
         except BaseException:
             self.close()
             raise
+
+    @staticmethod
+    def layout_for(spec, batch, cap, tmax=1):
+        """The SessionLayout a session for `batch` requests of `cap` rows uses (memory checks)."""
+        cap = whole_blocks(cap)
+        ring, ringed = ring_plan(spec.windows or (0,) * spec.layers, cap, tmax)
+        return SessionLayout(batch=batch, q_heads=spec.q_heads, kv_heads=spec.kv_heads, head_dim=spec.head_dim,
+                             cap=cap, layers=spec.layers, code=STORAGE_CODES[spec.dtype], tmax=tmax,
+                             ring=ring, ring_layers=sum(ringed))
 
     def _storage(self, arr):
         t = torch.from_numpy(arr)
@@ -70,6 +101,7 @@ class KVSession:
         w[C.S_BATCH], w[C.S_HQ], w[C.S_HKV], w[C.S_HDIM] = lay.batch, lay.q_heads, lay.kv_heads, lay.head_dim
         w[C.S_CAP], w[C.S_LAYERS], w[C.S_CODE], w[C.S_TMAX], w[C.S_NSPLIT_MAX] = (
             lay.cap, lay.layers, lay.code, lay.tmax, lay.nsplit_max)
+        w[C.S_RING], w[C.S_RING_LAYERS] = lay.ring, lay.ring_layers
         C.write_name(w, self.seg.name)
         self.pool.run(C.CMD_OPEN)
         self.opened = True
@@ -77,40 +109,73 @@ class KVSession:
 
     # ---- prefill: the model's own attention runs; we offload its KV layer by layer
     def store_prefill(self, layer, key, value):
-        """key/value: [B, Hkv, S, D] on the model's device (S includes left pads)."""
+        """key/value: [B, Hkv, S, D] on the model's device (S includes left pads). A ring layer
+        stores only the rows its window can still see at the first decode step."""
+        window = self.ring_window[layer]
         for b, pad in enumerate(self.pads):
-            self.write_rows(layer, b, key[b, :, pad:], value[b, :, pad:])
+            n = key.shape[2] - pad
+            start = max(0, n - window + 1) // BK * BK if window else 0     # whole blocks
+            self.write_rows(layer, b, key[b, :, pad + start:], value[b, :, pad + start:], start)
 
-    def _kblocks(self, layer, b):
-        """Request b's K blocks as [Hkv, nblk, D/P, BK, P]: P = 2 for bf16 (pair-interleaved,
-        see kernel.k_index), else P = 1 (plain [D, BK] blocks)."""
-        Kb = self.K[layer, b]                       # [Hkv, nblk, D, BK]
+    def _blocks(self, layer, b):
+        """Request b's K blocks as [Hkv, nblk, Dp/P, BK, P] (P = 2 for bf16: pair-interleaved, see
+        kernel.k_index, else 1: plain [Dp, BK] blocks) and V blocks [Hkv, nblk, Dp/W, BK, W]."""
+        Kl, Vl = self.kv[layer]
+        Kb = Kl[b]                                  # [Hkv, nblk, Dp, BK]
         P = 2 if self.layout.code == BF16 else 1
-        Hkv, nblk, D, _ = Kb.shape
-        return Kb.view(Hkv, nblk, D // P, BK, P)
+        Hkv, nblk, Dp, _ = Kb.shape
+        return Kb.view(Hkv, nblk, Dp // P, BK, P), Vl[b]
 
-    def write_rows(self, layer, b, key, value):
-        """Rows 0..n-1 of request b: key/value [Hkv, n, D] (any device) into the blocked layout."""
+    def _block_ids(self, layer, start, n):
+        """Where rows [start, start + n) live: the stored block of each logical block they touch."""
+        nphys = self.kv[layer][0].shape[2]
+        first, last = start // BK, (start + n - 1) // BK
+        if last - first >= nphys:
+            raise ValueError(f"rows [{start}, {start + n}) span {last - first + 1} blocks; layer {layer} "
+                             f"keeps {nphys} (a sliding window's ring keeps only the rows it can still see)")
+        return [blk % nphys for blk in range(first, last + 1)]
+
+    def write_rows(self, layer, b, key, value, start=0):
+        """Rows start..start+n-1 of request b: key/value [Hkv, n, D] (any device) into the blocked
+        layout; start is a multiple of BK. Row j goes to block (j // BK) % nblk (a ring wraps)."""
         Hkv, n, D = key.shape
-        full, rem = divmod(n, BK)
-        Kb, Vb = self._kblocks(layer, b), self.V[layer, b]
+        if start % BK:
+            raise ValueError(f"start row {start} is not a multiple of {BK}")
+        if n == 0:
+            return
+        Dp = self.layout.dpad
+        if D != Dp:                         # zero columns D..Dp-1 (SessionLayout.dpad)
+            key, value = F.pad(key, (0, Dp - D)), F.pad(value, (0, Dp - D))
+        ids = self._block_ids(layer, start, n)
+        Kb, Vb = self._blocks(layer, b)
         P = Kb.shape[-1]
-        # [Hkv, full*BK, D] -> [Hkv, full, BK, D/P, P] -> K [Hkv, full, D/P, BK, P]
-        Kb[:, :full].copy_(key[:, :full * BK].reshape(Hkv, full, BK, D // P, P).transpose(2, 3))
-        # [Hkv, full*BK, D] -> [Hkv, full, BK, D/W, W] -> V [Hkv, full, D/W, BK, W]
-        Vb[:, :full].copy_(value[:, :full * BK].reshape(Hkv, full, BK, D // W, W).transpose(2, 3))
-        if rem:
-            Kb[:, full, :, :rem].copy_(key[:, full * BK:].reshape(Hkv, rem, D // P, P).transpose(1, 2))
-            Vb[:, full, :, :rem].copy_(value[:, full * BK:].reshape(Hkv, rem, D // W, W).transpose(1, 2))
+        # a ring wraps at most once: stored blocks ids[0].. then 0..; each run is contiguous
+        runs = [(0, ids[0], min(len(ids), Kb.shape[1] - ids[0]))]
+        if runs[0][2] < len(ids):
+            runs.append((runs[0][2], 0, len(ids) - runs[0][2]))
+        for i, p, nb in runs:               # logical blocks i..i+nb-1 of these rows -> stored p..p+nb-1
+            k, v = key[:, i * BK:(i + nb) * BK], value[:, i * BK:(i + nb) * BK]
+            full, rem = divmod(k.shape[1], BK)
+            # [Hkv, full*BK, Dp] -> [Hkv, full, BK, Dp/P, P] -> K [Hkv, full, Dp/P, BK, P]
+            Kb[:, p:p + full].copy_(k[:, :full * BK].reshape(Hkv, full, BK, Dp // P, P).transpose(2, 3))
+            # [Hkv, full*BK, Dp] -> [Hkv, full, BK, Dp/W, W] -> V [Hkv, full, Dp/W, BK, W]
+            Vb[:, p:p + full].copy_(v[:, :full * BK].reshape(Hkv, full, BK, Dp // W, W).transpose(2, 3))
+            if rem:
+                Kb[:, p + full, :, :rem].copy_(k[:, full * BK:].reshape(Hkv, rem, Dp // P, P).transpose(1, 2))
+                Vb[:, p + full, :, :rem].copy_(v[:, full * BK:].reshape(Hkv, rem, Dp // W, W).transpose(1, 2))
 
-    def read_rows(self, layer, b, n):
-        """Inverse of write_rows: [Hkv, n, D] copies of request b's first n rows."""
-        Kb, Vb = self._kblocks(layer, b), self.V[layer, b]
-        Hkv, nblk, _, _, _ = Kb.shape
-        D = self.layout.head_dim
-        k = Kb.transpose(2, 3).reshape(Hkv, nblk * BK, D)[:, :n]
-        v = Vb.transpose(2, 3).reshape(Hkv, nblk * BK, D)[:, :n]
-        return k.clone(), v.clone()
+    def read_rows(self, layer, b, n, start=0):
+        """Inverse of write_rows: [Hkv, n - start, D] copies of request b's rows start..n-1 (a ring
+        layer holds only the last rows its window sees)."""
+        if n <= start:
+            return (torch.empty(self.spec.kv_heads, 0, self.spec.head_dim, dtype=self.spec.dtype),) * 2
+        ids = torch.tensor(self._block_ids(layer, start, n - start))
+        Kb, Vb = self._blocks(layer, b)
+        Hkv, Dp, D, j0 = Kb.shape[0], self.layout.dpad, self.spec.head_dim, start % BK
+        # [Hkv, nb, Dp/P, BK, P] -> [Hkv, nb, BK, Dp/P, P] -> rows [Hkv, nb*BK, Dp]; V likewise
+        k = Kb[:, ids].transpose(2, 3).reshape(Hkv, len(ids) * BK, Dp)
+        v = Vb[:, ids].transpose(2, 3).reshape(Hkv, len(ids) * BK, Dp)
+        return k[:, j0:j0 + n - start, :D].contiguous(), v[:, j0:j0 + n - start, :D].contiguous()
 
     def finish_prefill(self):
         """Called after the last layer's prefill attention: later forwards are decode steps."""
@@ -128,17 +193,33 @@ class KVSession:
     # ---- decode
     def stage_kv(self, key, value):
         """key/value: [B, Hkv, T, D], the new rows of this step (workers append them)."""
-        T = key.shape[2]
-        self.knew[:, :, :T].copy_(key)
-        self.vnew[:, :, :T].copy_(value)
+        T, D = key.shape[2], key.shape[3]
+        self.knew[:, :, :T, :D].copy_(key)          # columns D..Dp-1 stay zero
+        self.vnew[:, :, :T, :D].copy_(value)
 
-    def attend(self, layer, query, window, scale, softcap):
-        """query [B, Hq, T, D] -> attention output [B, T, Hq, D] over the CPU KV cache."""
+    def _sink_rows(self, layer, sinks, T):
+        """sinks [Hq] (any device) -> [Hkv, G*T] f32 CPU: row g*T + t of kv head h holds sinks[h*G + g].
+        Cached per layer (a model's sinks are parameters: one device copy per layer and session)."""
+        hit = self._sinks.get(layer)
+        if hit is None or hit[0] is not sinks or hit[2] != T:
+            Hkv = self.spec.kv_heads
+            s = sinks.detach().to("cpu", torch.float32).reshape(Hkv, -1, 1)        # [Hkv, G, 1]
+            hit = self._sinks[layer] = (sinks, s.expand(-1, -1, T).reshape(Hkv, -1), T)
+        return hit[1]
+
+    def attend(self, layer, query, window, scale, softcap, sinks=None):
+        """query [B, Hq, T, D] -> attention output [B, T, Hq, D] over the CPU KV cache.
+        sinks: None, or a logit per query head [Hq] joining each softmax's denominator (gpt_oss)."""
         B, Hq, T, D = query.shape
         if T > self.layout.tmax:
             raise NotImplementedError(f"decode steps of {T} query tokens (at most {self.layout.tmax} supported)")
+        kept = self.ring_window[layer]
+        if kept and not 0 < (window or 0) <= kept:
+            raise UnsupportedModelError(
+                f"layer {layer} keeps only the KV rows a sliding window of {kept} tokens sees (the model's "
+                f"configured window), but attention was called with window {window}: refusing to compute it")
         G, Hkv = Hq // self.spec.kv_heads, self.spec.kv_heads
-        self.q[:, :, :T].copy_(query)
+        self.q[:, :, :T, :D].copy_(query)            # columns D..Dp-1 stay zero
         if T != self._planned_T:
             self._plan_step(T)
         nsplit = self.nsplit
@@ -147,8 +228,9 @@ class KVSession:
         f[C.F_SCALE], f[C.F_SOFTCAP] = scale, softcap or 0.0
         self.pool.run(C.CMD_ATTN, active=self.nactive)
         rows = G * T
-        out = merge_partials(self.part_o[:, :, :nsplit, :rows], self.part_m[:, :, :nsplit, :rows],
-                             self.part_l[:, :, :nsplit, :rows])    # [B, Hkv, G*T, D]
+        sink = None if sinks is None else self._sink_rows(layer, sinks, T)
+        out = merge_partials(self.part_o[:, :, :nsplit, :rows, :D], self.part_m[:, :, :nsplit, :rows],
+                             self.part_l[:, :, :nsplit, :rows], sink)    # [B, Hkv, G*T, D]
         out = out.view(B, Hkv, G, T, D).reshape(B, Hq, T, D)   # q head = h*G + g
         if layer == self.spec.layers - 1:
             self.lengths += T
@@ -167,6 +249,7 @@ class KVSession:
                     pass
         # drop every view first: a live view pins the mapping (and an output that keeps this
         # session through its cache would pin the whole arena)
-        self.q = self.knew = self.vnew = self.K = self.V = None
+        self.q = self.knew = self.vnew = self.K = self.V = self.Kr = self.Vr = self.kv = None
+        self._sinks = {}
         self.part_o = self.part_m = self.part_l = self.lengths = self.order = None
         self.seg.close()
