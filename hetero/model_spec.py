@@ -7,7 +7,17 @@ from hetero.errors import UnsupportedModelError
 
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-TESTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3")
+# families whose attention modules tile KV heads (query head h reads KV head h mod Hkv, i.e.
+# k.repeat(...) instead of repeat_kv's grouping); handled by permuting the query heads
+TILED_KV_MODEL_TYPES = ("jetmoe",)
+# config fields that mean something this engine cannot run exactly -> what it is
+UNSUPPORTED_FIELDS = {
+    "kv_lora_rank": "latent (MLA) KV", "q_lora_rank": "latent (MLA) queries",
+    "linear_num_key_heads": "linear-attention layers", "global_head_dim": "per-layer head sizes",
+    "num_kv_shared_layers": "KV shared across layers",
+    "cross_attention_layers": "cross-attention layers",
+    "keep_window_size": "dynamic mask attention (learned per-key biases and top-k key selection in the mask)",
+}
 
 
 @dataclass(frozen=True)
@@ -21,6 +31,7 @@ class ModelSpec:
     max_positions: int | None
     sliding: tuple  # per layer: True for sliding-window attention layers
     windows: tuple = ()  # per layer: the sliding window in tokens (0: full attention)
+    kv_tiled: bool = False  # query head h reads KV head h mod kv_heads (else h // group)
 
 
 def inspect_model(model):
@@ -42,14 +53,18 @@ def inspect_model(model):
     missing = [a for a in ("num_hidden_layers", "num_attention_heads") if getattr(cfg, a, None) is None]
     if missing:
         raise UnsupportedModelError(f"{name}'s config has no {', '.join(missing)}: it is not a standard attention model")
+    for attr, what in UNSUPPORTED_FIELDS.items():
+        if _field(cfg, attr):
+            raise UnsupportedModelError(f"{name}: config field {attr!r} means {what}, which the engine lacks")
+    if getattr(cfg, "is_heterogeneous", False):     # per-layer config overrides
+        _check_uniform_attention(cfg, name)
+        cfg = cfg.per_layer_config[0]
     layers, q_heads = cfg.num_hidden_layers, cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or q_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // q_heads
+    head_dim = _field(cfg, "head_dim") or cfg.hidden_size // q_heads
     if q_heads % kv_heads:
         raise UnsupportedModelError(f"{name}: {q_heads} query heads are not a multiple of {kv_heads} KV heads")
-    for attr in ("kv_lora_rank", "q_lora_rank", "linear_num_key_heads", "global_head_dim"):
-        if getattr(cfg, attr, None):
-            raise UnsupportedModelError(f"{name}: config field {attr!r} means per-layer or latent KV shapes, which the engine lacks")
+    kv_tiled = _check_attention_modules(model, name, cfg.model_type, q_heads // kv_heads, head_dim)
     layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * layers
     other = sorted(set(layer_types) - ATTENTION_LAYER_TYPES)
     if other:
@@ -64,4 +79,42 @@ def inspect_model(model):
         raise UnsupportedModelError(f"{name} is in {dtype}; supported: float32, bfloat16, float16")
     return ModelSpec(model_type=cfg.model_type, layers=layers, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
                      dtype=dtype, max_positions=getattr(cfg, "max_position_embeddings", None),
-                     sliding=tuple(t == "sliding_attention" for t in layer_types), windows=windows)
+                     sliding=tuple(t == "sliding_attention" for t in layer_types), windows=windows, kv_tiled=kv_tiled)
+
+
+def _field(cfg, attr):
+    """cfg.attr, or None; per-layer configs raise on ambiguous global reads, which count as set."""
+    try:
+        return getattr(cfg, attr, None)
+    except Exception:
+        return True
+
+
+def _check_uniform_attention(cfg, name):
+    """A heterogeneous config (per-layer overrides) is fine while every layer's attention has one shape."""
+    shapes = {i: tuple(getattr(c, a, None) for a in ("num_attention_heads", "num_key_value_heads", "head_dim"))
+              for i, c in enumerate(cfg.per_layer_config)}
+    if len(set(shapes.values())) > 1:
+        raise UnsupportedModelError(f"{name}: attention shapes (heads, KV heads, head_dim) differ across layers "
+                                    f"{sorted(set(shapes.values()), key=str)}; per-layer attention shapes are not supported")
+
+
+def _check_attention_modules(model, name, model_type, group, head_dim):
+    """Every attention layer must have the config's head size and query grouping. Returns True
+    when the KV heads are tiled (TILED_KV_MODEL_TYPES); anything else that differs is refused."""
+    tiled = False
+    for path, mod in model.named_modules():
+        if not (type(mod).__name__.endswith("Attention") and hasattr(mod, "layer_idx")):
+            continue
+        d = getattr(mod, "head_dim", head_dim)
+        if d != head_dim or getattr(mod, "v_head_dim", d) != d:
+            raise UnsupportedModelError(f"{name}: {path} has head size {d} (values {getattr(mod, 'v_head_dim', d)}) "
+                                        f"but the config says {head_dim}; per-layer head sizes are not supported")
+        g = getattr(mod, "num_key_value_groups", group)
+        if g != group:
+            if g == 1 and model_type in TILED_KV_MODEL_TYPES:
+                tiled = True
+            else:
+                raise UnsupportedModelError(f"{name}: {path} groups {g} query heads per KV head but the config "
+                                            f"implies {group}; per-layer KV head counts are not supported")
+    return tiled

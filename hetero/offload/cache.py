@@ -24,6 +24,7 @@ class HeteroLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self.session.note_update(self.layer_idx)
         if self.session.prefilled:
             self.session.stage_kv(key_states, value_states)
         else:

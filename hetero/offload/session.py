@@ -57,6 +57,9 @@ class KVSession:
         self._sinks = {}                              # layer -> (sinks given, their CPU rows; see _sink_rows)
         self.prefilled = False
         self.opened = False
+        # per layer: the cache was updated and attention has not read it yet (HeteroLayer.update
+        # sets it, take_update clears it): one attention call per update, same layer, or refuse
+        self.pending = [False] * spec.layers
         shm.warn_if_small_pages(self.layout.nbytes)
         self.seg = shm.Segment(shm.new_name("kv"), self.layout.nbytes, create=True)
         try:
@@ -106,6 +109,22 @@ class KVSession:
         self.pool.run(C.CMD_OPEN)
         self.opened = True
         self.pool.session = self
+
+    def note_update(self, layer):
+        """HeteroLayer.update of `layer` ran: its attention call comes next."""
+        if self.pending[layer]:
+            raise UnsupportedModelError(f"layer {layer}'s KV cache was updated twice without an attention call "
+                                        "between (a layer reusing cache slots?); not supported")
+        self.pending[layer] = True
+
+    def take_update(self, layer, module):
+        """The attention call of `layer` (module.layer_idx): it must follow that layer's cache update."""
+        if layer is None or not 0 <= layer < len(self.pending) or not self.pending[layer]:
+            raise UnsupportedModelError(
+                f"{type(module).__name__} (layer {layer}) calls attention without a KV cache update of its own "
+                "layer just before it (attention called twice per layer, KV shared across layers, or cache "
+                "slots other than the layer index); not supported")
+        self.pending[layer] = False
 
     # ---- prefill: the model's own attention runs; we offload its KV layer by layer
     def store_prefill(self, layer, key, value):
