@@ -66,6 +66,7 @@ QSA = dict(n_heads=2, kv_heads=1, head_dim=16, budget=16, compress_ratio=4)     
 HYBRID = ["linear_attention", "full_attention", "linear_attention"]   # one attention layer among recurrent ones
 OVERRIDES = {
     "falcon": {"head_dim": None, "num_kv_heads": 2, "new_decoder_architecture": True},
+    "gpt_bigcode": {"num_key_value_heads": None},   # derived from multi_query; setting it contradicts the model
     "hrm_text": {"num_hidden_layers": 1},     # layers per stack; the config multiplies it by its cycles
     # hybrids whose default layer pattern leaves no attention layer among 3
     **{mt: {"layer_types": HYBRID} for mt in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")},
