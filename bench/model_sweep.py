@@ -285,7 +285,7 @@ def _summary(v):
     return type(v).__name__
 
 
-def run_one(model_type):
+def run_one(model_type, lengths=LENGTHS):
     """Everything for one family, in this process -> result dict."""
     warnings.filterwarnings("ignore")
     import torch
@@ -305,7 +305,7 @@ def run_one(model_type):
     result["config_fields"] = {k: _jsonable(getattr(cfg, k)) for k in (
         "sliding_window", "layer_types", "use_sliding_window", "max_window_layers", "attention_chunk_size")
         if getattr(cfg, k, None) is not None}
-    ids, mask = padded_batch()
+    ids, mask = padded_batch(lengths)
     try:
         with torch.no_grad():
             ref = hf_generate(model, ids, mask)

@@ -92,10 +92,11 @@ def _field(cfg, attr):
 
 def _check_uniform_attention(cfg, name):
     """A heterogeneous config (per-layer overrides) is fine while every layer's attention has one shape."""
-    shapes = {i: tuple(getattr(c, a, None) for a in ("num_attention_heads", "num_key_value_heads", "head_dim"))
+    shapes = {i: tuple(getattr(c, a, None) for a in ("num_attention_heads", "num_key_value_heads", "head_dim",
+                                                     "sliding_window"))
               for i, c in enumerate(cfg.per_layer_config)}
     if len(set(shapes.values())) > 1:
-        raise UnsupportedModelError(f"{name}: attention shapes (heads, KV heads, head_dim) differ across layers "
+        raise UnsupportedModelError(f"{name}: attention shapes (heads, KV heads, head_dim, window) differ across layers "
                                     f"{sorted(set(shapes.values()), key=str)}; per-layer attention shapes are not supported")
 
 

@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import textwrap
 import time
 import warnings
 
@@ -411,3 +412,22 @@ def test_big_kv_arena_on_small_pages_warns_once(monkeypatch):
         warnings.simplefilter("always")
         shm.warn_if_small_pages(4 << 30)
     assert not seen
+
+
+def test_owner_lock_taken_again_when_its_file_is_removed():
+    """A process whose lock file was removed (a careless rm, or its fd closed) must not keep naming
+    segments under an owner key nobody holds: such segments would be swept as a dead owner's.
+    (In a child process: the test's own segments keep their lock.)"""
+    code = textwrap.dedent("""
+        import os
+        from hetero.ipc import shm
+        first = shm.new_name("probe").split("_")[2]
+        key = shm._owner[1]
+        os.unlink(os.path.join(shm.SHM_DIR, shm.LOCK_PREFIX + key))
+        second = shm.new_name("probe").split("_")[2]
+        assert shm._owner[1] != key and first != second, (first, second)
+        assert os.path.exists(os.path.join(shm.SHM_DIR, shm.LOCK_PREFIX + shm._owner[1]))
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "ok", out.stderr

@@ -52,8 +52,9 @@ def test_half_precision_long_run_agreement(dtype):
     """bf16/fp16 at a 2K context, 64 new tokens, against HF in the same dtype. What holds: the
     first token comes from the same prefill (identical); later steps differ from HF only in
     rounding (hetero accumulates attention in fp32 over the stored half-precision KV, HF's sdpa
-    runs in the model dtype), so greedy tokens agree unless a near-tie flips. Measured on this
-    model: every token equal (the README reports the same)."""
+    runs in the model dtype), so greedy tokens agree unless a near-tie flips: checked step by step
+    until the runs part, which may only happen where HF's own top logits are within rounding.
+    Measured here: every token equal (the README reports the same)."""
     model, ref_impl = build_model("llama", dtype=dtype, **LONG)
     ids, mask = padded_batch(lengths=(2048, 2000), seed=9)
     new = 64
@@ -63,7 +64,12 @@ def test_half_precision_long_run_agreement(dtype):
         out = ours(gen, ids, mask, new)
     S = ids.shape[1]
     assert torch.equal(out.sequences[:, S], ref.sequences[:, S])     # the prefill token
-    assert torch.equal(out.sequences, ref.sequences)
-    worst = max(float((a.float() - b.float()).abs().max()) for a, b in zip(out.scores, ref.scores))
     spread = max(float(b.float().abs().max()) for b in ref.scores)
-    assert worst <= 0.02 * spread, (worst, spread)     # rounding-level differences only
+    tol = 0.02 * spread                                               # rounding-level differences
+    for b in range(ids.shape[0]):
+        for step, (a, r) in enumerate(zip(out.scores, ref.scores)):
+            assert float((a[b].float() - r[b].float()).abs().max()) <= tol, (b, step)
+            ours_tok, ref_tok = int(out.sequences[b, S + step]), int(ref.sequences[b, S + step])
+            if ours_tok != ref_tok:      # allowed only at a near-tie in HF's own logits; then the runs part
+                assert float(r[b, ref_tok] - r[b, ours_tok]) <= tol, (b, step)
+                break

@@ -104,6 +104,7 @@ class LoraBatch:
 
     def _submit(self, site, x2, chunk):
         st, pool = self.store, self.store.pool
+        pool.drain()                             # a job still in flight may read the staging area
         din, dout = st.site_dims[site]
         pieces, row = [], 0
         for b, a, t0, t1 in chunk:

@@ -58,6 +58,7 @@ class WorkerPool:
         self.procs, self.seq, self.closed = [], 0, False
         self.pid = os.getpid()    # a forked child's copy (its atexit too) must leave the workers alone
         self.inflight = None      # (seq, active) of a submitted job not yet waited for
+        self.stuck = []           # ranks that made no progress (WorkerError): killed at close
         self._checked = 0.0       # perf_counter of the last liveness check of every worker
         self.session = None   # the KVSession mapped in the workers (one at a time)
         shm.sweep_stale()
@@ -86,11 +87,16 @@ class WorkerPool:
     def alive(self):
         return not self.closed and all(p.poll() is None for p in self.procs)
 
-    def submit(self, cmd, active):
-        """Publish a job whose params the caller has already written to workers 0..active-1.
-        A job still in flight is waited for first; a dead worker (idle ones too) raises."""
+    def drain(self):
+        """Wait for a job still in flight (abandoned between submit and wait by an exception or
+        Ctrl-C). Callers call it before writing a job's params: workers may still read them."""
         if self.inflight is not None:
             self.wait(*self.inflight)
+
+    def submit(self, cmd, active):
+        """Publish a job whose params the caller has already written (after drain()) to workers
+        0..active-1. A job still in flight is waited for first; a dead worker (idle ones too) raises."""
+        self.drain()
         now = time.perf_counter()
         if now - self._checked > LIVENESS_PERIOD:
             self._checked = now
@@ -101,16 +107,18 @@ class WorkerPool:
         self.words[C.CMD] = cmd
         self.words[C.NEXT] = 0
         self.seq += 1
+        self.inflight = (self.seq, active)     # before GO: an interrupt after it still finds the job
         atomics.post(self.words, C.go_word(0), active, C.LINE, self.seq)
-        self.inflight = (self.seq, active)
         return self.seq
 
     def _cmd_name(self):
         return CMD_NAMES.get(int(self.words[C.CMD]), "?")
 
     def _raise_if_dead(self, when):
+        """when: where the message places the death (None: during the current job)."""
         for rank, p in enumerate(self.procs):
             if p.poll() is not None:
+                when = when or f"during the {self._cmd_name()} job"
                 raise WorkerDiedError(f"CPU worker {rank} (pid {p.pid}, core {self.worker_cores[rank]}) "
                                       f"{_describe_exit(p.returncode)} {when}; the pool is broken")
 
@@ -127,7 +135,7 @@ class WorkerPool:
             now = time.perf_counter()
             if start is None:
                 start, progress = now, self._progress(active)
-            self._raise_if_dead(f"during the {self._cmd_name()} job")
+            self._raise_if_dead(None)
             if now - start > timeout:
                 seen = self._progress(active)
                 if seen != progress:          # still advancing: a long job, not a stuck one
@@ -136,6 +144,7 @@ class WorkerPool:
                     stuck = [r for r in range(active) if self.words[C.done_word(r)] != seq]
                     states = ", ".join(f"worker {r} (pid {self.procs[r].pid}, state "
                                        f"{_process_state(self.procs[r].pid)})" for r in stuck)
+                    self.stuck = stuck
                     raise WorkerError(f"CPU workers made no progress on the {self._cmd_name()} job for "
                                       f"{timeout:g} s: {states} (HeteroConfig.worker_timeout)")
             if now - start < 0.002:
@@ -168,6 +177,8 @@ class WorkerPool:
         try:
             if any(p.poll() is None for p in self.procs):  # survivors read EXIT; the dead ignore it
                 self._publish(C.CMD_EXIT, self.n)          # (a worker still on a job reads it after)
+            for r in self.stuck:                           # stopped or stuck: it would not read EXIT
+                self.procs[r].kill()
             deadline = time.monotonic() + 2.0
             for p in self.procs:
                 try:

@@ -42,9 +42,12 @@ def _owner_key():
     """This process's <pid>_<key>, taking its owner lock the first time (again after a fork)."""
     global _owner
     pid, own = os.getpid(), _owner
-    if own and own[0] == pid:
+    if own and own[0] == pid and _same_file(own[2], os.path.join(SHM_DIR, LOCK_PREFIX + own[1])):
         return own[1]
     with _owner_mutex:
+        if _owner and _owner[0] == pid and not _same_file(_owner[2], os.path.join(SHM_DIR, LOCK_PREFIX + _owner[1])):
+            _owner = None   # our lock file was removed, or our fd closed under us: take a new lock (the
+            #                 old fd is left alone: its number may belong to another file by now)
         while not (_owner and _owner[0] == pid):
             key = f"{pid}_o{secrets.token_hex(4)}"
             path = os.path.join(SHM_DIR, LOCK_PREFIX + key)
@@ -70,7 +73,7 @@ def _owner_key():
 def _same_file(fd, path):
     try:
         a, b = os.fstat(fd), os.stat(path, follow_symlinks=False)
-    except FileNotFoundError:
+    except OSError:          # gone, or fd no longer open
         return False
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 

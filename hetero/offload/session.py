@@ -100,6 +100,7 @@ class KVSession:
     def _open(self):
         if self.pool.session is not None:
             raise RuntimeError("this worker pool already serves an open KV session; close it first")
+        self.pool.drain()
         w, lay = self.pool.words, self.layout
         w[C.S_BATCH], w[C.S_HQ], w[C.S_HKV], w[C.S_HDIM] = lay.batch, lay.q_heads, lay.kv_heads, lay.head_dim
         w[C.S_CAP], w[C.S_LAYERS], w[C.S_CODE], w[C.S_TMAX], w[C.S_NSPLIT_MAX] = (
@@ -213,6 +214,7 @@ class KVSession:
     def stage_kv(self, key, value):
         """key/value: [B, Hkv, T, D], the new rows of this step (workers append them)."""
         T, D = key.shape[2], key.shape[3]
+        self.pool.drain()                            # no job may still read the staging area
         self.knew[:, :, :T, :D].copy_(key)          # columns D..Dp-1 stay zero
         self.vnew[:, :, :T, :D].copy_(value)
 
@@ -238,6 +240,7 @@ class KVSession:
                 f"layer {layer} keeps only the KV rows a sliding window of {kept} tokens sees (the model's "
                 f"configured window), but attention was called with window {window}: refusing to compute it")
         G, Hkv = Hq // self.spec.kv_heads, self.spec.kv_heads
+        self.pool.drain()                            # no job may still read what is written next
         self.q[:, :, :T, :D].copy_(query)            # columns D..Dp-1 stay zero
         if T != self._planned_T:
             self._plan_step(T)
