@@ -87,3 +87,18 @@ def write_json(name, payload):
     with open(path, "w") as f:
         json.dump(payload, f, indent=1)
     return path
+
+
+def padded_batch(lengths, vocab, seed=1):
+    """Left-padded random prompts of the given lengths (token ids 3..vocab-1; 0 pads):
+    (input_ids, attention_mask), both [len(lengths), max(lengths)]."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    S = max(lengths)
+    ids = torch.zeros(len(lengths), S, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, n in enumerate(lengths):
+        ids[b, S - n:] = torch.randint(3, vocab, (n,), generator=g)
+        mask[b, S - n:] = 1
+    return ids, mask

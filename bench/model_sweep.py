@@ -29,7 +29,7 @@ import traceback
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import RESULTS, machine, write_json  # noqa: E402
+from bench.common import RESULTS, machine, padded_batch, write_json  # noqa: E402
 
 OUT = "model_sweep.json"
 VOCAB = 160
@@ -146,17 +146,6 @@ def _has_field(cfg, name):
         return False
 
 
-def padded_batch(lengths=LENGTHS, seed=1):
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    S = max(lengths)
-    ids = torch.zeros(len(lengths), S, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, n in enumerate(lengths):
-        ids[b, S - n:] = torch.randint(3, VOCAB, (n,), generator=g)
-        mask[b, S - n:] = 1
-    return ids, mask
 
 
 def build(model_type):
@@ -305,7 +294,7 @@ def run_one(model_type, lengths=LENGTHS):
     result["config_fields"] = {k: _jsonable(getattr(cfg, k)) for k in (
         "sliding_window", "layer_types", "use_sliding_window", "max_window_layers", "attention_chunk_size")
         if getattr(cfg, k, None) is not None}
-    ids, mask = padded_batch(lengths)
+    ids, mask = padded_batch(lengths, VOCAB)
     try:
         with torch.no_grad():
             ref = hf_generate(model, ids, mask)

@@ -1,7 +1,6 @@
 """HeteroGenerator: HF-style generate() with the KV cache and decode attention on CPU workers."""
 import contextlib
 import copy
-import os
 import sys
 import threading
 from dataclasses import replace
@@ -238,7 +237,7 @@ class HeteroGenerator:
         if layout.nbytes > self.config.ram_fraction * avail:
             raise CapacityError(f"{what} but only {avail / 2**30:.2f} GiB of RAM is available "
                                 f"(ram_fraction={self.config.ram_fraction})")
-        shm_free = shm_free_bytes()     # a segment past the tmpfs's free space dies of SIGBUS on first touch
+        shm_free = shm.free_bytes()     # a segment past the tmpfs's free space dies of SIGBUS on first touch
         if shm_free is not None and layout.nbytes > shm_free:
             raise CapacityError(f"{what} but the shared-memory filesystem {shm.SHM_DIR} has only "
                                 f"{shm_free / 2**30:.2f} GiB free; enlarge it (docker run --shm-size=..., or "
@@ -319,15 +318,6 @@ def _active(lora_batch):
         yield
     finally:
         lora_hooks.active_batch.reset(token)
-
-
-def shm_free_bytes():
-    """Free bytes of the tmpfs behind POSIX shared memory (/dev/shm), or None when unknown."""
-    try:
-        st = os.statvfs(shm.SHM_DIR)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
 
 
 def _is_peft_model(model):

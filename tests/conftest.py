@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from bench import common
 from hetero.ipc import shm
 
 # planner profiles measured by the tests go to a throw-away cache, not the user's; processes the
@@ -46,14 +47,7 @@ def build_model(model_type, dtype=torch.float32, seed=0, **overrides):
 
 def padded_batch(lengths=(12, 8, 5), seed=1):
     """Left-padded prompts of different lengths: (input_ids, attention_mask)."""
-    g = torch.Generator().manual_seed(seed)
-    S = max(lengths)
-    ids = torch.zeros(len(lengths), S, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, n in enumerate(lengths):
-        ids[b, S - n:] = torch.randint(3, VOCAB, (n,), generator=g)
-        mask[b, S - n:] = 1
-    return ids, mask
+    return common.padded_batch(lengths, VOCAB, seed)
 
 
 def our_segments(pid=None):

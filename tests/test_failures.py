@@ -370,7 +370,7 @@ def test_small_shared_memory_filesystem_is_a_capacity_error(llama, llama_gen, mo
             return st
         return os.statvfs_result((st.f_bsize, st.f_frsize, 16, 16, 16, *st[5:]))   # 16 blocks free
 
-    monkeypatch.setattr(generator.os, "statvfs", tiny)
+    monkeypatch.setattr(generator.shm.os, "statvfs", tiny)
     ids, mask = padded_batch()
     with pytest.raises(CapacityError, match=r"/dev/shm has only 0.00 GiB free.*--shm-size"):
         llama_gen.generate(ids, attention_mask=mask, max_new_tokens=4)

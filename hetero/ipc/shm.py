@@ -190,6 +190,16 @@ def shmem_huge_pages():
         return None
 
 
+def free_bytes():
+    """Free bytes of the tmpfs behind POSIX shared memory (SHM_DIR), or None when unknown. A
+    segment larger than this is created but dies of SIGBUS on first touch (Docker's 64 MB)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
 _warned_small_pages = False
 
 
