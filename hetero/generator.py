@@ -289,7 +289,11 @@ class HeteroGenerator:
             finally:
                 self.model.set_attn_implementation(previous)
                 attention.active_session.reset(token)
-                session.close()
+                try:
+                    session.close()      # raises when a worker died or stalled unnoticed (holding no units)
+                except WorkerError:
+                    self._pool.close()
+                    raise
         finally:
             self._lock.release()
 

@@ -1,10 +1,10 @@
 """Measure a planner profile (see hetero.cpu_attention.planner) through the real worker pool.
 
-Runs the decode-attention job on synthetic KV in a one-layer arena: one worker
-at growing context lengths (per-core time per block), one worker on a long
-context in 16 splits instead of 1 (per-unit cost), all worker counts on a long
-context (the aggregate bandwidth), empty jobs (dispatch cost), and the parent's
-merge (fixed, and per split). A few seconds; cached on disk per machine and shape.
+Runs the decode-attention job on synthetic KV in a one-layer arena: the parent
+alone at growing context lengths (per-core time per block), the parent alone on
+a long context in 16 splits instead of 1 (per-unit cost), the parent with every
+worker count on a long context (the aggregate bandwidth), empty jobs (the
+workers' wake-up), and the parent's merge (fixed, and per split). A few seconds; cached on disk per machine and shape.
 """
 import functools
 import math
@@ -60,11 +60,11 @@ def synthetic_session(pool, spec, lengths, cap):
 
 
 def attention_job(pool, session, lengths, n, s):
-    """A callable running one decode-attention step over `lengths` on n workers in s splits."""
+    """A callable running one decode-attention step over `lengths` on the parent and n workers in s splits."""
     def job():
         session.lengths[:] = lengths
         pool.words[C.NSPLIT] = s
-        pool.run(C.CMD_ATTN, active=n)
+        session.run_attention(n, len(session.lengths) * session.layout.kv_heads * s)
     return job
 
 
@@ -78,23 +78,23 @@ def measure(pool, group, head_dim, dtype, reps=5):
         attn = functools.partial(attention_job, pool, session)     # attn(lengths, n, s)
         ping = median_times({n: (lambda n=n: pool.run(C.CMD_PING, active=n)) for n in range(1, pool.n + 1)}, 100,
                             steady=True)
-        dispatch = [ping[n] for n in range(1, pool.n + 1)]
-        # one worker, one split: time(L) = dispatch + Hkv * (unit_s + blocks * block_s);
-        # and every worker count on the longest context (split so each worker has >= 2 units)
+        dispatch = [0.0] + [ping[n] for n in range(1, pool.n + 1)]
+        # the parent alone, one split: time(L) = call + Hkv * (unit_s + blocks * block_s);
+        # and the parent with every worker count on the longest context (each taker >= 2 units)
         sizes = [BK - 1, 4 * BK - 1, 32 * BK - 1, PROFILE_ROWS // 4 - 1, PROFILE_ROWS - 1]
         L = PROFILE_ROWS - 1
-        jobs = {("size", x): attn(x, 1, 1) for x in sizes}
-        jobs["split"] = attn(PROFILE_ROWS - 1, 1, 16)        # what 15 more units per kv head cost
-        jobs.update({("all", n): attn(L, n, max(1, math.ceil(2 * n / Hkv))) for n in range(2, pool.n + 1)})
+        jobs = {("size", x): attn(x, 0, 1) for x in sizes}
+        jobs["split"] = attn(PROFILE_ROWS - 1, 0, 16)        # what 15 more units per kv head cost
+        jobs.update({("all", n): attn(L, n, max(1, math.ceil(2 * (n + 1) / Hkv))) for n in range(1, pool.n + 1)})
         t = median_times(jobs, reps, steady=True)
         blocks = np.array([(x + 1 + BK - 1) // BK for x in sizes], float)
-        per_unit = np.array([max(t["size", x] - dispatch[0], 1e-9) / Hkv for x in sizes])
+        per_unit = np.array([t["size", x] / Hkv for x in sizes])
         block_s = max(float(np.polyfit(blocks, per_unit, 1)[0]), 1e-9)
         unit_s = max(0.0, (t["split"] - t["size", PROFILE_ROWS - 1]) / (15 * Hkv))
         block_bytes = 2 * BK * head_dim * torch.finfo(dtype).bits // 8
         nbytes = Hkv * ((L + 1 + BK - 1) // BK) * block_bytes
-        t["all", 1] = t["size", L]
-        agg = [nbytes / max(t["all", n] - dispatch[n - 1], 1e-9) / 1e9 for n in range(1, pool.n + 1)]
+        t["all", 0] = t["size", L]
+        agg = [nbytes / max(t["all", n], 1e-9) / 1e9 for n in range(pool.n + 1)]
         # parent merge of the partials, per (request, kv head) and extra split
         o = torch.randn(1, Hkv, 16, group, head_dim)
         m, l = torch.randn(1, Hkv, 16, group), torch.rand(1, Hkv, 16, group) + 1

@@ -300,7 +300,7 @@ def test_stopped_worker_raises_within_the_timeout_and_the_generator_recovers(lla
             stopped["t"] = time.perf_counter()
 
         try:
-            with pytest.raises(WorkerError, match=r"no progress on the attention job for 0.5 s: worker 1 .*state T"):
+            with pytest.raises(WorkerError, match=r"no progress on the (attention|close) job for 0.5 s: worker 1 .*state T"):
                 gen.generate(ids, attention_mask=mask, max_new_tokens=8, streamer=_Streamer(2, stop), pad_token_id=0)
             assert time.perf_counter() - stopped["t"] < 2 * 0.5 + 5.0  # the timeout (judged between two
             #                                                            progress snapshots), plus teardown
@@ -375,3 +375,77 @@ def test_small_shared_memory_filesystem_is_a_capacity_error(llama, llama_gen, mo
     with pytest.raises(CapacityError, match=r"/dev/shm has only 0.00 GiB free.*--shm-size"):
         llama_gen.generate(ids, attention_mask=mask, max_new_tokens=4)
     assert only_ctrl_segment(llama_gen)
+
+
+def test_attention_goes_on_without_a_stopped_worker_and_a_late_worker_takes_nothing():
+    """A worker that does not run (stopped, or on a core a busy process holds) and took no unit
+    does not stall attention jobs: the parent and the other worker take its units, bit-identical.
+    When it runs again, its stale jobs' tickets are empty or carry a later tag: it takes nothing,
+    counts nothing, and the next job uses it again."""
+    from hetero.ipc import control as C
+    from hetero.ipc.pool import WorkerPool
+    from hetero.model_spec import ModelSpec
+    from hetero.offload.session import KVSession
+    from tests.test_kernel import FixedPlan
+
+    Hq, Hkv, D, L = 4, 2, 32, 700
+    spec = ModelSpec(model_type="t", layers=1, q_heads=Hq, kv_heads=Hkv, head_dim=D, dtype=torch.float32,
+                     max_positions=None, sliding=(False,))
+    g = torch.Generator().manual_seed(5)
+    k, v, q = torch.randn(Hkv, L, D, generator=g), torch.randn(Hkv, L, D, generator=g), torch.randn(1, Hq, 1, D, generator=g)
+    pool = WorkerPool(2, [], job_timeout=5.0)
+    s = KVSession(pool, spec, pads=[0], real_lens=[L - 1], cap=L, planner=FixedPlan(2, 4))
+    try:
+        s.write_rows(0, 0, k[:, :L - 1], v[:, :L - 1])
+        s.finish_prefill()
+
+        def step():                     # the same step again (attend advances the lengths: undo it)
+            s.pool.drain()
+            s.lengths[:] = L - 1
+            s.stage_kv(k[None, :, L - 1:], v[None, :, L - 1:])
+            return s.attend(0, q, None, D ** -0.5, None)
+
+        ref = step()
+        os.kill(pool.procs[1].pid, signal.SIGSTOP)
+        time.sleep(0.05)
+        busy = int(pool.words[C.busy_word(1)])
+        t0 = time.perf_counter()
+        for _ in range(30):
+            assert torch.equal(step(), ref)
+        assert time.perf_counter() - t0 < 2.0                       # no job waited for the stopped worker
+        assert int(pool.words[C.busy_word(1)]) == busy               # it took nothing
+        os.kill(pool.procs[1].pid, signal.SIGCONT)
+        deadline = time.monotonic() + 5
+        while pool.words[C.done_word(1)] != pool.seq and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert pool.words[C.done_word(1)] == pool.seq                # it woke to the last job, found it over,
+        assert pool.words[C.FIN] == pool.words[C.UNITS] == 8          # and counted no unit
+        assert pool.words[C.TICKET] == C.ticket(pool.seq, 0)
+        assert int(pool.words[C.busy_word(1)]) == busy
+        s._share = lambda seq: None                                  # the workers alone: both run again
+        assert torch.equal(step(), ref)
+    finally:
+        os.kill(pool.procs[1].pid, signal.SIGCONT)
+        s.close()
+        pool.close()
+
+
+def test_attention_job_with_a_stopped_unit_holder_raises():
+    """When nobody else can take the units (the parent takes none here), a stopped worker stalls
+    the job: WorkerError names it after worker_timeout; the pool is broken."""
+    from hetero import WorkerError
+    from hetero.ipc import control as C
+    from hetero.ipc.pool import WorkerPool
+
+    pool = WorkerPool(1, [], job_timeout=0.3)
+    try:
+        os.kill(pool.procs[0].pid, signal.SIGSTOP)
+        pool.words[C.LAYER] = 0
+        with pytest.raises(WorkerError, match=r"no progress on the attention job for 0.3 s: worker 0 .*state T"):
+            pool.attention(1, 4, share=None)
+        assert not pool.alive
+        with pytest.raises(WorkerError, match="broken"):
+            pool.run(C.CMD_PING)
+    finally:
+        os.kill(pool.procs[0].pid, signal.SIGCONT)
+        pool.close()

@@ -27,6 +27,16 @@ def test_atomics_roundtrip():
     assert atomics.spin_until_all(a, 8, 1, 8, 42, 10) is True
 
 
+def test_tagged_ticket_claims():
+    """A ticket gives each unit once, counting down, and nothing to a taker of another job."""
+    a = np.zeros(16, np.int64)
+    a[C.TICKET % 16] = C.ticket(7, 3)
+    assert atomics.claim(a, C.TICKET % 16, C.ticket_tag(6)) == 0         # a late taker of job 6
+    assert [atomics.claim(a, C.TICKET % 16, C.ticket_tag(7)) for _ in range(4)] == [3, 2, 1, 0]
+    assert a[C.TICKET % 16] == C.ticket(7, 0)
+    assert C.go_seq(C.go(123456, C.CMD_LORA)) == 123456 and C.go_cmd(C.go(123456, C.CMD_LORA)) == C.CMD_LORA
+
+
 def test_pool_round_trips_and_dead_worker_detection():
     pool = WorkerPool(2, [0, 1] if os.cpu_count() > 1 else [0])
     try:
@@ -326,7 +336,7 @@ def test_job_wakes_only_the_workers_it_uses():
         for _ in range(50):
             pool.run(C.CMD_PING, active=1)
         assert pool.words[C.done_word(0)] == pool.seq
-        assert pool.words[C.done_word(1)] == before and pool.words[C.go_word(1)] == before
+        assert pool.words[C.done_word(1)] == before and C.go_seq(pool.words[C.go_word(1)]) == before
         pool.run(C.CMD_PING)
         assert pool.words[C.done_word(1)] == pool.seq
         with pytest.raises(ValueError, match="1..2 workers"):

@@ -54,7 +54,7 @@ def from_blocks(kb, vb, code):
 
 
 def run_kernel(q, kst, vst, lengths, T, window, scale, softcap, code, nsplit, sinks=None):
-    """Drive run_share exactly as the workers do, with the new rows staged in knew/vnew; merge
+    """Drive run_job exactly as the workers do, with the new rows staged in knew/vnew; merge
     as KVSession.attend does (sinks [Hq]: row g*T + t of kv head h takes sinks[h*G + g])."""
     B, Hq, _, D = q.shape
     Hkv, cap = kst.shape[1], -(-kst.shape[2] // BK) * BK
@@ -72,12 +72,10 @@ def run_kernel(q, kst, vst, lengths, T, window, scale, softcap, code, nsplit, si
     po = np.full((B, Hkv, nsplit, G * T, D), np.nan, np.float32)
     pm = np.full((B, Hkv, nsplit, G * T), np.nan, np.float32)
     pl = pm.copy()
-    ticket = np.zeros(1, np.int64)          # the pool's NEXT word: one caller takes every unit
-    K.run_share(ticket, 0, 0, T, window, nsplit, np.float32(scale), np.float32(softcap or 0), code,
-                q.numpy(), knew, vnew, Kc, Vc, np.asarray(lengths, np.int64), np.argsort(-np.asarray(lengths)), po, pm, pl,
-                np.zeros((G * T, D), np.float32), np.zeros((G * T, D // 2), np.uint32),
-                K.score_scratch(G * T))
-    assert ticket[0] == B * Hkv * nsplit + 1                # every unit taken once, then one miss
+    taken = K.run_alone(0, T, window, nsplit, scale, softcap or 0, code, q.numpy(), knew, vnew, Kc, Vc,
+                        np.asarray(lengths, np.int64), np.argsort(-np.asarray(lengths)), po, pm, pl,
+                        np.zeros((G * T, D), np.float32), np.zeros((G * T, D // 2), np.uint32), K.score_scratch(G * T))
+    assert taken == B * Hkv * nsplit                        # every unit taken once
     po, pm, pl = map(torch.from_numpy, (po, pm, pl))
     sink = None if sinks is None else sinks.view(Hkv, G, 1).expand(Hkv, G, T).reshape(Hkv, G * T)
     out = merge_partials(po, pm, pl, sink)                             # [B, Hkv, G*T, D]
@@ -264,8 +262,8 @@ class FixedPlan:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_workers_share_units_deterministically(dtype):
-    """Through the real pool: any worker count takes the units from the shared ticket and gives
-    bit-identical results (each unit's partials do not depend on who computed them), equal to
+    """Through the real pool: the parent alone, the parent with any worker count, and the workers
+    alone take the units from the shared ticket and give bit-identical results (each unit's partials do not depend on who computed them), equal to
     the reference, for a batch of unequal lengths."""
     from hetero.ipc.pool import WorkerPool
     from hetero.model_spec import ModelSpec
@@ -282,9 +280,12 @@ def test_workers_share_units_deterministically(dtype):
     try:
         for nsplit in (1, 3):
             outs = []
-            for n in (1, 2, 3):
+            for n in (0, 1, 2, 3, "workers only"):
                 s = KVSession(pool, spec, pads=[0, 0, 0], real_lens=lengths, cap=max(lengths) + T,
-                              planner=FixedPlan(n, nsplit))
+                              planner=FixedPlan(3 if n == "workers only" else n, nsplit))
+                if n == "workers only":                 # the parent takes no unit: the workers take all
+                    s._share = lambda seq: None
+                    n = 3
                 try:
                     for b, L in enumerate(lengths):
                         s.write_rows(0, b, kst[b, :, :L], vst[b, :, :L])

@@ -159,7 +159,7 @@ def test_ring_layout_is_window_sized():
 @pytest.mark.parametrize("nsplit", [1, 2, 3])
 @pytest.mark.parametrize("L,T,window", [(300, 1, 40), (95, 1, 33), (64, 1, 1), (200, 3, 40)])
 def test_kernel_reads_and_appends_through_the_ring(code, nsplit, L, T, window):
-    """run_share on a ring of blocks: logical block blk at blk % nring, only window rows present;
+    """run_job on a ring of blocks: logical block blk at blk % nring, only window rows present;
     the new rows are appended into the ring and the output equals the full-history reference."""
     Hq, Hkv, D = 4, 2, 32
     nring = ring_rows(window, T) // BK
@@ -178,9 +178,9 @@ def test_kernel_reads_and_appends_through_the_ring(code, nsplit, L, T, window):
     po = np.full((1, Hkv, nsplit, 2 * T, D), np.nan, np.float32)
     pm = np.full((1, Hkv, nsplit, 2 * T), np.nan, np.float32)
     pl = pm.copy()
-    K.run_share(np.zeros(1, np.int64), 0, 0, T, window, nsplit, np.float32(D ** -0.5), np.float32(0), code,
-                q.numpy(), knew, vnew, kr, vr, np.array([L]), np.array([0]), po, pm, pl,
-                np.zeros((2 * T, D), np.float32), np.zeros((2 * T, D // 2), np.uint32), K.score_scratch(2 * T))
+    K.run_alone(0, T, window, nsplit, D ** -0.5, 0.0, code, q.numpy(), knew, vnew, kr, vr, np.array([L]),
+                np.array([0]), po, pm, pl, np.zeros((2 * T, D), np.float32), np.zeros((2 * T, D // 2), np.uint32),
+                K.score_scratch(2 * T))
     out = merge_partials(*map(torch.from_numpy, (po, pm, pl))).view(1, Hq, T, D)
     ref = reference(q[0], kst[0].float(), vst[0].float(), L, T, window, D ** -0.5, None)
     torch.testing.assert_close(out[0], ref, atol=2e-5, rtol=1e-4)

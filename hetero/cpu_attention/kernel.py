@@ -31,7 +31,7 @@ from numba import njit
 
 from hetero.cpu_attention import simd
 from hetero.cpu_attention.simd import BK, W
-from hetero.ipc import atomics
+from hetero.ipc import atomics, control as C
 
 F32, BF16, F16 = 0, 1, 2           # storage dtype codes
 NP_STORAGE = {F32: np.float32, BF16: np.uint16, F16: np.uint16}
@@ -141,13 +141,14 @@ def k_index(d, jj, code):
 
 
 @njit(cache=True)
-def put_row(K, V, layer, b, h, j, k, v, code):
-    """Write one KV row (k/v [D]) at row j of the blocked layout (block (j // BK) % nblk)."""
-    blk, jj = (j // BK) % K.shape[3], j % BK
+def put_row(K, V, j, k, v, code):
+    """Write one KV row (k/v [D]) at row j of one (request, kv head)'s blocks K [nblk, D, BK],
+    V [nblk, D/W, BK, W] (block (j // BK) % nblk)."""
+    blk, jj = (j // BK) % K.shape[0], j % BK
     for d in range(k.shape[0]):
         kr, kc = k_index(d, jj, code)
-        K[layer, b, h, blk, kr, kc] = k[d]
-        V[layer, b, h, blk, d // W, jj, d % W] = v[d]
+        K[blk, kr, kc] = k[d]
+        V[blk, d // W, jj, d % W] = v[d]
 
 
 @njit(cache=True)
@@ -162,61 +163,104 @@ def unit_span(L, T, window, nsplit, s):
 
 
 @njit(cache=True)
-def run_share(ctrl, next_word, layer, T, window, nsplit, scale, softcap, code,
-              q, knew, vnew, K, V, lengths, order, part_o, part_m, part_l, qs, qp, S):
-    """One worker's part of a decode step for one layer.
-
-    Units (b, h, s) = (request, kv head, split) are taken one at a time from a shared
-    ticket (ctrl[next_word], fetch-added; the parent zeroes it before GO), requests in
-    `order` (the parent's longest-first permutation, written once per step), so a worker
-    that wakes late or shares its core does fewer units. Any permutation gives the same
-    result; the order only shortens the tail.
-    Split s of (b, h) covers whole blocks; before reading, it appends those of the T
-    new rows (staged in knew/vnew, at rows L..L+T-1) that fall in its blocks, so no
-    worker reads a row another worker is writing.
-    q [B,Hq,Tmax,D] f32; knew/vnew [B,Hkv,Tmax,D]; lengths/order [B]; K [layers,B,Hkv,nblk,D,BK];
-    V [layers,B,Hkv,nblk,D/W,BK,W] (the arena's K/V, or Kr/Vr for a ring layer: `layer` indexes
-    the arrays given); part_o [B,Hkv,NS,rows,D]; part_m/l [B,Hkv,NS,rows];
-    qs [rows, D] f32, qp [rows, D/2] u32 and S (score_scratch(rows)) are the worker's scratch.
-    """
-    B = lengths.shape[0]
+def run_unit(u, layer, T, window, nsplit, scale, softcap, code, q, knew, vnew, K, V, lengths, order,
+             part_o, part_m, part_l, qs, qp, S):
+    """Unit u = (request order[u // (nsplit*Hkv)], kv head, split u % nsplit) of one layer's step.
+    Split s of (b, h) covers whole blocks; before reading, it appends those of the T new rows
+    (staged in knew/vnew, at rows L..L+T-1) that fall in its blocks, so no unit reads a row
+    another unit is writing. Shapes: see run_job; K/V are the arrays holding this layer's KV
+    (the arena's K/V, or Kr/Vr for a ring layer), `layer` indexes them."""
     Hq = q.shape[1]
     Hkv = K.shape[2]
     D = q.shape[3]
     G = Hq // Hkv
     R = G * T
     qbits = q.view(np.uint32)
-    while True:
-        u = atomics.fetch_add(ctrl, next_word, 1)
-        if u >= B * Hkv * nsplit:
-            break
-        s = u % nsplit
-        h = (u // nsplit) % Hkv
-        b = order[u // (nsplit * Hkv)]
-        L = lengths[b]
-        blk0, blk1, lo, hi = unit_span(L, T, window, nsplit, s)
-        for t in range(T):
-            if lo <= L + t < hi:
-                put_row(K, V, layer, b, h, L + t, knew[b, h, t], vnew[b, h, t], code)
-        exact = code == BF16 and simd.HAS_DPBF16   # bf16 q (a bf16 model): vdpbf16ps scores
-        if exact:
-            for g in range(G):
-                for t in range(T):
-                    for d in range(D):
-                        exact &= (qbits[b, h * G + g, t, d] & 0xFFFF) == 0
-        dp = scale if exact else np.float32(0.0)
+    s = u % nsplit
+    h = (u // nsplit) % Hkv
+    b = order[u // (nsplit * Hkv)]
+    L = lengths[b]
+    Kt, Vt = K[layer, b, h], V[layer, b, h]
+    blk0, blk1, lo, hi = unit_span(L, T, window, nsplit, s)
+    for t in range(T):
+        if lo <= L + t < hi:
+            put_row(Kt, Vt, L + t, knew[b, h, t], vnew[b, h, t], code)
+    exact = code == BF16 and simd.HAS_DPBF16   # bf16 q (a bf16 model): vdpbf16ps scores
+    if exact:
         for g in range(G):
             for t in range(T):
-                r = g * T + t
-                if exact:                      # qp[r, p] = bf16 pair (q[2p], q[2p+1]) of q[b, h*G + g, t]
-                    for p in range(D // 2):
-                        lo_ = qbits[b, h * G + g, t, 2 * p] >> 16
-                        qp[r, p] = (qbits[b, h * G + g, t, 2 * p + 1] & 0xFFFF0000) | lo_
-                else:                          # qs[r] = scale * q[b, h*G + g, t]
-                    for d in range(D):
-                        qs[r, d] = q[b, h * G + g, t, d] * scale
-        attend_unit(qs, qp, dp, R, T, K[layer, b, h], V[layer, b, h], blk0, blk1, lo, hi, L, window, softcap,
-                    code, part_o[b, h, s], part_m[b, h, s], part_l[b, h, s], S)
+                for d in range(D):
+                    exact &= (qbits[b, h * G + g, t, d] & 0xFFFF) == 0
+    dp = scale if exact else np.float32(0.0)
+    for g in range(G):
+        for t in range(T):
+            r = g * T + t
+            if exact:                      # qp[r, p] = bf16 pair (q[2p], q[2p+1]) of q[b, h*G + g, t]
+                for p in range(D // 2):
+                    lo_ = qbits[b, h * G + g, t, 2 * p] >> 16
+                    qp[r, p] = (qbits[b, h * G + g, t, 2 * p + 1] & 0xFFFF0000) | lo_
+            else:                          # qs[r] = scale * q[b, h*G + g, t]
+                for d in range(D):
+                    qs[r, d] = q[b, h * G + g, t, d] * scale
+    attend_unit(qs, qp, dp, R, T, Kt, Vt, blk0, blk1, lo, hi, L, window, softcap,
+                code, part_o[b, h, s], part_m[b, h, s], part_l[b, h, s], S)
+
+
+@njit(cache=True)
+def run_job(ctrl, fctrl, seq, busy, code, q, knew, vnew, K, V, Kr, Vr, slots, lengths, order,
+            part_o, part_m, part_l, qs, qp, S):
+    """One taker's part of attention job `seq` (a worker's, or the parent's: it takes units too).
+
+    Units are taken one at a time from the job's tagged ticket (ctrl[TICKET], atomics.claim),
+    requests in `order` (the parent's longest-first permutation, written once per step), so a
+    taker that wakes late or shares its core does fewer units; one that wakes after the job
+    ended takes none. The job's params (ctrl words LAYER, QLEN, WINDOW, NSPLIT, UNITS; fctrl
+    F_SCALE, F_SOFTCAP) are read only after a successful claim: until this unit is finished
+    (FIN fetch-added) the parent cannot start the next job. Any permutation gives the same
+    result; the order only shortens the tail. Returns the number of units taken.
+    q [B,Hq,Tmax,D] f32; knew/vnew [B,Hkv,Tmax,D]; lengths/order [B]; K/V [layers,B,Hkv,nblk,D,BK]
+    and [layers,B,Hkv,nblk,D/W,BK,W], Kr/Vr likewise for ring layers; slots [layers]: layer i's
+    KV is K[slots[i]] when >= 0, Kr[-slots[i] - 1] when < 0; part_o [B,Hkv,NS,rows,D];
+    part_m/l [B,Hkv,NS,rows]; qs [rows, D] f32, qp [rows, D/2] u32 and S (score_scratch(rows))
+    are the taker's scratch; ctrl[busy] <- seq on the first claim (who holds units).
+    """
+    taken = 0
+    tag = seq & 0x7FFFFFFF                  # control.ticket_tag
+    while True:
+        left = atomics.claim(ctrl, C.TICKET, tag)
+        if left == 0:
+            return taken
+        if taken == 0:
+            atomics.atomic_store(ctrl, busy, seq)
+        layer = ctrl[C.LAYER]
+        slot = slots[layer]
+        args = (ctrl[C.QLEN], ctrl[C.WINDOW], ctrl[C.NSPLIT], np.float32(fctrl[C.F_SCALE]),
+                np.float32(fctrl[C.F_SOFTCAP]), code, q, knew, vnew)
+        u = ctrl[C.UNITS] - left
+        if slot >= 0:
+            run_unit(u, slot, *args, K, V, lengths, order, part_o, part_m, part_l, qs, qp, S)
+        else:
+            run_unit(u, -slot - 1, *args, Kr, Vr, lengths, order, part_o, part_m, part_l, qs, qp, S)
+        atomics.fetch_add(ctrl, C.FIN, 1)
+        taken += 1
+
+
+def run_alone(layer, T, window, nsplit, scale, softcap, code, q, knew, vnew, K, V, lengths, order,
+              part_o, part_m, part_l, qs, qp, S):
+    """Every unit of one layer's step in this process, through run_job and control words of its
+    own (tests, warm-up). Returns the number of units taken."""
+    ctrl = np.zeros(C.nbytes(1) // 8, np.int64)
+    fctrl = ctrl.view(np.float64)
+    units = lengths.shape[0] * K.shape[2] * nsplit
+    ctrl[C.LAYER], ctrl[C.QLEN], ctrl[C.WINDOW], ctrl[C.NSPLIT], ctrl[C.UNITS] = layer, T, window, nsplit, units
+    fctrl[C.F_SCALE], fctrl[C.F_SOFTCAP] = scale, softcap
+    ctrl[C.TICKET] = C.ticket(1, units)
+    slots = np.arange(K.shape[0], dtype=np.int64)
+    taken = run_job(ctrl, fctrl, 1, C.PARENT_BUSY, code, q, knew, vnew, K, V, K, V, slots, lengths, order,
+                    part_o, part_m, part_l, qs, qp, S)
+    if taken != units or ctrl[C.FIN] != units:
+        raise RuntimeError(f"run_job took {taken} of {units} units")
+    return taken
 
 
 def warm_up():
@@ -229,6 +273,5 @@ def warm_up():
         new = np.zeros((1, 1, 1, D), dt)
         po = np.zeros((1, 1, 1, 2, D), np.float32)
         pm = np.zeros((1, 1, 1, 2), np.float32)
-        run_share(np.zeros(1, np.int64), 0, 0, 1, 0, 1, np.float32(0.5), np.float32(0.0), code, q, new, new, K, V,
-                  np.zeros(1, np.int64), np.zeros(1, np.int64), po, pm, pm.copy(), np.zeros((2, D), np.float32),
-                  np.zeros((2, D // 2), np.uint32), score_scratch(2))
+        run_alone(0, 1, 0, 1, 0.5, 0.0, code, q, new, new, K, V, np.zeros(1, np.int64), np.zeros(1, np.int64),
+                  po, pm, pm.copy(), np.zeros((2, D), np.float32), np.zeros((2, D // 2), np.uint32), score_scratch(2))

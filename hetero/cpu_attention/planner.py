@@ -2,23 +2,26 @@
 
 A *profile* is measured once per machine and model shape (through the real
 worker pool, on synthetic KV) and cached on disk:
-  block_s     seconds one worker spends per KV block (BK rows) of one kv head
+  block_s     seconds one taker spends per KV block (BK rows) of one kv head
   unit_s      fixed seconds per unit (request x kv head x split)
-  dispatch_s  round trip main -> n workers -> main with empty work, n = 1..N
-  agg_gbps    KV bytes/s all n workers together reach on a long context, n = 1..N
+  dispatch_s  wake-up of n workers: round trip main -> n workers -> main with empty work,
+              n = 0..N (0 for n = 0: the parent alone wakes nobody)
+  agg_gbps    KV bytes/s the parent and n workers together reach on a long context, n = 0..N
   merge_s     parent-side merge of one request's partials, per (request, kv head) and extra split
   merge_fixed_s  the merge's fixed cost once there is more than one split
-The planner predicts a step's time for every (workers n, splits s) and takes
-the fastest:
-  t(n, s) = dispatch(n) + max(work / n + tail, longest unit, bytes / agg(n)) + merge(s)
-  tail = (ceil(U / n) - U / n) shortest unit,   U = requests x kv heads x s units
-Workers take units from a shared ticket, longest first (kernel.run_share), so units
-go out in rounds of n and the last round, of the shortest units, leaves the workers
-without a unit idle (with equal units the makespan is exactly ceil(U/n) units). The tail counts only
-where compute is the limit: when bandwidth is, the workers still running read faster
-as the others stop. Short contexts stay on few workers and long ones spread over all
-of them, with split-K when requests x kv heads are fewer than the workers, and finer
-units where they shorten a compute-bound tail by more than the per-unit and merge costs.
+The parent takes units too, so a step has a = n + 1 takers. The planner predicts a
+step's time for every (workers n, splits s) and takes the fastest:
+  t(n, s) = max((work + n dispatch(n)) / a + tail, longest unit, bytes / agg(n)) + merge(s)
+  tail = (ceil(U / a) - U / a) shortest unit,   U = requests x kv heads x s units
+The parent starts at once and each worker after its wake-up, so a worker pays off only
+when there is more work per taker than its wake-up costs: short contexts stay in the
+parent, long ones spread over every core. Takers take units from a shared ticket,
+longest first (kernel.run_job), so units go out in rounds of a and the last round, of
+the shortest units, leaves the takers without a unit idle (with equal units the
+makespan is exactly ceil(U/a) units). The tail counts only where compute is the limit:
+when bandwidth is, the takers still running read faster as the others stop. Split-K
+serves when requests x kv heads are fewer than the takers, and finer units where they
+shorten a compute-bound tail by more than the per-unit and merge costs.
 """
 import hashlib
 import json
@@ -30,7 +33,7 @@ import numpy as np
 
 from hetero.cpu_attention.simd import BK
 
-PROFILE_VERSION = 8   # bump when the kernel or the measurement changes
+PROFILE_VERSION = 9   # bump when the kernel or the measurement changes
 
 
 def cache_dir():
@@ -65,15 +68,15 @@ class Profile:
     fingerprint: dict
     block_s: float
     unit_s: float
-    dispatch_s: list     # index n-1
-    agg_gbps: list       # index n-1
+    dispatch_s: list     # index n = workers besides the parent, 0..N
+    agg_gbps: list       # index n
     merge_s: float       # per request x kv head x extra split
     merge_fixed_s: float  # once per step with more than one split
     block_bytes: int     # KV bytes of one block of one kv head (K and V)
 
     @property
     def workers(self):
-        return len(self.dispatch_s)
+        return len(self.dispatch_s) - 1
 
     def describe(self):
         fp = self.fingerprint
@@ -86,9 +89,9 @@ class Profile:
                  f"({self.block_bytes / self.block_s / 1e9:.1f} GB/s) + {self.unit_s * 1e6:.2f} us per unit",
                  f"  merge: {self.merge_fixed_s * 1e6:.1f} us once split + {self.merge_s * 1e6:.3f} us per extra "
                  "split per (request, kv head)",
-                 "  workers  dispatch_us  all-worker GB/s"]
-        for n in range(1, self.workers + 1):
-            lines.append(f"  {n:7d}  {self.dispatch_s[n - 1] * 1e6:11.1f}  {self.agg_gbps[n - 1]:15.1f}")
+                 "  workers  wake-up_us  parent+workers GB/s"]
+        for n in range(self.workers + 1):
+            lines.append(f"  {n:7d}  {self.dispatch_s[n] * 1e6:10.1f}  {self.agg_gbps[n]:19.1f}")
         return "\n".join(lines)
 
 
@@ -123,7 +126,7 @@ def save_profile(profile):
 
 
 def predict(profile, lengths, T, kv_heads, rows, nsplit_max):
-    """Predicted step time [n, s] (seconds) for n = 1..workers, s = 1..nsplit_max."""
+    """Predicted step time [n, s] (seconds) for n = 0..workers besides the parent, s = 1..nsplit_max."""
     nblk = (np.asarray(lengths, np.int64) + T + BK - 1) // BK               # [B] blocks per (b, h)
     s = np.arange(1, nsplit_max + 1)[:, None]                             # [S, 1]
     row_factor = max(1.0, rows / profile.fingerprint["group"])            # more query rows: more FMAs
@@ -132,14 +135,16 @@ def predict(profile, lengths, T, kv_heads, rows, nsplit_max):
     work = kv_heads * (unit * s).sum(1)                                   # [S]: all units
     longest, shortest = unit.max(1), unit.min(1)                          # [S]
     nbytes = kv_heads * nblk.sum() * profile.block_bytes
-    n = np.arange(1, profile.workers + 1)[:, None]                        # [N, 1]
+    n = np.arange(profile.workers + 1)[:, None]                           # [N+1, 1] workers
+    a = n + 1                                                             # takers: the parent too
+    wake = np.asarray(profile.dispatch_s)[:, None]                        # [N+1, 1]
     agg = np.asarray(profile.agg_gbps)[:, None] * 1e9
     U = len(nblk) * kv_heads * s[:, 0]                                    # [S] units
-    tail = (np.ceil(U / n) - U / n) * shortest[None, :]                   # [N, S]: the last round
-    compute = np.maximum(work[None, :] / n + tail, longest[None, :])      # [N, S]
+    tail = (np.ceil(U / a) - U / a) * shortest[None, :]                   # [N+1, S]: the last round
+    compute = np.maximum((work[None, :] + n * wake) / a + tail, longest[None, :])   # [N+1, S]
     extra = (s[:, 0] - 1)[None, :]                                        # [1, S]
     merge = profile.merge_s * len(nblk) * kv_heads * extra + profile.merge_fixed_s * (extra > 0)
-    return np.asarray(profile.dispatch_s)[:, None] + np.maximum(compute, nbytes / agg) + merge
+    return np.maximum(compute, nbytes / agg) + merge
 
 
 class ProfiledPlanner:
@@ -152,19 +157,19 @@ class ProfiledPlanner:
         key = (nblk, T, layout.kv_heads, layout.nsplit_max)
         if key not in self._memo:
             rows = layout.q_heads // layout.kv_heads * T
-            t = predict(self.profile, lengths, T, layout.kv_heads, rows, layout.nsplit_max)[:self.nworkers]
+            t = predict(self.profile, lengths, T, layout.kv_heads, rows, layout.nsplit_max)[:self.nworkers + 1]
             n, s = np.unravel_index(int(np.argmin(t)), t.shape)
-            self._memo[key] = (int(n) + 1, int(s) + 1)
+            self._memo[key] = (int(n), int(s) + 1)
         return self._memo[key]
 
 
 class StaticPlanner:
-    """Without a profile: every worker, and enough splits of >= min_rows rows to feed them."""
+    """Without a profile: every worker, and enough splits of >= min_rows rows to feed them and the parent."""
 
     def __init__(self, nworkers, min_rows=256):
         self.nworkers, self.min_rows = nworkers, min_rows
 
     def plan(self, lengths, T, layout):
-        want = -(-self.nworkers // (layout.batch * layout.kv_heads))
+        want = -(-(self.nworkers + 1) // (layout.batch * layout.kv_heads))
         nsplit = max(1, min(want, int(np.max(lengths)) // self.min_rows, layout.nsplit_max))
         return self.nworkers, int(nsplit)

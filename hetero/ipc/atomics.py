@@ -65,6 +65,22 @@ def fetch_add(typingctx, arr, idx, val):
 
 
 @intrinsic
+def compare_exchange(typingctx, arr, idx, expected, new):
+    """If arr[idx] == expected, set it to new; returns whether it did (acq_rel; 1-d int64 array)."""
+    if not _is_flags(arr):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _item_ptr(context, builder, sig.args[0], args[0], args[1])
+        exp = context.cast(builder, args[2], sig.args[2], types.int64)
+        new = context.cast(builder, args[3], sig.args[3], types.int64)
+        pair = builder.cmpxchg(ptr, exp, new, "acq_rel", "acquire")
+        return builder.extract_value(pair, 1)
+
+    return types.boolean(arr, idx, expected, new), codegen
+
+
+@intrinsic
 def cpu_relax(typingctx):
     """x86 `pause` (a no-op elsewhere): keeps a spinning core polite to its sibling."""
 
@@ -120,6 +136,20 @@ def spin_until_all(flags, first, count, stride, value, budget):
     return False
 
 
+@njit(cache=True)
+def claim(flags, idx, tag):
+    """Take one unit from a tagged countdown ticket flags[idx] = tag << 32 | units left.
+    Returns the units left before this claim (>= 1), or 0 when the ticket is empty or carries
+    another tag (a later job's: a worker that woke late must not take its units)."""
+    while True:
+        t = atomic_load(flags, idx)
+        left = t & 0xFFFFFFFF
+        if t >> 32 != tag or left == 0:
+            return 0
+        if compare_exchange(flags, idx, t, t - 1):
+            return left
+
+
 def warm_up():
     """Compile (or load from the on-disk cache) every function of this module once."""
     import numpy as np
@@ -130,7 +160,8 @@ def warm_up():
     post(a, 0, 2, 8, 0)
     spin_until_changed(a, 0, 1, 1)
     spin_until_all(a, 0, 2, 8, 1, 1)
+    claim(a, 0, 1)
 
 
-__all__ = ["atomic_load", "atomic_store", "fetch_add", "cpu_relax", "store", "load", "post",
+__all__ = ["atomic_load", "atomic_store", "fetch_add", "compare_exchange", "claim", "cpu_relax", "store", "load", "post",
            "spin_until_changed", "spin_until_all", "warm_up", "numba"]

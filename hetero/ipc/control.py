@@ -6,26 +6,57 @@
   S_*   main, before OPEN workers     session shape (see hetero.offload.arena)
   ARG*  main, before SEQ  workers     LoRA commands: slot / staging dims
   NAME  main, before OPEN workers     segment name (KV session, adapter or staging), NUL-padded bytes
-  NEXT  main (0, before GO) workers   next attention unit to take: each worker atomically
-        then workers (fetch-add)      fetch-adds it and computes the unit it got (line 7)
-  GO    main (release)    worker w    job number for w (line DONE_LINE + w, word 2);
-                                      a new value = a new job. Only the workers a job
-                                      uses are woken: the others never see it.
-  DONE  worker w (release) main       last job finished by w (same line, word 0)
+  TICKET main (before GO), workers   attention units left, tagged with the job number:
+         then workers and main         job << 32 | units left (ticket()). Whoever takes a unit
+         (compare-and-swap)            (atomics.claim) reads the job's params only after, so a
+                                       worker that wakes after its job ended takes nothing (line 7)
+  FIN   main (0, before GO) main      attention units finished: each taker fetch-adds it after
+        then takers (fetch-add)       writing the unit's partials; main waits for UNITS (line 8)
+  GO    main (release)    worker w    job number and command for w: go(seq, cmd) (line DONE_LINE
+                                      + w, word 2); a new value = a new job, read in one load.
+                                      Only the workers a job uses are woken.
+  DONE  worker w (release) main       last job finished by w (same line, word 0); an attention job
+                                      ends when FIN = UNITS, whoever did the units
   ERR   worker w, before DONE main    last job that failed in w (same line, word 1)
+  BUSY  worker w          main        last attention job w took a unit of (same line, word 3):
+                                      names the workers holding units when a job stalls
 """
 import numpy as np
 
 LINE = 8  # int64 words per 64-byte cache line
-CMD, LAYER, QLEN, WINDOW, NSPLIT = 8, 9, 10, 11, 12
+CMD, LAYER, QLEN, WINDOW, NSPLIT, UNITS = 8, 9, 10, 11, 12, 13
 F_SCALE, F_SOFTCAP = 16, 17                     # float64 words
 S_BATCH, S_HQ, S_HKV, S_HDIM, S_CAP, S_LAYERS, S_CODE, S_TMAX = range(24, 32)
 S_NSPLIT_MAX = 32
 S_RING, S_RING_LAYERS = 35, 36                   # ring rows and ring layers (sliding windows, arena.ring_plan)
 ARG0, ARG1 = 33, 34
 NAME_WORD, NAME_BYTES = 40, 128                 # lines 5-6
-NEXT = 56                                       # line 7, alone: every worker hits it
-DONE_LINE = 8
+TICKET = 56                                     # line 7, alone: every taker hits it
+FIN = 64                                        # line 8, alone
+PARENT_BUSY = 65                                # the parent's BUSY word (it takes units too)
+DONE_LINE = 9
+CMD_BITS = 4                                    # GO = seq << CMD_BITS | cmd
+
+
+def go(seq, cmd):
+    return seq << CMD_BITS | cmd
+
+
+def go_seq(value):
+    return value >> CMD_BITS
+
+
+def go_cmd(value):
+    return value & ((1 << CMD_BITS) - 1)
+
+
+def ticket(seq, units):
+    """The TICKET word of attention job `seq` with `units` units (atomics.claim takes them)."""
+    return ticket_tag(seq) << 32 | units
+
+
+def ticket_tag(seq):
+    return seq & 0x7FFFFFFF
 
 
 def done_word(rank):
@@ -38,6 +69,10 @@ def err_word(rank):
 
 def go_word(rank):
     return done_word(rank) + 2
+
+
+def busy_word(rank):
+    return done_word(rank) + 3
 
 
 def nbytes(nworkers):

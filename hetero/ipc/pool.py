@@ -1,16 +1,19 @@
 """Parent side of the process-per-core worker pool.
 
 The parent owns the control segment (creates and unlinks it). A job is: write
-CMD and params, zero the NEXT ticket, release-store the job number into the
-GO word of each worker it uses (the first `active`), then spin until each of
-those DONE words holds it. While spinning it polls the workers' liveness, so a
-dead worker raises WorkerDiedError within milliseconds instead of hanging, and
-a worker that makes no progress for `job_timeout` seconds (stopped, stuck)
-raises WorkerError. Idle workers are checked too, every few ms of submits: a
-pool with a dead worker is broken even when the plan leaves that worker idle.
-One job is in flight at a time: a submit while one is (an exception or Ctrl-C
-between submit and wait) first waits for it, so CMD and NEXT are never rewritten
-under running workers.
+CMD and params, release-store the job number and command into the GO word of
+each worker it uses (the first `active`), then spin until each of those DONE
+words holds it. An attention job instead ends when all its units are finished
+(FIN = UNITS): its units sit on a ticket tagged with the job number, the parent
+takes units too (`share`), and a worker that wakes late, on a busy core, finds
+the ticket empty and is not waited for. While spinning the parent polls the
+workers' liveness, so a dead worker raises WorkerDiedError within milliseconds
+instead of hanging, and a job that makes no progress for `job_timeout` seconds
+(a stopped or stuck worker) raises WorkerError. Idle workers are checked too,
+every few ms of submits: a pool with a dead worker is broken even when the plan
+leaves that worker idle. One job is in flight at a time: a submit while one is
+(an exception or Ctrl-C between submit and wait) first finishes it, so a job's
+params are never rewritten under running workers.
 """
 import atexit
 import os
@@ -57,8 +60,9 @@ class WorkerPool:
         self.n, self.cores, self.spin, self.job_timeout = nworkers, list(cores), spin_budget, job_timeout
         self.procs, self.seq, self.closed = [], 0, False
         self.pid = os.getpid()    # a forked child's copy (its atexit too) must leave the workers alone
-        self.inflight = None      # (seq, active) of a submitted job not yet waited for
+        self.inflight = None      # (seq, active, units, share) of a submitted job not yet waited for
         self.stuck = []           # ranks that made no progress (WorkerError): killed at close
+        self.broken = None        # why the pool can run no more jobs (a job failed or stalled)
         self._checked = 0.0       # perf_counter of the last liveness check of every worker
         self.session = None   # the KVSession mapped in the workers (one at a time)
         shm.sweep_stale()
@@ -85,7 +89,7 @@ class WorkerPool:
 
     @property
     def alive(self):
-        return not self.closed and all(p.poll() is None for p in self.procs)
+        return not self.closed and self.broken is None and all(p.poll() is None for p in self.procs)
 
     def drain(self):
         """Wait for a job still in flight (abandoned between submit and wait by an exception or
@@ -93,22 +97,29 @@ class WorkerPool:
         if self.inflight is not None:
             self.wait(*self.inflight)
 
-    def submit(self, cmd, active):
+    def submit(self, cmd, active, units=None, share=None):
         """Publish a job whose params the caller has already written (after drain()) to workers
-        0..active-1. A job still in flight is waited for first; a dead worker (idle ones too) raises."""
+        0..active-1. An attention job (units given) puts `units` units on the ticket; share(seq),
+        run by wait(), takes units in this process (kernel.run_job), so active may be 0. A job
+        still in flight is waited for first; a dead worker (idle ones too) raises."""
+        if self.broken is not None:
+            raise WorkerError(f"the worker pool is broken ({self.broken})")
         self.drain()
         now = time.perf_counter()
         if now - self._checked > LIVENESS_PERIOD:
             self._checked = now
             self._raise_if_dead("before the job")
-        return self._publish(cmd, active)
+        return self._publish(cmd, active, units, share)
 
-    def _publish(self, cmd, active):
-        self.words[C.CMD] = cmd
-        self.words[C.NEXT] = 0
+    def _publish(self, cmd, active, units=None, share=None):
+        self.words[C.CMD] = cmd                # for messages: workers read the command from GO
         self.seq += 1
-        self.inflight = (self.seq, active)     # before GO: an interrupt after it still finds the job
-        atomics.post(self.words, C.go_word(0), active, C.LINE, self.seq)
+        if units is not None:
+            self.words[C.UNITS] = units
+            self.words[C.FIN] = 0
+            atomics.store(self.words, C.TICKET, C.ticket(self.seq, units))
+        self.inflight = (self.seq, active, units, share)   # before GO: an interrupt after it still finds the job
+        atomics.post(self.words, C.go_word(0), active, C.LINE, C.go(self.seq, cmd))
         return self.seq
 
     def _cmd_name(self):
@@ -123,39 +134,66 @@ class WorkerPool:
                                       f"{_describe_exit(p.returncode)} {when}; the pool is broken")
 
     def _progress(self, active):
-        """What changes while a job advances: the attention ticket and the finished workers."""
-        return int(self.words[C.NEXT]), tuple(int(self.words[C.done_word(r)]) for r in range(active))
+        """What changes while a job advances: the attention ticket, its finished units and the
+        finished workers."""
+        w = self.words
+        return int(w[C.TICKET]), int(w[C.FIN]), tuple(int(w[C.done_word(r)]) for r in range(active))
 
-    def wait(self, seq, active, timeout=None):
-        """Spin until workers 0..active-1 finished job `seq`. Raises WorkerDiedError when a worker
-        dies, WorkerError when none makes progress for `timeout` s (default: job_timeout)."""
+    def _finished(self, seq, active, units):
+        if units is None:
+            return atomics.spin_until_all(self.words, C.done_word(0), active, C.LINE, seq, self.spin)
+        return atomics.spin_until_all(self.words, C.FIN, 1, 1, units, self.spin)
+
+    def wait(self, seq, active, units=None, share=None, timeout=None):
+        """Finish job `seq`: run share(seq) (this process's part of an attention job), then spin
+        until its `units` are finished, or workers 0..active-1 finished it (other jobs). Raises
+        WorkerDiedError when a worker dies, WorkerError when the job makes no progress for
+        `timeout` s (default: job_timeout)."""
         timeout = self.job_timeout if timeout is None else timeout
+        if share is not None:     # again after an interrupt (drain): it takes only the units left
+            share(seq)
         start = progress = None
-        while not atomics.spin_until_all(self.words, C.done_word(0), active, C.LINE, seq, self.spin):
+        while not self._finished(seq, active, units):
             now = time.perf_counter()
             if start is None:
                 start, progress = now, self._progress(active)
             self._raise_if_dead(None)
+            self._raise_if_failed(seq, active)
             if now - start > timeout:
                 seen = self._progress(active)
                 if seen != progress:          # still advancing: a long job, not a stuck one
                     start, progress = now, seen
                 else:
-                    stuck = [r for r in range(active) if self.words[C.done_word(r)] != seq]
-                    states = ", ".join(f"worker {r} (pid {self.procs[r].pid}, state "
-                                       f"{_process_state(self.procs[r].pid)})" for r in stuck)
-                    self.stuck = stuck
-                    raise WorkerError(f"CPU workers made no progress on the {self._cmd_name()} job for "
-                                      f"{timeout:g} s: {states} (HeteroConfig.worker_timeout)")
+                    self._raise_stuck(seq, active, units, timeout)
             if now - start < 0.002:
                 os.sched_yield()
             else:
                 time.sleep(0.0002)
         self.inflight = None
+        self._raise_if_failed(seq, active)
+
+    def _raise_if_failed(self, seq, active):
         failed = [r for r in range(active) if self.words[C.err_word(r)] == seq]
         if failed:
+            self.inflight = None
+            self.broken = f"worker(s) {failed} failed the {self._cmd_name()} job"
             raise WorkerError(f"CPU worker(s) {failed} failed the {self._cmd_name()} job; "
                               "their traceback is on stderr")
+
+    def _raise_stuck(self, seq, active, units, timeout):
+        w = self.words
+        late = [r for r in range(active) if w[C.done_word(r)] != seq]
+        # an attention job waits only for the workers holding its units (or, when nobody took
+        # one, for all that have not started: nothing else would take them)
+        holding = [r for r in late if w[C.busy_word(r)] == seq]
+        stuck = late if units is None or not holding else holding
+        states = ", ".join(f"worker {r} (pid {self.procs[r].pid}, state "
+                           f"{_process_state(self.procs[r].pid)})" for r in stuck)
+        self.stuck = stuck
+        self.inflight = None
+        self.broken = f"the {self._cmd_name()} job stalled"
+        raise WorkerError(f"CPU workers made no progress on the {self._cmd_name()} job for "
+                          f"{timeout:g} s: {states} (HeteroConfig.worker_timeout)")
 
     def run(self, cmd, timeout=None, active=None):
         """Run one job on workers 0..active-1 (all by default) and wait for it."""
@@ -164,7 +202,17 @@ class WorkerPool:
         active = self.n if active is None else active
         if not 1 <= active <= self.n:
             raise ValueError(f"a job needs 1..{self.n} workers, got {active}")
-        self.wait(self.submit(cmd, active), active, timeout)
+        self.wait(self.submit(cmd, active), active, timeout=timeout)
+
+    def attention(self, active, units, share):
+        """Run an attention job (params written) of `units` units on workers 0..active-1 and this
+        process (share(seq) takes units until the ticket is empty), and wait for its units."""
+        if self.closed:
+            raise WorkerError("the worker pool is closed")
+        if not 0 <= active <= self.n:
+            raise ValueError(f"an attention job uses 0..{self.n} workers, got {active}")
+        seq = self.submit(C.CMD_ATTN, active, units, share)
+        self.wait(seq, active, units, share)
 
     def close(self):
         """Stop the workers and unlink the control segment. Idempotent; also runs at exit."""

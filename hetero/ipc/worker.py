@@ -3,7 +3,9 @@
 Started by `WorkerPool` as a fresh interpreter with single-threaded numeric
 libraries, pinned to one core. Imports numpy/numba only (never torch). Loop:
 spin (atomic loads) on its own GO word, back off when idle, run the job
-named by CMD, publish DONE. Exits on CMD_EXIT, or when the parent dies (rank
+named in it (GO = job number and command), publish DONE. An attention job is
+shared with the other workers and the parent through a tagged ticket
+(kernel.run_job): a worker that wakes after its job ended finds it empty. Exits on CMD_EXIT, or when the parent dies (rank
 0 then unlinks the parent's segments, so nothing is left in /dev/shm).
 """
 import os
@@ -17,7 +19,7 @@ import numpy as np
 from hetero.adapters import layout as lora
 from hetero.cpu_attention import kernel
 from hetero.ipc import atomics, control as C, shm
-from hetero.offload.arena import SessionLayout, layer_slots
+from hetero.offload.arena import SessionLayout, slots_of
 
 # Idle back-off. Hot (decode: the next layer's job is due within ~ms): spin, yielding the core
 # between bursts. Warm: short spins between 0.1 ms sleeps. Cold (prefill, or no request at all):
@@ -52,8 +54,7 @@ class Worker:
         self.seg = shm.Segment(self.session_name)
         v = self.v = lay.views(self.seg)
         self.code = lay.code
-        # per layer: the arrays holding its KV (K/V, or Kr/Vr for a ring) and its index in them
-        self.kv = [(v["Kr"], v["Vr"], i) if r else (v["K"], v["V"], i) for r, i in layer_slots(v["ringed"])]
+        self.slots = slots_of(v["ringed"])                      # per layer: where its KV lives
         rows = (lay.q_heads // lay.kv_heads) * lay.tmax
         self.qs = np.zeros((rows, lay.dpad), np.float32)        # private scratch: scaled queries
         self.qp = np.zeros((rows, lay.dpad // 2), np.uint32)    # private scratch: bf16 query pairs
@@ -61,7 +62,7 @@ class Worker:
 
     def close_session(self):
         if self.v is not None:
-            self.v = self.kv = None
+            self.v = None
             self.seg.close()
         self.session_name = None
 
@@ -85,13 +86,11 @@ class Worker:
         if seg is not None:
             seg.close()
 
-    def attend(self):
-        w, f, v = self.words, self.floats, self.v
-        K, V, i = self.kv[int(w[C.LAYER])]
-        kernel.run_share(w, C.NEXT, i, int(w[C.QLEN]), int(w[C.WINDOW]),
-                         int(w[C.NSPLIT]), np.float32(f[C.F_SCALE]), np.float32(f[C.F_SOFTCAP]), self.code,
-                         v["q"], v["knew"], v["vnew"], K, V, v["lengths"], v["order"],
-                         v["part_o"], v["part_m"], v["part_l"], self.qs, self.qp, self.S)
+    def attend(self, seq):
+        v = self.v
+        kernel.run_job(self.words, self.floats, seq, C.busy_word(self.rank), self.code, v["q"], v["knew"],
+                       v["vnew"], v["K"], v["V"], v["Kr"], v["Vr"], self.slots, v["lengths"], v["order"],
+                       v["part_o"], v["part_m"], v["part_l"], self.qs, self.qp, self.S)
 
     def orphaned(self):
         if os.getppid() == self.parent_pid:
@@ -108,8 +107,8 @@ class Worker:
     def run(self):
         w, last, idle_since, budget = self.words, 0, None, self.spin
         while True:
-            seq = atomics.spin_until_changed(w, C.go_word(self.rank), last, budget)
-            if seq == last:  # idle: back off, and notice a dead parent
+            go = atomics.spin_until_changed(w, C.go_word(self.rank), last, budget)
+            if go == last:  # idle: back off, and notice a dead parent
                 if self.orphaned():
                     return
                 now = time.perf_counter()
@@ -125,11 +124,11 @@ class Worker:
                     time.sleep(COLD_SLEEP)
                 continue
             budget = self.spin
-            idle_since, last = None, seq
-            cmd = int(w[C.CMD])
+            idle_since, last = None, go
+            seq, cmd = C.go_seq(go), C.go_cmd(go)
             try:
                 if cmd == C.CMD_ATTN:
-                    self.attend()
+                    self.attend(seq)
                 elif cmd == C.CMD_LORA:
                     lora.run_units(self.rank, self.lora_v, self.adapters)
                 elif cmd == C.CMD_OPEN:

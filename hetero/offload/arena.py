@@ -77,6 +77,11 @@ def layer_slots(ringed):
     return out
 
 
+def slots_of(ringed):
+    """layer_slots as the int64 array kernel.run_job takes: i >= 0 for K[i]/V[i], -i - 1 for Kr[i]/Vr[i]."""
+    return np.array([-i - 1 if r else i for r, i in layer_slots(ringed)], np.int64)
+
+
 @dataclass(frozen=True)
 class SessionLayout:
     batch: int

@@ -14,12 +14,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from hetero.cpu_attention import kernel
 from hetero.cpu_attention.kernel import BF16, F16, F32
 from hetero.cpu_attention.planner import StaticPlanner
 from hetero.cpu_attention.simd import BK, W
-from hetero.errors import UnsupportedModelError
+from hetero.errors import UnsupportedModelError, WorkerError
 from hetero.ipc import control as C, shm
-from hetero.offload.arena import SessionLayout, layer_slots, ring_plan, whole_blocks
+from hetero.offload.arena import SessionLayout, layer_slots, ring_plan, slots_of, whole_blocks
 
 STORAGE_CODES = {torch.float32: F32, torch.bfloat16: BF16, torch.float16: F16}
 
@@ -79,6 +80,12 @@ class KVSession:
             self.order = v["order"]                     # numpy, the workers' unit order (see _plan_step)
             self.order[:] = np.arange(self.batch)
             self._real_lens = np.asarray(real_lens, np.int64)
+            # the parent takes attention units too (kernel.run_job): the arena's arrays, and scratch of its own
+            rows = spec.q_heads // spec.kv_heads * self.layout.tmax
+            self._job = (v["q"], v["knew"], v["vnew"], v["K"], v["V"], v["Kr"], v["Vr"], slots_of(ringed),
+                         v["lengths"], v["order"], v["part_o"], v["part_m"], v["part_l"],
+                         np.zeros((rows, self.layout.dpad), np.float32),
+                         np.zeros((rows, self.layout.dpad // 2), np.uint32), kernel.score_scratch(rows))
             self._open()
         except BaseException:
             self.close()
@@ -204,8 +211,9 @@ class KVSession:
         self.prefilled = True
 
     def _plan_step(self, T):
-        """Workers, split count and request order (longest first: the longest units are taken
-        first) for the next decode step: lengths change once per step, not per layer."""
+        """Workers (besides the parent, which takes units too), split count and request order
+        (longest first: the longest units are taken first) for the next decode step: lengths
+        change once per step, not per layer."""
         self.nactive, self.nsplit = self.planner.plan(self.lengths, T, self.layout)
         self.order[:] = np.argsort(-self.lengths, kind="stable")
         self._planned_T = T
@@ -248,7 +256,7 @@ class KVSession:
         w, f = self.pool.words, self.pool.floats
         w[C.LAYER], w[C.QLEN], w[C.WINDOW], w[C.NSPLIT] = layer, T, window or 0, nsplit
         f[C.F_SCALE], f[C.F_SOFTCAP] = scale, softcap or 0.0
-        self.pool.run(C.CMD_ATTN, active=self.nactive)
+        self.run_attention(self.nactive, B * Hkv * nsplit)
         rows = G * T
         sink = None if sinks is None else self._sink_rows(layer, sinks, T)
         out = merge_partials(self.part_o[:, :, :nsplit, :rows, :D], self.part_m[:, :, :nsplit, :rows],
@@ -259,19 +267,34 @@ class KVSession:
             self._plan_step(T)
         return out.transpose(1, 2).to(query.device, query.dtype)
 
+    def run_attention(self, nactive, units):
+        """The attention job whose params are in the pool's words: `units` units taken by workers
+        0..nactive-1 and by this process."""
+        self.pool.attention(nactive, units, self._share)
+
+    def _share(self, seq):
+        """This process's part of attention job `seq`: units from the ticket until it is empty."""
+        w = self.pool.words
+        kernel.run_job(w, self.pool.floats, seq, C.PARENT_BUSY, self.layout.code, *self._job)
+
     def close(self):
-        """Unmap in the workers and unlink. Idempotent; safe after a worker died."""
+        """Unmap in the workers and unlink. Idempotent; safe after a worker died. Raises the
+        pool's WorkerError (after cleaning up) when a worker died or stalled unnoticed until now
+        (an attention job does not wait for a worker that holds none of its units)."""
+        failed = None
         if self.opened:
             self.opened = False
             self.pool.session = None
-            if self.pool.alive:
+            if not self.pool.closed and self.pool.broken is None:     # a dead worker raises here
                 try:
-                    self.pool.run(C.CMD_CLOSE, timeout=5.0)
-                except Exception:
-                    pass
+                    self.pool.run(C.CMD_CLOSE)
+                except WorkerError as e:
+                    failed = e
         # drop every view first: a live view pins the mapping (and an output that keeps this
         # session through its cache would pin the whole arena)
         self.q = self.knew = self.vnew = self.K = self.V = self.Kr = self.Vr = self.kv = None
-        self._sinks = {}
+        self._sinks, self._job = {}, None
         self.part_o = self.part_m = self.part_l = self.lengths = self.order = None
         self.seg.close()
+        if failed is not None:
+            raise failed
