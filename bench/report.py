@@ -17,17 +17,26 @@ def _targets(rows):
 
 
 def decode_tables():
-    lines = ["| shape | hetero workers + torch threads | context | HF ms/token | hetero ms/token | speedup | hetero KV GB/s | 1-core read bound GB/s |",
-             "|---|---|---|---|---|---|---|---|"]
-    for path in sorted(glob.glob(os.path.join(RESULTS, "decode_cpu*.json"))):
+    """One table per bench/results/decode_cpu_*.json: ms/token per system (median over rounds,
+    [fastest-slowest round]), idle and beside a busy core, then the slopes."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(RESULTS, "decode_cpu_*.json"))):
         r = json.load(open(path))
-        m = r["model"]
-        shape = f"{m['num_attention_heads']}q/{m['num_key_value_heads']}kv heads, {r['dtype']}"
+        systems = [s for s in ("hf", "static", "hetero", "llamacpp") if any(s in row for row in r["results"])]
+        names = {"hf": "HF default cache", "static": "HF static cache", "hetero": "hetero", "llamacpp": "llama.cpp (Q4_1)"}
+        out += [f"**{r['model']}, {r['dtype']}**, {r['cores']} cores for every system (hetero: parent + "
+                f"{r['hetero_workers']} worker), {r['rounds']} rounds in fresh processes:", "",
+                "| neighbour | context | " + " | ".join(f"{names[s]} ms" for s in systems)
+                + " | HF / hetero | HF static / hetero |", "|---" * (len(systems) + 4) + "|"]
         for row in r["results"]:
-            lines.append(f"| {shape} | {r['hetero_workers']} + {r['hetero_torch_threads']} | {row['context'] // 1024}K | "
-                         f"{row['hf_ms']:.1f} | {row['hetero_ms']:.1f} | {row['speedup']:.2f}x | "
-                         f"{row['hetero_kv_gbps']:.1f} | {r['stream_read_gbps_1core']:.1f} |")
-    return "\n".join(lines)
+            cells = " | ".join(f"{row[s]['ms']:.1f} [{row[s]['spread_ms'][0]:.1f}-{row[s]['spread_ms'][1]:.1f}]"
+                               if s in row else "" for s in systems)
+            out.append(f"| {'busy core' if row['busy'] else 'idle'} | {row['context'] // 1024}K | {cells} | "
+                       f"{row.get('hf_over_hetero', 0):.2f}x | {row.get('static_over_hetero', 0):.2f}x |")
+        out += ["", "Slope, ms per 1K tokens of context (the attention cost; KV GB/s it implies): "
+                + "; ".join(f"{k} {v['ms_per_1k']:.2f}" + (f" ({v['kv_gbps']:.1f} GB/s)" if v["kv_gbps"] else "")
+                            for k, v in r["slopes"].items()), ""]
+    return "\n".join(out)
 
 
 def attention_tables():
@@ -37,15 +46,18 @@ def attention_tables():
     lines = [f"Streaming-read bound, measured next to each row ({len(r['cores'])} cores; best of the run: "
              f"1 core {r['stream_1core_gbps']:.1f} GB/s, all cores {r['stream_all_gbps']:.1f} GB/s); "
              f"/dev/shm huge pages: {r['machine'].get('shmem_thp', 'unknown')}.", "",
-             "| shape, KV dtype | context | hetero 1 worker GB/s | of 1-core bound | hetero all workers GB/s | "
-             "of all-core bound | SDPA 1 thread GB/s | SDPA all threads GB/s | planner (workers, splits) / best of sweep |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| shape, KV dtype | context | KV rotated (MB, L3 MB) | hetero 1 core GB/s | of 1-core bound | "
+             "hetero all cores GB/s | of all-core bound | SDPA 1 / all threads GB/s | fp32 grouped matmul / hetero, "
+             "all cores | planner (workers, splits) / best of sweep |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for key, rows in r["results"].items():
         for row in rows:
             k, s, b = row["kernel_gbps"], row["sdpa_gbps"], row["stream_gbps"]
             n, t = max(k, key=int), max(s, key=int)
-            lines.append(f"| {key} | {row['context'] // 1024}K | {k['1']:.1f} | {k['1'] / b['1']:.2f} | "
-                         f"{k[n]:.1f} | {k[n] / b['all']:.2f} | {s['1']:.2f} | {s[t]:.2f} | "
+            rot = f"{row['rotated_mb']:.0f} ({row['llc_mb']:.0f}{', cache-resident' if row['cache_resident'] else ''})"
+            lines.append(f"| {key} | {row['context'] // 1024}K | {rot} | {k['1']:.1f} | {k['1'] / b['1']:.2f} | "
+                         f"{k[n]:.1f} | {k[n] / b['all']:.2f} | {s['1']:.2f} / {s[t]:.2f} | "
+                         f"{row['vs_matmul'][t]:.1f}x | "
                          f"{tuple(row['planner'])} {row['planner_ms']:.2f} ms / {tuple(row['best'])} {row['best_ms']:.2f} ms |")
     if r.get("batch"):
         lines += ["", "Planner on a mixed batch (units of unequal size):", "",
