@@ -1,15 +1,20 @@
-"""Decode attention on the CPU: the kernel against the machine's read bandwidth and torch SDPA.
+"""Decode attention on the CPU: the kernel against the machine's read bandwidth, torch SDPA and
+a plain grouped matmul.
 
-In one run, on the same KV data (one layer, batch 1, one query token):
+In one run, on the same KV data (batch 1, one query token):
   (a) single-core and all-core streaming read bandwidth (numba sums over 256-512 MB),
       measured again next to every configuration (this machine's bandwidth drifts),
-  (b) the kernel's KV bytes/s through the real worker pool, for 1..N workers and
-      split counts 1..16 (the exhaustive sweep), and the planner's choice against the
-      sweep's best (both timed again, head to head, for the ratio),
-  (c) torch scaled_dot_product_attention on the CPU with the same number of threads,
+  (b) the kernel's KV bytes/s through the real worker pool, for 1..N takers (the parent
+      alone, then with 1..N-1 workers) and split counts 1..16 (the exhaustive sweep), and the
+      planner's choice against the sweep's best (both timed again, head to head, for the ratio),
+  (c) torch scaled_dot_product_attention with the same number of threads, and
+  (d) a plain fp32 grouped matmul (q [Hkv, G, D] @ K^T, softmax, @ V) with as many threads,
 for fp32 and bf16 storage, contexts 4K-64K, Llama-3-8B (32 q / 8 kv heads, dim 128) and
-Llama-2-7B (32 / 32 / 128) head shapes. Workers are pinned to every usable core (the
-parent shares the first one and backs off while it waits). Writes JSON and a PNG.
+Llama-2-7B (32 / 32 / 128) head shapes. KV is cold, as in a model: the arena holds one KV
+per layer for enough layers to span at least 4x the last-level cache, and successive calls
+take successive layers (every system alike); a row whose rotation fits in the cache says so
+(cache_resident). The parent is pinned to the first core, a worker to each other. Writes
+JSON and a PNG.
 """
 import argparse
 import os
@@ -23,23 +28,25 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import RESULTS, machine, stream_read_all_gbps, stream_read_gbps, write_json  # noqa: E402
 from hetero.cpu_attention.planner import ProfiledPlanner  # noqa: E402
 from hetero.cpu_attention.simd import BK  # noqa: E402
+from hetero.ipc import control as C  # noqa: E402
 from hetero.ipc.pool import WorkerPool  # noqa: E402
 from hetero.model_spec import ModelSpec  # noqa: E402
-from hetero.profile import attention_job, load_or_measure, median_times, synthetic_session  # noqa: E402
+from hetero.profile import load_or_measure, median_times, synthetic_session  # noqa: E402
 
 SHAPES = {"llama3-8b": (32, 8, 128), "llama2-7b": (32, 32, 128)}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 SPLITS = (1, 2, 4, 8, 16)
+COLD_FACTOR = 4          # the KV a run rotates over spans at least this many last-level caches
 BATCH = (32768, 8192, 2048, 300)   # the mixed batch for the planner
 TARGETS = {"one_worker_of_stream": 0.70, "vs_sdpa": 3.0, "scaling": 0.85, "planner_of_best": 0.90}
 
 
 def local_bounds(cores):
-    """Streaming-read GB/s right now: one core (worker 0's) and all cores. Measured next to each
+    """Streaming-read GB/s right now: one core (the parent's) and all cores. Measured next to each
     configuration because this machine's bandwidth drifts over a run."""
     parent = os.sched_getaffinity(0)
     try:
-        os.sched_setaffinity(0, {cores[1 % len(cores)]})
+        os.sched_setaffinity(0, {cores[0]})                 # the parent's core: the one-taker runs
         one = stream_read_gbps(256 << 20, 3)
         os.sched_setaffinity(0, cores)
         return {"1": one, "all": stream_read_all_gbps(len(cores), 512 << 20, 3)}
@@ -47,34 +54,74 @@ def local_bounds(cores):
         os.sched_setaffinity(0, parent)
 
 
-def sweep_and_plan(pool, profile, session, lengths, reps):
-    """Time one decode step (layer 0, one query token) for every (workers, splits) and for the
-    planner's choice; then the sweep's best and the planner's choice again, head to head (the
-    sweep's minimum of ~10 noisy medians is biased low: it picks a lucky one)."""
+def last_level_cache_bytes():
+    """The largest CPU cache (sysfs), or 32 MB when unknown."""
+    best = 0
+    for idx in range(8):
+        try:
+            with open(f"/sys/devices/system/cpu/cpu0/cache/index{idx}/size") as f:
+                text = f.read().strip()
+        except OSError:
+            break
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1)
+        best = max(best, int(text.rstrip("KMG")) * mult)
+    return best or 32 << 20
+
+
+class Rotation:
+    """Successive calls take successive layers: every system reads cold KV, as in a model."""
+
+    def __init__(self, layers):
+        self.layers, self.i = layers, 0
+
+    def next(self):
+        self.i = (self.i + 1) % self.layers
+        return self.i
+
+
+def attention_job(pool, session, lengths, n, s, rot):
+    """A callable running one decode-attention step over `lengths` on the parent and n workers in
+    s splits, each call on the next layer."""
+    units = len(lengths) * session.layout.kv_heads * s
+
+    def job():
+        session.lengths[:] = lengths
+        pool.words[C.NSPLIT], pool.words[C.LAYER] = s, rot.next()
+        session.run_attention(n, units)
+    return job
+
+
+def sweep_and_plan(pool, profile, session, lengths, reps, rot):
+    """Time one decode step (one query token) for every (workers, splits) and for the planner's
+    choice; then the sweep's best and the planner's choice again, head to head (the sweep's
+    minimum of ~10 noisy medians is biased low: it picks a lucky one)."""
     session.lengths[:] = lengths
     session.order[:] = np.argsort(-np.asarray(lengths), kind="stable")    # as KVSession does per step
     plan = ProfiledPlanner(profile, pool.n).plan(session.lengths, 1, session.layout)
-    configs = {(n, s) for n in range(1, pool.n + 1) for s in SPLITS} | {plan}
-    sweep = median_times({c: attention_job(pool, session, lengths, *c) for c in sorted(configs)}, reps)
+    configs = {(n, s) for n in range(pool.n + 1) for s in SPLITS} | {plan}
+    sweep = median_times({c: attention_job(pool, session, lengths, *c, rot) for c in sorted(configs)}, reps)
     best = min(sweep, key=sweep.get)
-    final = median_times({c: attention_job(pool, session, lengths, *c) for c in {best, plan}}, 3 * reps)
+    final = median_times({c: attention_job(pool, session, lengths, *c, rot) for c in {best, plan}}, 3 * reps)
     return sweep, best, plan, final
 
 
 def make_session(pool, shape, dtype, lengths):
-    """A one-layer session holding random KV for `lengths`, staged for a one-token decode step."""
+    """A session of random KV for `lengths` in enough layers to span COLD_FACTOR last-level caches,
+    staged for a one-token decode step: (profile, session, rotation, rotated bytes)."""
     Hq, Hkv, D = shape
-    spec = ModelSpec(model_type="bench", layers=1, q_heads=Hq, kv_heads=Hkv, head_dim=D, dtype=dtype,
-                     max_positions=None, sliding=(False,))
+    layer_bytes = 2 * Hkv * sum(lengths) * D * torch.finfo(dtype).bits // 8
+    layers = max(1, -(-COLD_FACTOR * last_level_cache_bytes() // layer_bytes))
+    spec = ModelSpec(model_type="bench", layers=layers, q_heads=Hq, kv_heads=Hkv, head_dim=D, dtype=dtype,
+                     max_positions=None, sliding=(False,) * layers)
     profile, _ = load_or_measure(pool, spec)
-    return profile, synthetic_session(pool, spec, lengths, max(lengths) + BK)
+    return profile, synthetic_session(pool, spec, lengths, max(lengths) + BK), Rotation(layers), layers * layer_bytes
 
 
 def bench_batch(pool, shape, dtype, lengths, reps):
     """The planner against the sweep on a batch of unequal contexts (units of unequal size)."""
-    profile, session = make_session(pool, shape, dtype, lengths)
+    profile, session, rot, _ = make_session(pool, shape, dtype, lengths)
     try:
-        sweep, best, plan, final = sweep_and_plan(pool, profile, session, lengths, reps)
+        sweep, best, plan, final = sweep_and_plan(pool, profile, session, lengths, reps, rot)
     finally:
         session.close()
     return {"lengths": list(lengths), "sweep_ms": {f"{n}x{s}": t * 1e3 for (n, s), t in sweep.items()},
@@ -82,36 +129,53 @@ def bench_batch(pool, shape, dtype, lengths, reps):
             "planner_of_best": final[best] / final[plan]}
 
 
+def grouped_matmul(q, k, v, scale):
+    """Plain attention of one query token: q [Hq, D], k/v [Hkv, L, D] fp32 -> [Hq, D]."""
+    Hkv, L, D = k.shape
+    s = torch.matmul(q.view(Hkv, -1, D), k.transpose(1, 2)) * scale      # [Hkv, G, L]
+    return torch.matmul(torch.softmax(s, -1), v).view(-1, D)              # [Hkv, G, D] -> [Hq, D]
+
+
 def bench_config(pool, cores, shape, dtype, L, reps, sdpa_threads):
     Hq, Hkv, D = shape
     bounds = local_bounds(cores)
-    profile, session = make_session(pool, shape, dtype, [L])
+    profile, session, rot, rotated = make_session(pool, shape, dtype, [L])
     try:
         scale = D ** -0.5
         nbytes = 2 * Hkv * (L + 1) * D * torch.finfo(dtype).bits // 8
-        sweep, best, plan, final = sweep_and_plan(pool, profile, session, [L], reps)
-        # torch SDPA on the same rows
-        k, v = session.read_rows(0, 0, L + 1)
+        sweep, best, plan, final = sweep_and_plan(pool, profile, session, [L], reps, rot)
+        # torch SDPA (storage dtype) and a plain fp32 grouped matmul on the same rows, layers rotating alike
+        rows = [session.read_rows(i, 0, L + 1) for i in range(rot.layers)]
+        rows32 = [(k.float(), v.float()) for k, v in rows]
         q = session.q[:, :, :1].to(dtype)                                     # [1, Hq, 1, D]
-        sdpa = {}
+        q32 = session.q[0, :, 0].clone()                                     # [Hq, D]
+        sdpa, mm = {}, {}
         parent = os.sched_getaffinity(0)
         os.sched_setaffinity(0, cores)             # torch's threads get every core, like the workers
         for threads in sdpa_threads:
             torch.set_num_threads(threads)
             sdpa[threads] = median_times({0: lambda: torch.nn.functional.scaled_dot_product_attention(
-                q, k[None], v[None], scale=scale, enable_gqa=Hq != Hkv)}, reps)[0]
+                q, *(x[None] for x in rows[rot.next()]), scale=scale, enable_gqa=Hq != Hkv)}, reps)[0]
+            mm[threads] = median_times({0: lambda: grouped_matmul(q32, *rows32[rot.next()], scale)}, reps)[0]
         os.sched_setaffinity(0, parent)
+        del rows, rows32
     finally:
         session.close()
-    best_n = {n: min(t for (m, _), t in sweep.items() if m == n) for n in range(1, pool.n + 1)}
+    # takers: the parent and n - 1 workers
+    best_n = {n + 1: min(t for (m, _), t in sweep.items() if m == n) for n in range(pool.n + 1)}
+    llc = last_level_cache_bytes()
     return {
-        "context": L, "kv_bytes": nbytes, "stream_gbps": bounds,
+        "context": L, "kv_bytes": nbytes, "stream_gbps": bounds, "layers_rotated": rot.layers,
+        "rotated_mb": rotated / 2 ** 20, "llc_mb": llc / 2 ** 20, "cache_resident": rotated <= llc,
         "kernel_gbps": {n: nbytes / t / 1e9 for n, t in best_n.items()},
         "sweep_ms": {f"{n}x{s}": t * 1e3 for (n, s), t in sweep.items()},
         "best": best, "best_ms": final[best] * 1e3, "planner": plan, "planner_ms": final[plan] * 1e3,
         "planner_of_best": final[best] / final[plan], "planner_of_best_in_sweep": sweep[best] / sweep[plan],
         "sdpa_gbps": {t: nbytes / s / 1e9 for t, s in sdpa.items()},
         "vs_sdpa": {t: sdpa[t] / best_n[t] for t in sdpa if t in best_n},
+        "matmul_fp32_ms": {t: s * 1e3 for t, s in mm.items()},
+        "matmul_fp32_gbps": {t: 2 * Hkv * (L + 1) * D * 4 / s / 1e9 for t, s in mm.items()},   # its own fp32 bytes
+        "vs_matmul": {t: mm[t] / best_n[t] for t in mm if t in best_n},
     }
 
 
@@ -127,9 +191,11 @@ def plot(payload, path):
         rows = payload["results"][key]
         ctx = [r["context"] // 1024 for r in rows]
         for n in rows[0]["kernel_gbps"]:
-            ax.plot(ctx, [r["kernel_gbps"][n] for r in rows], "o-", label=f"hetero, {n} worker(s)")
+            ax.plot(ctx, [r["kernel_gbps"][n] for r in rows], "o-", label=f"hetero, {n} core(s)")
         for t in rows[0]["sdpa_gbps"]:
             ax.plot(ctx, [r["sdpa_gbps"][t] for r in rows], "s--", label=f"torch SDPA, {t} thread(s)")
+            ax.plot(ctx, [r["kv_bytes"] / r["matmul_fp32_ms"][t] / 1e6 for r in rows], "x-.",
+                    label=f"fp32 grouped matmul, {t} thread(s)")
         ax.plot(ctx, [r["stream_gbps"]["1"] for r in rows], color="gray", ls=":", label="1-core read bound")
         ax.plot(ctx, [r["stream_gbps"]["all"] for r in rows], color="black", ls=":", label="all-core read bound")
         ax.set_xscale("log", base=2)
@@ -180,9 +246,9 @@ def main():
 
     cores = sorted(os.sched_getaffinity(0))
     payload = {"machine": machine(), "cores": cores, "targets": TARGETS, "results": {}, "batch": {}}
-    # the parent waits on the first core; worker 0 (the one-worker runs) gets a core of its own
+    # the parent (it takes units too) on the first core, a worker on each other core
     os.sched_setaffinity(0, {cores[0]})
-    pool = WorkerPool(len(cores), cores[1:] + cores[:1], spin_budget=500)
+    pool = WorkerPool(max(1, len(cores) - 1), cores[1:] or cores, spin_budget=500)
     try:
         for shape in args.shapes:
             for dt in args.dtypes:
@@ -191,11 +257,11 @@ def main():
                 for L in args.contexts:
                     r = bench_config(pool, cores, SHAPES[shape], DTYPES[dt], L, args.reps, sorted({1, len(cores)}))
                     rows.append(r)
-                    kg = ", ".join(f"{n}w {g:.1f}" for n, g in r["kernel_gbps"].items())
+                    kg = ", ".join(f"{n}c {g:.1f}" for n, g in r["kernel_gbps"].items())
                     sg = ", ".join(f"{t}t {g:.1f}" for t, g in r["sdpa_gbps"].items())
                     b = r["stream_gbps"]
                     print(f"{key:16s} {L // 1024:3d}K  read bound 1c {b['1']:.1f} all {b['all']:.1f} | "
-                          f"hetero GB/s: {kg}  | SDPA GB/s: {sg}  | "
+                          f"hetero GB/s: {kg}  | SDPA GB/s: {sg}  | fp32 matmul x{min(r['vs_matmul'].values()):.1f} | "
                           f"planner {r['planner']} {r['planner_ms']:.2f} ms vs best {r['best']} {r['best_ms']:.2f} ms")
             for dt in args.dtypes:     # a mixed batch: the planner with units of unequal size
                 key = f"{shape} {dt}"

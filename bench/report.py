@@ -24,8 +24,10 @@ def decode_tables():
         r = json.load(open(path))
         systems = [s for s in ("hf", "static", "hetero", "llamacpp") if any(s in row for row in r["results"])]
         names = {"hf": "HF default cache", "static": "HF static cache", "hetero": "hetero", "llamacpp": "llama.cpp (Q4_1)"}
-        out += [f"**{r['model']}, {r['dtype']}**, {r['cores']} cores for every system (hetero: parent + "
-                f"{r['hetero_workers']} worker), {r['rounds']} rounds in fresh processes:", "",
+        plans = sorted({tuple(row["hetero"]["plan"]) for row in r["results"] if "hetero" in row})
+        out += [f"**{r['model']}, {r['dtype']}**, {r['cores']} cores for every system (hetero: the parent and "
+                f"up to {r['hetero_workers']} worker; plans (workers, splits) used: {plans}), {r['rounds']} rounds "
+                "in fresh processes:", "",
                 "| neighbour | context | " + " | ".join(f"{names[s]} ms" for s in systems)
                 + " | HF / hetero | HF static / hetero |", "|---" * (len(systems) + 4) + "|"]
         for row in r["results"]:
@@ -54,10 +56,11 @@ def attention_tables():
         for row in rows:
             k, s, b = row["kernel_gbps"], row["sdpa_gbps"], row["stream_gbps"]
             n, t = max(k, key=int), max(s, key=int)
-            rot = f"{row['rotated_mb']:.0f} ({row['llc_mb']:.0f}{', cache-resident' if row['cache_resident'] else ''})"
+            rot = (f"{row['rotated_mb']:.0f} ({row['llc_mb']:.0f}{', cache-resident' if row['cache_resident'] else ''})"
+                   if "rotated_mb" in row else "one layer, warm (older run)")
+            mm = f"{row['vs_matmul'][t]:.1f}x" if "vs_matmul" in row else "n/a"
             lines.append(f"| {key} | {row['context'] // 1024}K | {rot} | {k['1']:.1f} | {k['1'] / b['1']:.2f} | "
-                         f"{k[n]:.1f} | {k[n] / b['all']:.2f} | {s['1']:.2f} / {s[t]:.2f} | "
-                         f"{row['vs_matmul'][t]:.1f}x | "
+                         f"{k[n]:.1f} | {k[n] / b['all']:.2f} | {s['1']:.2f} / {s[t]:.2f} | {mm} | "
                          f"{tuple(row['planner'])} {row['planner_ms']:.2f} ms / {tuple(row['best'])} {row['best_ms']:.2f} ms |")
     if r.get("batch"):
         lines += ["", "Planner on a mixed batch (units of unequal size):", "",
