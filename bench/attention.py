@@ -28,10 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import RESULTS, machine, stream_read_all_gbps, stream_read_gbps, write_json  # noqa: E402
 from hetero.cpu_attention.planner import ProfiledPlanner  # noqa: E402
 from hetero.cpu_attention.simd import BK  # noqa: E402
-from hetero.ipc import control as C  # noqa: E402
 from hetero.ipc.pool import WorkerPool  # noqa: E402
 from hetero.model_spec import ModelSpec  # noqa: E402
-from hetero.profile import load_or_measure, median_times, synthetic_session  # noqa: E402
+from hetero.profile import attention_job, load_or_measure, median_times, synthetic_session  # noqa: E402
 
 SHAPES = {"llama3-8b": (32, 8, 128), "llama2-7b": (32, 32, 128)}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -79,18 +78,6 @@ class Rotation:
         return self.i
 
 
-def attention_job(pool, session, lengths, n, s, rot):
-    """A callable running one decode-attention step over `lengths` on the parent and n workers in
-    s splits, each call on the next layer."""
-    units = len(lengths) * session.layout.kv_heads * s
-
-    def job():
-        session.lengths[:] = lengths
-        pool.words[C.NSPLIT], pool.words[C.LAYER] = s, rot.next()
-        session.run_attention(n, units)
-    return job
-
-
 def sweep_and_plan(pool, profile, session, lengths, reps, rot):
     """Time one decode step (one query token) for every (workers, splits) and for the planner's
     choice; then the sweep's best and the planner's choice again, head to head (the sweep's
@@ -99,9 +86,9 @@ def sweep_and_plan(pool, profile, session, lengths, reps, rot):
     session.order[:] = np.argsort(-np.asarray(lengths), kind="stable")    # as KVSession does per step
     plan = ProfiledPlanner(profile, pool.n).plan(session.lengths, 1, session.layout)
     configs = {(n, s) for n in range(pool.n + 1) for s in SPLITS} | {plan}
-    sweep = median_times({c: attention_job(pool, session, lengths, *c, rot) for c in sorted(configs)}, reps)
+    sweep = median_times({c: attention_job(pool, session, lengths, *c, rot.next) for c in sorted(configs)}, reps)
     best = min(sweep, key=sweep.get)
-    final = median_times({c: attention_job(pool, session, lengths, *c, rot) for c in {best, plan}}, 3 * reps)
+    final = median_times({c: attention_job(pool, session, lengths, *c, rot.next) for c in {best, plan}}, 3 * reps)
     return sweep, best, plan, final
 
 

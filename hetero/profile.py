@@ -4,7 +4,8 @@ Runs the decode-attention job on synthetic KV in a one-layer arena: the parent
 alone at growing context lengths (per-core time per block), the parent alone on
 a long context in 16 splits instead of 1 (per-unit cost), the parent with every
 worker count on a long context (the aggregate bandwidth), empty jobs (the
-workers' wake-up), and the parent's merge (fixed, and per split). A few seconds; cached on disk per machine and shape.
+workers' wake-up), and the parent's merge (fixed, and per split). A few seconds;
+cached on disk per machine and shape.
 """
 import functools
 import math
@@ -59,12 +60,17 @@ def synthetic_session(pool, spec, lengths, cap):
     return session
 
 
-def attention_job(pool, session, lengths, n, s):
-    """A callable running one decode-attention step over `lengths` on the parent and n workers in s splits."""
+def attention_job(pool, session, lengths, n, s, next_layer=None):
+    """A callable running one decode-attention step over `lengths` on the parent and n workers in
+    s splits; next_layer: None (layer 0, as set), or a callable giving each call's layer."""
+    units = session.batch * session.layout.kv_heads * s        # lengths: one per request, or one for all
+
     def job():
         session.lengths[:] = lengths
         pool.words[C.NSPLIT] = s
-        session.run_attention(n, len(session.lengths) * session.layout.kv_heads * s)
+        if next_layer is not None:
+            pool.words[C.LAYER] = next_layer()
+        session.run_attention(n, units)
     return job
 
 

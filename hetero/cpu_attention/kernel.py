@@ -225,7 +225,7 @@ def run_job(ctrl, fctrl, seq, busy, code, q, knew, vnew, K, V, Kr, Vr, slots, le
     are the taker's scratch; ctrl[busy] <- seq on the first claim (who holds units).
     """
     taken = 0
-    tag = seq & 0x7FFFFFFF                  # control.ticket_tag
+    tag = seq & C.TAG_MASK                  # control.ticket_tag
     while True:
         left = atomics.claim(ctrl, C.TICKET, tag)
         if left == 0:

@@ -55,8 +55,11 @@ def ticket(seq, units):
     return ticket_tag(seq) << 32 | units
 
 
+TAG_MASK = 0x7FFFFFFF                           # the job-number bits a ticket carries
+
+
 def ticket_tag(seq):
-    return seq & 0x7FFFFFFF
+    return seq & TAG_MASK
 
 
 def done_word(rank):
