@@ -27,6 +27,7 @@ GENERATE_KWARGS = frozenset({
     "no_repeat_ngram_size", "min_new_tokens", "eos_token_id", "pad_token_id", "bos_token_id", "streamer",
     "return_dict_in_generate", "output_scores", "output_logits", "logits_processor", "stopping_criteria",
 })
+SHARED_IDLE_SPIN = 400   # ~10 us of polls before a CPU model's worker sleeps (atomics.sleep_until_changed)
 PASS_THROUGH = ("streamer", "logits_processor", "stopping_criteria")  # objects, not GenerationConfig fields
 
 
@@ -157,34 +158,26 @@ class HeteroGenerator:
             if self._pool is not None:
                 self._pool.close()
             n, cores = self.config.resolve_workers()
-            self._pool = WorkerPool(n, cores, spin_budget=self.config.spin_budget,
+            # a CPU model's workers share cores with its torch threads: they sleep right after a job
+            # (the next comes after a layer's dense part); a GPU model's spin through one layer
+            idle_spin = SHARED_IDLE_SPIN if self.model.device.type == "cpu" else self.config.spin_budget
+            self._pool = WorkerPool(n, cores, spin_budget=self.config.spin_budget, idle_spin=idle_spin,
                                     start_timeout=self.config.start_timeout, job_timeout=self.config.worker_timeout)
             self._planner = None
             if self._store is not None:
                 self._store.attach(self._pool)
         return self._pool
 
-    def decode_workers(self, pool):
-        """Workers decode attention may use besides the parent. A CPU model's dense layers run on
-        the parent's torch threads, and a worker on a core those threads also use takes that core
-        from them between layers (it waits hot for the next one): on a 2-core machine with 2 torch
-        threads one such worker made SmolLM2 decode 40-50 % slower at 1K-7K context than the parent
-        alone. So a CPU model gets only the cores its torch threads leave free."""
-        if self.model.device.type != "cpu":
-            return pool.n
-        free = len(os.sched_getaffinity(0)) - torch.get_num_threads()
-        return max(0, min(pool.n, free))
-
     def _ensure_planner(self, pool):
         """The decode planner: from the machine's measured profile (cached on disk) unless profile='off'."""
         if self._planner is None:
             if self.config.profile == "off":
-                self._planner = StaticPlanner(self.decode_workers(pool))
+                self._planner = StaticPlanner(pool.n)
             else:
                 from hetero.profile import load_or_measure
 
                 profile, _ = load_or_measure(pool, self.spec)
-                self._planner = ProfiledPlanner(profile, self.decode_workers(pool))
+                self._planner = ProfiledPlanner(profile, pool.n)
         return self._planner
 
     # ---- validation at the boundary

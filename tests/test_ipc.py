@@ -60,23 +60,32 @@ def test_pool_round_trips_and_dead_worker_detection():
     assert all(p.poll() is not None for p in pool.procs)
 
 
-def test_idle_workers_leave_their_cores_free():
-    """Between requests (and during a long prefill) a worker polls rarely: it must not keep
-    spinning (it took a third of its core before the cold back-off), yet it still answers."""
+def test_idle_workers_sleep_and_are_woken():
+    """A worker sleeps (futex on its GO word) once its idle spin is spent, so between jobs it
+    leaves its core to others (a CPU model's torch threads), and a posted job wakes it at once:
+    without the wake each of these jobs would wait for the sleep's 50 ms timeout."""
     import psutil
 
-    pool = WorkerPool(2, [0, 1] if os.cpu_count() > 1 else [0])
+    pool = WorkerPool(2, [0, 1] if os.cpu_count() > 1 else [0], idle_spin=1)
     try:
         pool.run(C.CMD_PING)
-        time.sleep(0.3)                               # past the hot and warm back-off
+        deadline = time.perf_counter() + 5.0
+        while not all(pool.words[C.asleep_word(r)] == 1 for r in range(2)) and time.perf_counter() < deadline:
+            time.sleep(0.01)
+        asleep = [int(pool.words[C.asleep_word(r)]) for r in range(2)]
+        assert asleep == ([1, 1] if atomics.HAVE_FUTEX else [0, 0]), f"ASLEEP words {asleep}"
         procs = [psutil.Process(p.pid) for p in pool.procs]
         before = [sum(p.cpu_times()[:2]) for p in procs]
-        time.sleep(2.0)
-        used = [sum(p.cpu_times()[:2]) - b for p, b in zip(procs, before)]
-        assert max(used) < 0.2, f"idle workers used {used} CPU seconds in 2 s"
         t0 = time.perf_counter()
-        pool.run(C.CMD_PING)                          # a cold worker wakes within its sleep
-        assert time.perf_counter() - t0 < 0.5
+        for _ in range(100):
+            time.sleep(0.002)                         # the workers fall asleep between jobs
+            pool.run(C.CMD_PING)
+        took = time.perf_counter() - t0
+        assert took < 2.0, f"100 jobs for sleeping workers took {took:.2f} s"
+        time.sleep(1.0)
+        used = [sum(p.cpu_times()[:2]) - b for p, b in zip(procs, before)]
+        assert max(used) < 0.3, f"sleeping workers used {used} CPU seconds in {took + 1:.1f} s"
+        assert pool.alive
     finally:
         pool.close()
 

@@ -137,23 +137,3 @@ def test_measured_profile_is_cached(tmp_path, monkeypatch):
     finally:
         pool.close()
     assert len(list(tmp_path.iterdir())) == 2
-
-
-def test_cpu_model_decode_uses_only_cores_its_torch_threads_leave(llama):
-    """A worker on a core the parent's torch threads also use slows the dense layers more than it
-    speeds attention: a CPU model plans with the cores torch leaves free (the parent always takes units)."""
-    import os
-
-    import torch
-
-    from hetero import HeteroConfig, HeteroGenerator
-
-    threads, cores = torch.get_num_threads(), len(os.sched_getaffinity(0))
-    with HeteroGenerator(llama, config=HeteroConfig(cpu_workers=2, profile="off")) as gen:
-        try:
-            torch.set_num_threads(cores)
-            assert gen.decode_workers(gen._pool) == 0
-            torch.set_num_threads(1)
-            assert gen.decode_workers(gen._pool) == min(2, cores - 1)
-        finally:
-            torch.set_num_threads(threads)

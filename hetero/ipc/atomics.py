@@ -5,7 +5,11 @@ loop, so every flag access goes through an acquire load or a release store.
 Everything here is @njit(cache=True) and safe to call from the main process
 or from a worker.
 """
+import os
+import platform
+
 import numba
+import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
@@ -81,6 +85,34 @@ def compare_exchange(typingctx, arr, idx, expected, new):
 
 
 @intrinsic
+def exchange(typingctx, arr, idx, val):
+    """Atomically arr[idx] = val, returning the old value, as a full fence (seq_cst): what one
+    side of a sleep/wake handshake needs (the store is visible before any later load)."""
+    if not _is_flags(arr):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _item_ptr(context, builder, sig.args[0], args[0], args[1])
+        v = context.cast(builder, args[2], sig.args[2], types.int64)
+        return builder.atomic_rmw("xchg", ptr, v, "seq_cst")
+
+    return types.int64(arr, idx, val), codegen
+
+
+@intrinsic
+def load_seq_cst(typingctx, arr, idx):
+    """arr[idx] with seq_cst ordering: the other side of exchange()'s handshake."""
+    if not _is_flags(arr):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _item_ptr(context, builder, sig.args[0], args[0], args[1])
+        return builder.load_atomic(ptr, "seq_cst", 8)
+
+    return types.int64(arr, idx), codegen
+
+
+@intrinsic
 def cpu_relax(typingctx):
     """x86 `pause` (a no-op elsewhere): keeps a spinning core polite to its sibling."""
 
@@ -136,6 +168,63 @@ def spin_until_all(flags, first, count, stride, value, budget):
     return False
 
 
+# Sleeping on a flag word: Linux futex on the word's low 32 bits (little-endian: the bits that
+# change from one job to the next). Not FUTEX_PRIVATE: the word lives in shared memory that the
+# waker maps at another address.
+SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine(), -1)
+FUTEX_WAIT, FUTEX_WAKE = 0, 1
+HAVE_FUTEX = SYS_FUTEX > 0 and os.uname().sysname == "Linux"
+
+
+@intrinsic
+def futex(typingctx, arr, idx, op, val, timeout):
+    """syscall(SYS_futex, &arr[idx], op, val, timeout) -> long (timeout: address of a timespec,
+    or 0). Calls libc's variadic syscall() by name, so a cached compilation relinks it in each
+    process (a ctypes pointer would bake one process's address in)."""
+    if not _is_flags(arr):
+        return None
+
+    def codegen(context, builder, sig, args):
+        i64 = ir.IntType(64)
+        fnty = ir.FunctionType(i64, [i64], var_arg=True)
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "syscall")
+        ptr = _item_ptr(context, builder, sig.args[0], args[0], args[1])
+        addr = builder.ptrtoint(ptr, i64)
+        op_, val_, tmo = (context.cast(builder, args[k], sig.args[k], types.int64) for k in (2, 3, 4))
+        return builder.call(fn, [i64(SYS_FUTEX), addr, op_, val_, tmo, i64(0), i64(0)])
+
+    return types.int64(arr, idx, op, val, timeout), codegen
+
+
+@njit(cache=True)
+def sleep_until_changed(flags, idx, old, asleep, timeout_ns):
+    """Block (futex) until flags[idx] != old, at most timeout_ns; returns flags[idx] (== old on a
+    timeout or a spurious wake). asleep is this waiter's sleep word: set while it may sleep, so
+    a waker (post_and_wake) makes the syscall only when someone may be asleep. The handshake:
+    the waiter sets asleep (full fence) then re-checks the flag; the waker stores the flag (full
+    fence) then reads asleep: one of the two sees the other's store."""
+    exchange(flags, asleep, 1)
+    v = atomic_load(flags, idx)
+    if v == old:
+        ts = np.empty(2, np.int64)                  # struct timespec {tv_sec, tv_nsec}
+        ts[0], ts[1] = timeout_ns // 1000000000, timeout_ns % 1000000000
+        futex(flags, idx, FUTEX_WAIT, old & 0xFFFFFFFF, ts.ctypes.data)  # at once if the low half changed
+        v = atomic_load(flags, idx)
+    atomic_store(flags, asleep, 0)
+    return v
+
+
+@njit(cache=True)
+def post_and_wake(flags, first, count, stride, value, asleep_offset):
+    """post(), then wake each waiter whose sleep word (flag + asleep_offset) says it may sleep."""
+    for k in range(count):
+        exchange(flags, first + k * stride, value)
+    for k in range(count):
+        i = first + k * stride
+        if load_seq_cst(flags, i + asleep_offset) != 0:
+            futex(flags, i, FUTEX_WAKE, 1, 0)
+
+
 @njit(cache=True)
 def claim(flags, idx, tag):
     """Take one unit from a tagged countdown ticket flags[idx] = tag << 32 | units left.
@@ -161,7 +250,11 @@ def warm_up():
     spin_until_changed(a, 0, 1, 1)
     spin_until_all(a, 0, 2, 8, 1, 1)
     claim(a, 0, 1)
+    if HAVE_FUTEX:
+        post_and_wake(a, 0, 1, 8, 0, 1)
+        sleep_until_changed(a, 0, 1, 1, 0)
 
 
-__all__ = ["atomic_load", "atomic_store", "fetch_add", "compare_exchange", "claim", "cpu_relax", "store", "load", "post",
+__all__ = ["atomic_load", "atomic_store", "fetch_add", "compare_exchange", "claim", "cpu_relax", "exchange", "load_seq_cst",
+           "sleep_until_changed", "post_and_wake", "HAVE_FUTEX", "store", "load", "post",
            "spin_until_changed", "spin_until_all", "warm_up", "numba"]

@@ -20,6 +20,9 @@
   ERR   worker w, before DONE main    last job that failed in w (same line, word 1)
   BUSY  worker w          main        last attention job w took a unit of (same line, word 3):
                                       names the workers holding units when a job stalls
+  ASLEEP worker w         main        1 while w may be blocked in a futex wait on its GO word
+                                      (same line, word 4): main then wakes it after posting GO
+                                      (atomics.sleep_until_changed / post_and_wake)
 """
 import numpy as np
 
@@ -76,6 +79,13 @@ def go_word(rank):
 
 def busy_word(rank):
     return done_word(rank) + 3
+
+
+def asleep_word(rank):
+    return done_word(rank) + 4
+
+
+ASLEEP_FROM_GO = 2                              # asleep_word(r) - go_word(r)
 
 
 def nbytes(nworkers):

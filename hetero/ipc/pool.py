@@ -54,7 +54,10 @@ def _process_state(pid):
 
 
 class WorkerPool:
-    def __init__(self, nworkers, cores, spin_budget=20000, start_timeout=300.0, job_timeout=5.0):
+    def __init__(self, nworkers, cores, spin_budget=20000, start_timeout=300.0, job_timeout=5.0, idle_spin=None):
+        """spin_budget: polls between this process's liveness checks while it waits for a job;
+        idle_spin: polls a worker spins after a job before it sleeps (default spin_budget; small
+        when the workers share cores with the parent's torch threads)."""
         if nworkers < 1:
             raise ValueError(f"a worker pool needs at least one worker, got {nworkers}")
         self.n, self.cores, self.spin, self.job_timeout = nworkers, list(cores), spin_budget, job_timeout
@@ -75,7 +78,7 @@ class WorkerPool:
                        NUMBA_NUM_THREADS="1", PYTHONUNBUFFERED="1")
             for rank, core in enumerate(self.worker_cores):
                 args = [sys.executable, "-m", "hetero.ipc.worker", self.ctrl.name, str(rank), str(nworkers),
-                        str(core), str(os.getpid()), str(spin_budget)]
+                        str(core), str(os.getpid()), str(spin_budget if idle_spin is None else idle_spin)]
                 self.procs.append(subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL))
             self.run(C.CMD_PING, timeout=start_timeout)
         except BaseException:
@@ -119,7 +122,10 @@ class WorkerPool:
             self.words[C.FIN] = 0
             atomics.store(self.words, C.TICKET, C.ticket(self.seq, units))
         self.inflight = (self.seq, active, units, share)   # before GO: an interrupt after it still finds the job
-        atomics.post(self.words, C.go_word(0), active, C.LINE, C.go(self.seq, cmd))
+        if atomics.HAVE_FUTEX:     # a worker idle for more than its spin sleeps on its GO word
+            atomics.post_and_wake(self.words, C.go_word(0), active, C.LINE, C.go(self.seq, cmd), C.ASLEEP_FROM_GO)
+        else:
+            atomics.post(self.words, C.go_word(0), active, C.LINE, C.go(self.seq, cmd))
         return self.seq
 
     def _cmd_name(self):

@@ -2,7 +2,7 @@
 
 Started by `WorkerPool` as a fresh interpreter with single-threaded numeric
 libraries, pinned to one core. Imports numpy/numba only (never torch). Loop:
-spin (atomic loads) on its own GO word, back off when idle, run the job
+spin (atomic loads) on its own GO word, then sleep on it (futex), run the job
 named in it (GO = job number and command), publish DONE. An attention job is
 shared with the other workers and the parent through a tagged ticket
 (kernel.run_job): a worker that wakes after its job ended finds it empty. Exits on CMD_EXIT, or when the parent dies (rank
@@ -21,14 +21,12 @@ from hetero.cpu_attention import kernel
 from hetero.ipc import atomics, control as C, shm
 from hetero.offload.arena import SessionLayout, slots_of
 
-# Idle back-off. Hot (decode: the next layer's job is due within ~ms): spin, yielding the core
-# between bursts. Warm: short spins between 0.1 ms sleeps. Cold (prefill, or no request at all):
-# one poll per COLD_SLEEP, so an idle pool costs ~nothing; the first job after that waits up to
-# COLD_SLEEP (once per prefill, not per step).
-HOT_SECONDS = 0.002
-WARM_SECONDS = 0.05
-WARM_SPIN, WARM_SLEEP = 200, 0.0001
-COLD_SLEEP = 0.002
+# Idle: spin `spin` polls on the GO word (a job due within microseconds starts at once), then
+# block in a futex wait on it (the parent wakes a sleeping worker when it posts GO), so an idle
+# worker leaves its core to others (torch's threads in a CPU model's dense layers). The wait
+# times out every SLEEP_NS to notice a dead parent. Without futexes: poll every FALLBACK_SLEEP.
+SLEEP_NS = 50_000_000
+FALLBACK_SLEEP = 0.0001
 
 
 class Worker:
@@ -105,26 +103,20 @@ class Worker:
         return True
 
     def run(self):
-        w, last, idle_since, budget = self.words, 0, None, self.spin
+        w, last = self.words, 0
+        go_i, asleep_i = C.go_word(self.rank), C.asleep_word(self.rank)
         while True:
-            go = atomics.spin_until_changed(w, C.go_word(self.rank), last, budget)
-            if go == last:  # idle: back off, and notice a dead parent
+            go = atomics.spin_until_changed(w, go_i, last, self.spin)
+            if go == last:  # idle: sleep, and notice a dead parent
                 if self.orphaned():
                     return
-                now = time.perf_counter()
-                idle_since = idle_since or now
-                idle = now - idle_since
-                if idle < HOT_SECONDS:
-                    os.sched_yield()
-                elif idle < WARM_SECONDS:
-                    budget = WARM_SPIN
-                    time.sleep(WARM_SLEEP)
+                if atomics.HAVE_FUTEX:
+                    go = atomics.sleep_until_changed(w, go_i, last, asleep_i, SLEEP_NS)
                 else:
-                    budget = 1
-                    time.sleep(COLD_SLEEP)
-                continue
-            budget = self.spin
-            idle_since, last = None, go
+                    time.sleep(FALLBACK_SLEEP)
+                if go == last:
+                    continue
+            last = go
             seq, cmd = C.go_seq(go), C.go_cmd(go)
             try:
                 if cmd == C.CMD_ATTN:
