@@ -22,6 +22,10 @@ class HeteroConfig:
                                           # or stuck worker); progress = a unit taken or a worker finished
     profile: str = "auto"                 # "auto": plan decode steps from a measured profile (cached on disk,
                                           # measured on first use); "off": every worker, a fixed split rule
+    transport: str = "auto"               # a CUDA model's decode round trip: "auto": the CUDA extension (hetero/
+                                          # cuda, built with nvcc on first use) when it can be used, else host
+                                          # copies (one log line says why); "cuda": the extension or an error;
+                                          # "host": host copies (hetero.ipc.transport)
 
     def __post_init__(self):
         _check_int("cpu_workers", self.cpu_workers, 1)
@@ -35,6 +39,8 @@ class HeteroConfig:
                 raise ValueError(f"HeteroConfig.{name} must be > 0 seconds, got {value!r}")
         if self.profile not in ("auto", "off"):
             raise ValueError(f"HeteroConfig.profile must be 'auto' or 'off', got {self.profile!r}")
+        if self.transport not in ("auto", "cuda", "host"):
+            raise ValueError(f"HeteroConfig.transport must be 'auto', 'cuda' or 'host', got {self.transport!r}")
         if self.worker_cores is not None:
             usable = os.sched_getaffinity(0)
             cores = tuple(self.worker_cores)

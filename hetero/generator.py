@@ -12,9 +12,10 @@ import torch
 from hetero import attention
 from hetero.adapters import hooks as lora_hooks, source as lora_source
 from hetero.config import HeteroConfig
-from hetero.errors import AdapterError, CapacityError, GeneratorClosedError, WorkerError
+from hetero.errors import AdapterError, CapacityError, GeneratorClosedError, UnsupportedModelError, WorkerError
 from hetero.ipc import shm
 from hetero.ipc.pool import WorkerPool
+from hetero.ipc.transport import CudaTransport
 from hetero.model_spec import inspect_model
 from hetero.cpu_attention.planner import ProfiledPlanner, StaticPlanner
 from hetero.offload.arena import whole_blocks
@@ -268,21 +269,25 @@ class HeteroGenerator:
         gen_config.cache_implementation = None
         objects = {k: kwargs.pop(k) for k in PASS_THROUGH if k in kwargs}
         gen_config.update(max_new_tokens=max_new_tokens, num_beams=1, **kwargs)
-        with self.kv_context(pads, real, cap) as cache, torch.inference_mode(), _active(lora):
+        with self.kv_context(pads, real, cap, host_jobs=lora is not None) as cache, torch.inference_mode(), \
+                _active(lora):
             return self.model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache,
                                        generation_config=gen_config, **objects)
 
     @contextlib.contextmanager
-    def kv_context(self, pads, real_lens, cap):
+    def kv_context(self, pads, real_lens, cap, host_jobs=False):
         """Open a KV session (shared arena mapped in the workers) for len(pads) requests of `cap` rows,
         route the model's attention to it and yield its HeteroCache (`cache.session`). On exit the
-        session is closed and the model's attention implementation restored, whatever happened."""
+        session is closed and the model's attention implementation restored, whatever happened.
+        host_jobs: the host also posts jobs during decode (LoRA deltas): a CUDA model then uses host
+        copies, not the CUDA transport (whose jobs the GPU posts)."""
         if not self._lock.acquire(blocking=False):
             raise RuntimeError("this HeteroGenerator is already generating (in another thread); "
                                "use one generator per thread")
         try:
             pool = self._ensure_pool()
             session = KVSession(pool, self.spec, pads, real_lens, cap, planner=self._ensure_planner(pool))
+            self._choose_transport(session, pool, host_jobs)
             token = attention.active_session.set(session)
             previous = self.model.config._attn_implementation
             try:
@@ -301,6 +306,30 @@ class HeteroGenerator:
                     raise
         finally:
             self._lock.release()
+
+    def _choose_transport(self, session, pool, host_jobs):
+        """A CUDA model's decode round trip: the CUDA extension where HeteroConfig.transport and the
+        batch allow (see hetero.ipc.transport), else the host copies of the CPU transport."""
+        want = self.config.transport
+        if self.model.device.type != "cuda" or want == "host":
+            return
+        if host_jobs:
+            if want == "cuda":
+                session.close()
+                raise UnsupportedModelError("HeteroConfig.transport='cuda' cannot serve LoRA adapters yet "
+                                            "(their deltas are host jobs); use transport='auto' or 'host'")
+            return
+        try:
+            t = CudaTransport.open(pool, session, self.model.device, quiet=want == "cuda")
+        except BaseException:
+            session.close()
+            raise
+        if t is not None:
+            session.use_transport(t)
+        elif want == "cuda":
+            session.close()
+            raise UnsupportedModelError(f"HeteroConfig.transport='cuda': the CUDA extension is unavailable "
+                                        f"({CudaTransport.why})")
 
     def close(self):
         """Stop the workers and free every shared segment; restore the model's modules. Idempotent."""

@@ -132,6 +132,12 @@ def store(flags, idx, value):
 
 
 @njit(cache=True)
+def swap(flags, idx, value):
+    """flags[idx] = value as a full fence (exchange); returns the old value."""
+    return exchange(flags, idx, value)
+
+
+@njit(cache=True)
 def load(flags, idx):
     return atomic_load(flags, idx)
 
@@ -215,14 +221,22 @@ def sleep_until_changed(flags, idx, old, asleep, timeout_ns):
 
 
 @njit(cache=True)
-def post_and_wake(flags, first, count, stride, value, asleep_offset):
-    """post(), then wake each waiter whose sleep word (flag + asleep_offset) says it may sleep."""
-    for k in range(count):
-        exchange(flags, first + k * stride, value)
+def wake_sleepers(flags, first, count, stride, asleep_offset):
+    """Wake each waiter on flags[first + k*stride] whose sleep word (that index + asleep_offset)
+    says it may sleep (sleep_until_changed)."""
     for k in range(count):
         i = first + k * stride
         if load_seq_cst(flags, i + asleep_offset) != 0:
             futex(flags, i, FUTEX_WAKE, 1, 0)
+
+
+@njit(cache=True)
+def post_and_wake(flags, first, count, stride, value, asleep_offset):
+    """post() with full fences, then wake_sleepers(): a waiter either sees the new value when it
+    re-checks, or is asleep and woken."""
+    for k in range(count):
+        exchange(flags, first + k * stride, value)
+    wake_sleepers(flags, first, count, stride, asleep_offset)
 
 
 @njit(cache=True)
@@ -246,15 +260,17 @@ def warm_up():
     a = np.zeros(16, np.int64)
     store(a, 0, 1)
     load(a, 0)
+    swap(a, 0, 0)
     post(a, 0, 2, 8, 0)
     spin_until_changed(a, 0, 1, 1)
     spin_until_all(a, 0, 2, 8, 1, 1)
     claim(a, 0, 1)
     if HAVE_FUTEX:
         post_and_wake(a, 0, 1, 8, 0, 1)
+        wake_sleepers(a, 0, 1, 8, 1)
         sleep_until_changed(a, 0, 1, 1, 0)
 
 
 __all__ = ["atomic_load", "atomic_store", "fetch_add", "compare_exchange", "claim", "cpu_relax", "exchange", "load_seq_cst",
-           "sleep_until_changed", "post_and_wake", "HAVE_FUTEX", "store", "load", "post",
+           "sleep_until_changed", "post_and_wake", "wake_sleepers", "HAVE_FUTEX", "store", "load", "swap", "post",
            "spin_until_changed", "spin_until_all", "warm_up", "numba"]

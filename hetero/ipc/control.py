@@ -20,6 +20,10 @@
   ERR   worker w, before DONE main    last job that failed in w (same line, word 1)
   BUSY  worker w          main        last attention job w took a unit of (same line, word 3):
                                       names the workers holding units when a job stalls
+  AWAKE main            workers     1: idle workers keep spinning, never sleep (the CUDA transport:
+                                      the GPU posts GO and cannot wake a sleeper) (line 4)
+  ABORT main (watchdog)  GPU         nonzero: the GPU's wait for a job's FIN gives up (a worker
+                                      died or stalled; the host raises) (line 8, beside FIN)
   ASLEEP worker w         main        1 while w may be blocked in a futex wait on its GO word
                                       (same line, word 4): main then wakes it after posting GO
                                       (atomics.sleep_until_changed / post_and_wake)
@@ -33,10 +37,12 @@ S_BATCH, S_HQ, S_HKV, S_HDIM, S_CAP, S_LAYERS, S_CODE, S_TMAX = range(24, 32)
 S_NSPLIT_MAX = 32
 S_RING, S_RING_LAYERS = 35, 36                   # ring rows and ring layers (sliding windows, arena.ring_plan)
 ARG0, ARG1 = 33, 34
+AWAKE = 37
 NAME_WORD, NAME_BYTES = 40, 128                 # lines 5-6
 TICKET = 56                                     # line 7, alone: every taker hits it
 FIN = 64                                        # line 8, alone
 PARENT_BUSY = 65                                # the parent's BUSY word (it takes units too)
+ABORT = 66
 DONE_LINE = 9
 CMD_BITS = 4                                    # GO = seq << CMD_BITS | cmd
 

@@ -32,7 +32,7 @@ CMD_NAMES = {C.CMD_PING: "start-up", C.CMD_OPEN: "open", C.CMD_CLOSE: "close",
              C.CMD_ADAPTER_MAP: "adapter map", C.CMD_ADAPTER_DROP: "adapter unmap", C.CMD_LORA: "LoRA"}
 
 
-def _describe_exit(code):
+def describe_exit(code):
     if code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"
@@ -94,6 +94,13 @@ class WorkerPool:
     def alive(self):
         return not self.closed and self.broken is None and all(p.poll() is None for p in self.procs)
 
+    def keep_awake(self, on):
+        """on: idle workers spin instead of sleeping (the GPU posts their jobs and cannot wake a
+        sleeper), and the sleeping ones are woken now."""
+        atomics.swap(self.words, C.AWAKE, int(bool(on)))
+        if on and atomics.HAVE_FUTEX:
+            atomics.wake_sleepers(self.words, C.go_word(0), self.n, C.LINE, C.ASLEEP_FROM_GO)
+
     def drain(self):
         """Wait for a job still in flight (abandoned between submit and wait by an exception or
         Ctrl-C). Callers call it before writing a job's params: workers may still read them."""
@@ -137,7 +144,7 @@ class WorkerPool:
             if p.poll() is not None:
                 when = when or f"during the {self._cmd_name()} job"
                 raise WorkerDiedError(f"CPU worker {rank} (pid {p.pid}, core {self.worker_cores[rank]}) "
-                                      f"{_describe_exit(p.returncode)} {when}; the pool is broken")
+                                      f"{describe_exit(p.returncode)} {when}; the pool is broken")
 
     def _progress(self, active):
         """What changes while a job advances: the attention ticket, its finished units and the

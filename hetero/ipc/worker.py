@@ -110,6 +110,8 @@ class Worker:
             if go == last:  # idle: sleep, and notice a dead parent
                 if self.orphaned():
                     return
+                if atomics.load(w, C.AWAKE):     # the GPU posts GO and cannot wake a sleeper
+                    continue
                 if atomics.HAVE_FUTEX:
                     go = atomics.sleep_until_changed(w, go_i, last, asleep_i, SLEEP_NS)
                 else:

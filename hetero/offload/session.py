@@ -10,6 +10,8 @@ Heads are stored padded to the layout's dpad (q/k/v go into the first head_dim
 columns; the rest stay zero) and outputs are sliced back. Sliding-window layers
 keep a ring of the rows their window can still see (arena.ring_plan).
 """
+from typing import NamedTuple
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -20,33 +22,27 @@ from hetero.cpu_attention.planner import StaticPlanner
 from hetero.cpu_attention.simd import BK, W
 from hetero.errors import UnsupportedModelError, WorkerError
 from hetero.ipc import control as C, shm
+from hetero.ipc.transport import CpuTransport, merge_partials  # noqa: F401 (merge_partials: re-exported)
 from hetero.offload.arena import SessionLayout, layer_slots, ring_plan, slots_of, whole_blocks
 
 STORAGE_CODES = {torch.float32: F32, torch.bfloat16: BF16, torch.float16: F16}
 
 
-def merge_partials(o, m, l, sink=None):
-    """Exact combination of split partials: o [B, Hkv, ns, rows, D], m/l [B, Hkv, ns, rows]
-    -> [B, Hkv, rows, D] (see hetero.cpu_attention.kernel).
-    sink: None, or a logit per row (broadcasting to [B, Hkv, rows]) that joins the softmax's
-    denominator but adds no value (gpt_oss's s_aux, unscaled and not soft-capped):
-        out = sum_s e^(m_s - M) o_s / (sum_s e^(m_s - M) l_s + e^(sink - M)),  M = max(max_s m_s, sink)."""
-    if sink is None:
-        if o.shape[2] == 1:
-            return o[:, :, 0] / l[:, :, 0, :, None]
-        M = m.amax(2, keepdim=True)                          # [B, Hkv, 1, rows]
-    else:
-        M = torch.maximum(m.amax(2), sink).unsqueeze(2)      # [B, Hkv, 1, rows]
-    wgt = torch.exp(m - M)                                   # [B, Hkv, ns, rows]
-    den = (wgt * l).sum(2)                                   # [B, Hkv, rows]
-    if sink is not None:
-        den = den + torch.exp(sink - M[:, :, 0])
-    return (wgt[..., None] * o).sum(2) / den[..., None]
+class Job(NamedTuple):
+    """One layer's attention job, as a transport publishes it (hetero.ipc.transport)."""
+    layer: int
+    window: int       # 0: none
+    nsplit: int
+    scale: float
+    softcap: float    # 0.0: none
+    workers: int      # workers posted besides the parent (the planner's choice)
+    units: int        # B * Hkv * nsplit
 
 
 class KVSession:
     def __init__(self, pool, spec, pads, real_lens, cap, planner=None):
         self.pool, self.spec = pool, spec
+        self.transport = CpuTransport()               # use_transport() may replace it (a CUDA model)
         self.planner = planner or StaticPlanner(pool.n)
         self.batch = len(pads)
         self.pads = [int(p) for p in pads]            # left pads per request
@@ -219,14 +215,16 @@ class KVSession:
         self._planned_T = T
 
     # ---- decode
+    def use_transport(self, transport):
+        """How decode attention reaches the workers (hetero.ipc.transport); CpuTransport by default."""
+        self.transport = transport
+
     def stage_kv(self, key, value):
         """key/value: [B, Hkv, T, D], the new rows of this step (workers append them)."""
-        T, D = key.shape[2], key.shape[3]
-        self.pool.drain()                            # no job may still read the staging area
-        self.knew[:, :, :T, :D].copy_(key)          # columns D..Dp-1 stay zero
-        self.vnew[:, :, :T, :D].copy_(value)
+        self.transport.settle(self)
+        self.transport.stage(self, key, value)
 
-    def _sink_rows(self, layer, sinks, T):
+    def sink_rows(self, layer, sinks, T):
         """sinks [Hq] (any device) -> [Hkv, G*T] f32 CPU: row g*T + t of kv head h holds sinks[h*G + g].
         Cached per layer (a model's sinks are parameters: one device copy per layer and session)."""
         hit = self._sinks.get(layer)
@@ -247,25 +245,19 @@ class KVSession:
             raise UnsupportedModelError(
                 f"layer {layer} keeps only the KV rows a sliding window of {kept} tokens sees (the model's "
                 f"configured window), but attention was called with window {window}: refusing to compute it")
-        G, Hkv = Hq // self.spec.kv_heads, self.spec.kv_heads
-        self.pool.drain()                            # no job may still read what is written next
-        self.q[:, :, :T, :D].copy_(query)            # columns D..Dp-1 stay zero
         if T != self._planned_T:
             self._plan_step(T)
-        nsplit = self.nsplit
-        w, f = self.pool.words, self.pool.floats
-        w[C.LAYER], w[C.QLEN], w[C.WINDOW], w[C.NSPLIT] = layer, T, window or 0, nsplit
-        f[C.F_SCALE], f[C.F_SOFTCAP] = scale, softcap or 0.0
-        self.run_attention(self.nactive, B * Hkv * nsplit)
-        rows = G * T
-        sink = None if sinks is None else self._sink_rows(layer, sinks, T)
-        out = merge_partials(self.part_o[:, :, :nsplit, :rows, :D], self.part_m[:, :, :nsplit, :rows],
-                             self.part_l[:, :, :nsplit, :rows], sink)    # [B, Hkv, G*T, D]
-        out = out.view(B, Hkv, G, T, D).reshape(B, Hq, T, D)   # q head = h*G + g
+        job = Job(layer, window or 0, self.nsplit, scale, softcap or 0.0, self.nactive,
+                  B * self.spec.kv_heads * self.nsplit)
+        out = self.transport.attention(self, job, query, sinks)    # [B, T, Hq, D]
         if layer == self.spec.layers - 1:
-            self.lengths += T
-            self._plan_step(T)
-        return out.transpose(1, 2).to(query.device, query.dtype)
+            self.transport.step_done(self, T)
+        return out
+
+    def advance(self, T):
+        """A decode step's T new rows are in every layer's cache: count them, plan the next step."""
+        self.lengths += T
+        self._plan_step(T)
 
     def run_attention(self, nactive, units):
         """The attention job whose params are in the pool's words: `units` units taken by workers
@@ -282,6 +274,10 @@ class KVSession:
         pool's WorkerError (after cleaning up) when a worker died or stalled unnoticed until now
         (an attention job does not wait for a worker that holds none of its units)."""
         failed = None
+        try:
+            self.transport.close()        # waits for a GPU's jobs and releases its page locks
+        except WorkerError as e:
+            failed = e
         if self.opened:
             self.opened = False
             self.pool.session = None
@@ -289,7 +285,7 @@ class KVSession:
                 try:
                     self.pool.run(C.CMD_CLOSE)
                 except WorkerError as e:
-                    failed = e
+                    failed = failed or e
         # drop every view first: a live view pins the mapping (and an output that keeps this
         # session through its cache would pin the whole arena)
         self.q = self.knew = self.vnew = self.K = self.V = self.Kr = self.Vr = self.kv = None

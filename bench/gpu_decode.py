@@ -1,0 +1,241 @@
+"""Per-token decode with the model on a GPU: hetero (KV and attention on the CPU workers) beside
+HF with the KV on the GPU, HF's offloaded cache and HF's static cache. Needs CUDA.
+
+Random-weight bf16 models of the Llama-3-8B and Llama-2-7B shapes (all 32 layers), KV of the
+context length filled synthetically (decode cost does not depend on what it holds). Systems:
+  hetero       hetero, CUDA transport (hetero/cuda: copy-out + signal, wait, merge on the GPU)
+  hetero_host  hetero, host-copy transport (the fallback)
+  hf           HF, DynamicCache on the GPU (OOM marked)
+  offloaded    HF, DynamicCache(offloading=True): KV in host memory, prefetched layer by layer
+  static       HF, StaticCache on the GPU
+Each (shape, context, system) runs in a fresh process; the parent measures in the same run the
+all-core host read bandwidth, PCIe copy bandwidth (pinned, both ways) and the base layers' time
+(HF at a 256-token context), and the bound = KV bytes / host read bandwidth + base time.
+Targets: hetero >= 3x HF offloaded at 64K, within 1.5x of the bound, GPU memory flat in context.
+
+    python bench/gpu_decode.py [--shapes llama3-8b] [--contexts 8192 32768 65536 131072]
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import machine, stream_read_all_gbps, write_json  # noqa: E402
+
+SHAPES = {  # hidden, intermediate, layers, q heads, kv heads, vocab
+    "llama3-8b": (4096, 14336, 32, 32, 8, 128256),
+    "llama2-7b": (4096, 11008, 32, 32, 32, 32000),
+}
+SYSTEMS = ("hetero", "hetero_host", "hf", "offloaded", "static")
+TARGETS = {"vs_offloaded_64k": 3.0, "of_bound": 1.5, "gpu_memory_growth": 1.05}
+
+
+def build(shape):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    h, inter, layers, hq, hkv, vocab = SHAPES[shape]
+    cfg = LlamaConfig(hidden_size=h, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=hq,
+                      num_key_value_heads=hkv, vocab_size=vocab, max_position_embeddings=262144)
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    return model
+
+
+def kv_layer(cfg, L, i):
+    """Layer i's random keys and values [1, Hkv, L, D] on the GPU (bf16)."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(i)
+    D = cfg.hidden_size // cfg.num_attention_heads
+    shape = (1, cfg.num_key_value_heads, L, D)
+    return (torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16),
+            torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16))
+
+
+def decode_loop(model, cache, L, steps):
+    """Greedy single-token forwards from position L; per-step seconds (synchronized per step, as
+    generate's stopping check is)."""
+    import torch
+
+    tok, times = torch.full((1, 1), 5, device="cuda"), []
+    with torch.inference_mode():
+        for i in range(steps):
+            t = time.perf_counter()
+            out = model(input_ids=tok, past_key_values=cache, position_ids=torch.full((1, 1), L + i, device="cuda"),
+                        cache_position=torch.tensor([L + i], device="cuda"), use_cache=True)
+            tok = out.logits[:, -1:].argmax(-1)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+    return times
+
+
+def run_hf(model, L, steps, kind):
+    import torch
+    from transformers import DynamicCache, StaticCache
+
+    model.set_attn_implementation("sdpa")
+    if kind == "static":
+        cache = StaticCache(config=model.config, max_cache_len=L + steps)
+        pos = {"cache_position": torch.arange(L, device="cuda")}
+    else:
+        cache, pos = DynamicCache(config=model.config, offloading=kind == "offloaded"), None
+    for i in range(model.config.num_hidden_layers):
+        k, v = kv_layer(model.config, L, i)
+        cache.update(k, v, i, pos)
+        del k, v
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    return decode_loop(model, cache, L, steps), None
+
+
+def run_hetero(model, L, steps, transport):
+    import torch
+
+    from hetero import HeteroConfig, HeteroGenerator
+
+    with HeteroGenerator(model, config=HeteroConfig(transport=transport)) as gen:
+        with gen.kv_context(pads=[0], real_lens=[L], cap=L + steps) as cache:
+            s = cache.session
+            for i in range(model.config.num_hidden_layers):
+                k, v = kv_layer(model.config, L, i)
+                s.write_rows(i, 0, k[0], v[0])
+                del k, v
+            s.finish_prefill()
+            for layer in cache.layers:
+                layer.seen = L
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            times = decode_loop(model, cache, L, steps)
+            info = {"plan": [s.nactive, s.nsplit], "transport": s.transport.name, "workers": gen.cpu_workers}
+    return times, info
+
+
+def one(args):
+    """Child process: one system at one context; prints a JSON line."""
+    import torch
+
+    model = build(args.shape)
+    out = {}
+    try:
+        if args.one.startswith("hetero"):
+            out["times"], out["info"] = run_hetero(model, args.context, args.steps,
+                                                   "host" if args.one == "hetero_host" else "cuda")
+        else:
+            out["times"], out["info"] = run_hf(model, args.context, args.steps, args.one)
+        out["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
+    except torch.cuda.OutOfMemoryError:
+        out["oom"] = True
+    print("RESULT " + json.dumps(out))
+
+
+def spawn(args, system, L):
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", system, "--context", str(L), "--shape", args.shape,
+           "--steps", str(args.steps)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    line = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")]
+    if res.returncode or not line:
+        return {"error": res.stderr[-2000:]}
+    return json.loads(line[-1][7:])
+
+
+def pcie_gbps(nbytes=1 << 30):
+    """Pinned host<->device copy GB/s (best of 3 each way)."""
+    import torch
+
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    out = {}
+    for name, dst, src in (("h2d", dev, host), ("d2h", host, dev)):
+        best = float("inf")
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t)
+        out[name] = nbytes / best / 1e9
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="+", default=["llama3-8b"], choices=list(SHAPES))
+    ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 65536, 131072])
+    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--out", default="gpu_decode")
+    ap.add_argument("--one", choices=SYSTEMS, help=argparse.SUPPRESS)
+    ap.add_argument("--shape", help=argparse.SUPPRESS)
+    ap.add_argument("--context", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        return one(args)
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("bench/gpu_decode.py needs CUDA")
+    cores = len(os.sched_getaffinity(0))
+    host_gbps, pcie = stream_read_all_gbps(cores), pcie_gbps()
+    print(f"host read {host_gbps:.1f} GB/s ({cores} cores), PCIe h2d {pcie['h2d']:.1f} d2h {pcie['d2h']:.1f} GB/s",
+          flush=True)
+    results = {}
+    for shape in args.shapes:
+        args.shape = shape
+        base = spawn(args, "hf", 256)                  # the base layers' time (tiny context)
+        base_ms = statistics.median(base["times"][2:]) * 1e3 if "times" in base else None
+        spawn(args, "hetero", args.contexts[0])        # measures the planner profile outside the timed runs
+        rows = []
+        h, _, layers, hq, hkv, _ = SHAPES[shape]
+        for L in args.contexts:
+            kv_bytes = 2 * layers * hkv * (h // hq) * L * 2
+            row = {"context": L, "kv_bytes": kv_bytes,
+                   "bound_ms": kv_bytes / (host_gbps * 1e9) * 1e3 + (base_ms or 0)}
+            for s in args.systems:
+                r = spawn(args, s, L)
+                if "times" in r:
+                    r["ms"] = statistics.median(r["times"][2:]) * 1e3
+                row[s] = r
+                print(f"{shape} L={L:7d} {s:12s} " + (f"{r['ms']:9.2f} ms/token  peak GPU "
+                      f"{r['peak_gpu_bytes'] / 2**30:6.2f} GiB {r.get('info') or ''}" if "ms" in r else
+                      ("OOM" if r.get("oom") else "failed: " + r.get("error", "")[-300:])), flush=True)
+            rows.append(row)
+        results[shape] = {"base_ms": base_ms, "rows": rows}
+    summary = {}
+    for shape, res in results.items():
+        by = {r["context"]: r for r in res["rows"]}
+        r64 = by.get(65536)
+        if r64 and "ms" in r64.get("hetero", {}) and "ms" in r64.get("offloaded", {}):
+            x = r64["offloaded"]["ms"] / r64["hetero"]["ms"]
+            summary[f"{shape} 64K: HF offloaded / hetero"] = (round(x, 2), x >= TARGETS["vs_offloaded_64k"])
+        for r in res["rows"]:
+            if "ms" in r.get("hetero", {}):
+                x = r["hetero"]["ms"] / r["bound_ms"]
+                summary[f"{shape} {r['context'] // 1024}K: hetero / bound"] = (round(x, 2), x <= TARGETS["of_bound"])
+        peaks = [r["hetero"]["peak_gpu_bytes"] for r in res["rows"] if "peak_gpu_bytes" in r.get("hetero", {})]
+        if len(peaks) > 1:
+            x = max(peaks) / min(peaks)
+            summary[f"{shape}: hetero peak GPU memory, longest / shortest context"] = (
+                round(x, 3), x <= TARGETS["gpu_memory_growth"])
+    for k, (v, met) in summary.items():
+        print(f"  {'MET ' if met else 'MISS'} {k}: {v}")
+    path = write_json(f"{args.out}.json", {
+        "bench": "gpu_decode", "machine": machine(), "gpu": torch.cuda.get_device_name(), "cores": cores,
+        "host_read_gbps": host_gbps, "pcie_gbps": pcie, "steps": args.steps, "targets": TARGETS,
+        "results": results, "summary": summary,
+        "note": "ms = median per-token time after 2 warm-up steps, one fresh process per cell; bound = KV bytes / "
+                "all-core host read bandwidth + the base layers' time (HF at 256 tokens)"})
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+// The GPU side of the worker protocol (hetero/ipc/control.py), shared by the CUDA kernels
+// (signal.cu) and a host build (host_test.cpp) that the tests drive against real workers on
+// every machine, so the word offsets, encodings and merge math are checked without a GPU.
+//
+// The control segment's word offsets come from control.py on the compiler's command line
+// (hetero/cuda/build.py: -DHW_TICKET=56 ...), never written down twice.
+#pragma once
+#include <stdint.h>
+
+#ifdef __CUDACC__
+#define HD __host__ __device__ __forceinline__
+#else
+#define HD inline
+#include <math.h>
+#endif
+
+#ifndef HW_TICKET
+#error "build with the control word offsets (hetero/cuda/build.py defines them)"
+#endif
+
+// A job's params, as KVSession.attend writes them for the CPU transport.
+struct JobParams {
+    int64_t seq;        // job number (pool.seq): tags the ticket and the GO words
+    int64_t layer, qlen, window, nsplit, units;
+    double scale, softcap;
+    int64_t active;     // workers 0..active-1 are posted
+};
+
+// Full fence for stores that a CPU core reads (system scope).
+HD void fence_system() {
+#ifdef __CUDA_ARCH__
+    __threadfence_system();
+#else
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+#endif
+}
+
+HD void store_word(volatile int64_t* ctrl, int64_t idx, int64_t v) { ctrl[idx] = v; }
+HD int64_t load_word(const volatile int64_t* ctrl, int64_t idx) { return ctrl[idx]; }
+
+// control.go / control.ticket
+HD int64_t go_value(int64_t seq, int64_t cmd) { return (seq << HW_CMD_BITS) | cmd; }
+HD int64_t ticket_value(int64_t seq, int64_t units) { return ((seq & HW_TAG_MASK) << 32) | units; }
+HD int64_t go_index(int64_t rank) { return (HW_DONE_LINE + rank) * HW_LINE + 2; }
+
+// Publish an attention job whose staged data (q, new k/v) is already written and fenced: the
+// params, FIN = 0, then the tagged ticket, then each posted worker's GO word, with a fence
+// between each group (a worker reads the params only after claiming a unit of the ticket).
+// The same order as WorkerPool._publish. Called by one thread.
+HD void publish_job(volatile int64_t* ctrl, const JobParams& p) {
+    store_word(ctrl, HW_CMD, HW_CMD_ATTN);
+    store_word(ctrl, HW_LAYER, p.layer);
+    store_word(ctrl, HW_QLEN, p.qlen);
+    store_word(ctrl, HW_WINDOW, p.window);
+    store_word(ctrl, HW_NSPLIT, p.nsplit);
+    store_word(ctrl, HW_UNITS, p.units);
+    volatile double* f = reinterpret_cast<volatile double*>(ctrl);
+    f[HW_F_SCALE] = p.scale;
+    f[HW_F_SOFTCAP] = p.softcap;
+    store_word(ctrl, HW_FIN, 0);
+    fence_system();
+    store_word(ctrl, HW_TICKET, ticket_value(p.seq, p.units));
+    fence_system();
+    for (int64_t r = 0; r < p.active; ++r) store_word(ctrl, go_index(r), go_value(p.seq, HW_CMD_ATTN));
+    fence_system();
+}
+
+// Whether attention job `units` is finished (every unit's partials written and FIN counted),
+// or the watchdog aborted waiting (ABORT != 0: a worker died or stalled; the host raises).
+HD bool job_released(const volatile int64_t* ctrl, int64_t units) {
+    return load_word(ctrl, HW_FIN) == units || load_word(ctrl, HW_ABORT) != 0;
+}
+
+// Merge the split partials of one output row (see KVSession.merge_partials):
+//   out[d] = sum_s e^(m_s - M) o_s[d] / (sum_s e^(m_s - M) l_s + e^(sink - M)),
+//   M = max(max_s m_s, sink); no sink: has_sink = false.
+// o: partial s's row at o + s * o_stride; m/l: at m + s * ml_stride. d in [0, D).
+HD float merge_weight_sum(const volatile float* m, const volatile float* l, int64_t ml_stride, int64_t nsplit,
+                          bool has_sink, float sink, float* M_out) {
+    float M = has_sink ? sink : -INFINITY;
+    for (int64_t s = 0; s < nsplit; ++s) M = fmaxf(M, m[s * ml_stride]);
+    float den = 0.f;
+    for (int64_t s = 0; s < nsplit; ++s) den += expf(m[s * ml_stride] - M) * l[s * ml_stride];
+    if (has_sink) den += expf(sink - M);
+    *M_out = M;
+    return den;
+}
+
+HD float merge_value(const volatile float* o, int64_t o_stride, const volatile float* m, int64_t ml_stride,
+                     int64_t nsplit, float M, float den, int64_t d) {
+    float acc = 0.f;
+    for (int64_t s = 0; s < nsplit; ++s) acc += expf(m[s * ml_stride] - M) * o[s * o_stride + d];
+    return acc / den;
+}

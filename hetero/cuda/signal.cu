@@ -1,0 +1,148 @@
+// The CUDA transport's kernels: one decode layer's attention round trip to the CPU workers,
+// enqueued on the model's stream with no host synchronization (hetero/ipc/transport.py).
+//
+//   copy_out_signal  q, new k/v (device) -> the session's staging area (page-locked, mapped);
+//                    every block fences its stores (system scope); the last block to finish
+//                    publishes the job in the control segment (params, ticket, GO words).
+//   wait_job         one thread spins until the job's units are all finished (FIN == UNITS)
+//                    or the host watchdog set ABORT.
+//   merge_partials   the split partials (mapped) -> the attention output [B, T, Hq, D] (device).
+//
+// Plain CUDA C++ with a C ABI, loaded through ctypes (hetero/cuda/build.py compiles it with
+// nvcc on first use); it links cudart statically and shares torch's primary context and streams.
+// Shapes (Dp = head dim padded to the workers' tile; rows = G * Tmax):
+//   q_in [B, Hq, T, D], k_in/v_in [B, Hkv, T, D]              device, model dtype, contiguous
+//   q_st [B, Hq, Tmax, Dp] f32, k_st/v_st [B, Hkv, Tmax, Dp]  mapped staging, storage = model dtype
+//   part_o [B, Hkv, NS, rows, Dp], part_m/part_l [B, Hkv, NS, rows] f32, mapped (workers write)
+//   out [B, T, Hq, D] device, model dtype; sinks [Hq] f32 device or null
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "protocol.h"
+
+struct Dims {
+    int64_t B, Hq, Hkv, T, D, Tmax, Dp, NS;
+};
+
+template <typename T> __device__ __forceinline__ float to_f32(T x);
+template <> __device__ __forceinline__ float to_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <> __device__ __forceinline__ float to_f32<__half>(__half x) { return __half2float(x); }
+
+template <typename T> __device__ __forceinline__ T from_f32(float x);
+template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
+
+// Element i of a [B, H, T, D] tensor -> its offset in a [B, H, Tmax, Dp] staging array.
+__device__ __forceinline__ int64_t staged(int64_t i, int64_t T, int64_t D, int64_t Tmax, int64_t Dp) {
+    int64_t d = i % D, t = (i / D) % T, bh = i / (D * T);
+    return (bh * Tmax + t) * Dp + d;
+}
+
+template <typename T>
+__global__ void copy_out_signal(const T* q_in, const T* k_in, const T* v_in, float* q_st, T* k_st, T* v_st,
+                                Dims s, volatile int64_t* ctrl, JobParams p, unsigned int* blocks_done) {
+    const int64_t nq = s.B * s.Hq * s.T * s.D, nk = s.B * s.Hkv * s.T * s.D;
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < nq + nk; i += stride) {
+        if (i < nq) {
+            q_st[staged(i, s.T, s.D, s.Tmax, s.Dp)] = to_f32(q_in[i]);
+        } else {
+            int64_t j = i - nq, o = staged(j, s.T, s.D, s.Tmax, s.Dp);
+            k_st[o] = k_in[j];
+            v_st[o] = v_in[j];
+        }
+    }
+    __threadfence_system();                  // this thread's staging stores, before the job
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned int done = atomicAdd(blocks_done, 1u);
+        if (done == gridDim.x - 1) {         // the last block: every block's stores are fenced
+            *blocks_done = 0;                // for the next launch (stream order)
+            __threadfence_system();
+            publish_job(ctrl, p);
+        }
+    }
+}
+
+__global__ void wait_job(const volatile int64_t* ctrl, int64_t units) {
+    while (!job_released(ctrl, units)) __nanosleep(200);
+    __threadfence_system();                  // acquire: the partials are read after this
+}
+
+// One block per output row (b, t, q head), one thread per column d.
+template <typename T>
+__global__ void merge_partials(const float* part_o, const float* part_m, const float* part_l, Dims s,
+                               int64_t nsplit, const float* sinks, T* out) {
+    const int64_t qh = blockIdx.x % s.Hq, t = (blockIdx.x / s.Hq) % s.T, b = blockIdx.x / (s.Hq * s.T);
+    const int64_t G = s.Hq / s.Hkv, h = qh / G, g = qh % G, rows = G * s.Tmax, r = g * s.T + t;
+    const volatile float* m = part_m + ((b * s.Hkv + h) * s.NS) * rows + r;   // volatile: workers wrote it
+    const volatile float* l = part_l + ((b * s.Hkv + h) * s.NS) * rows + r;
+    const volatile float* o = part_o + (((b * s.Hkv + h) * s.NS) * rows + r) * s.Dp;
+    __shared__ float M, den;
+    if (threadIdx.x == 0) den = merge_weight_sum(m, l, rows, nsplit, sinks != nullptr, sinks ? sinks[qh] : 0.f, &M);
+    __syncthreads();
+    for (int64_t d = threadIdx.x; d < s.D; d += blockDim.x)
+        out[((b * s.T + t) * s.Hq + qh) * s.D + d] = from_f32<T>(merge_value(o, rows * s.Dp, m, rows, nsplit, M, den, d));
+}
+
+template <typename T>
+static cudaError_t step(cudaStream_t stream, const void* q, const void* k, const void* v, void* q_st, void* k_st,
+                        void* v_st, const void* part_o, const void* part_m, const void* part_l, const float* sinks,
+                        void* out, Dims s, volatile int64_t* ctrl, JobParams p, unsigned int* blocks_done) {
+    int64_t n = (s.B * s.Hq + 2 * s.B * s.Hkv) * s.T * s.D;
+    int threads = 256, blocks = (int)((n + threads - 1) / threads);
+    blocks = blocks < 1 ? 1 : (blocks > 64 ? 64 : blocks);
+    copy_out_signal<T><<<blocks, threads, 0, stream>>>((const T*)q, (const T*)k, (const T*)v, (float*)q_st,
+                                                       (T*)k_st, (T*)v_st, s, ctrl, p, blocks_done);
+    wait_job<<<1, 1, 0, stream>>>(ctrl, p.units);
+    int mthreads = s.D < 128 ? 64 : 128;
+    merge_partials<T><<<(unsigned)(s.B * s.T * s.Hq), mthreads, 0, stream>>>(
+        (const float*)part_o, (const float*)part_m, (const float*)part_l, s, p.nsplit, sinks, (T*)out);
+    return cudaGetLastError();
+}
+
+extern "C" {
+
+// One layer's attention round trip, enqueued on `stream`. dtype: kernel.F32 / BF16 / F16 codes.
+int hetero_attention_step(void* stream, int dtype, const void* q, const void* k, const void* v, void* q_st,
+                          void* k_st, void* v_st, const void* part_o, const void* part_m, const void* part_l,
+                          const float* sinks, void* out, const int64_t* dims, void* ctrl, const int64_t* iparams,
+                          const double* fparams, void* blocks_done) {
+    Dims s{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7]};
+    JobParams p{iparams[0], iparams[1], iparams[2], iparams[3], iparams[4], iparams[5], fparams[0], fparams[1],
+                iparams[6]};
+    cudaStream_t st = (cudaStream_t)stream;
+    volatile int64_t* c = (volatile int64_t*)ctrl;
+    unsigned int* bd = (unsigned int*)blocks_done;
+    switch (dtype) {
+        case HW_F32: return step<float>(st, q, k, v, q_st, k_st, v_st, part_o, part_m, part_l, sinks, out, s, c, p, bd);
+        case HW_BF16: return step<__nv_bfloat16>(st, q, k, v, q_st, k_st, v_st, part_o, part_m, part_l, sinks, out, s, c, p, bd);
+        case HW_F16: return step<__half>(st, q, k, v, q_st, k_st, v_st, part_o, part_m, part_l, sinks, out, s, c, p, bd);
+    }
+    return (int)cudaErrorInvalidValue;
+}
+
+// Page-lock [ptr, ptr + nbytes) (portable, mapped) and give its device address.
+int hetero_register(void* ptr, size_t nbytes, void** device_ptr) {
+    cudaError_t e = cudaHostRegister(ptr, nbytes, cudaHostRegisterPortable | cudaHostRegisterMapped);
+    if (e != cudaSuccess) return (int)e;
+    return (int)cudaHostGetDevicePointer(device_ptr, ptr, 0);
+}
+
+int hetero_unregister(void* ptr) { return (int)cudaHostUnregister(ptr); }
+
+// The copy kernel's block counter (device memory, zeroed).
+int hetero_counter_alloc(void** counter) {
+    cudaError_t e = cudaMalloc(counter, sizeof(unsigned int));
+    if (e != cudaSuccess) return (int)e;
+    return (int)cudaMemset(*counter, 0, sizeof(unsigned int));
+}
+
+int hetero_counter_free(void* counter) { return (int)cudaFree(counter); }
+
+const char* hetero_error_string(int e) { return cudaGetErrorString((cudaError_t)e); }
+
+}  // extern "C"

@@ -1,0 +1,313 @@
+"""How a decode layer's attention reaches the CPU workers and comes back: the transport seam.
+
+  CpuTransport   the host copies q and the new k/v into the session's staging area, publishes
+                 the job (WorkerPool), takes units itself, waits, and merges the partials (torch).
+                 Every CPU model; a CUDA model's fallback when the extension cannot be used.
+  CudaTransport  one call enqueues on the model's current stream (hetero/cuda/signal.cu):
+                 copy-out + signal (the GPU writes q/k/v into the page-locked, mapped staging
+                 area and publishes the job in the control segment), a wait for the job's FIN,
+                 and the merge into the output. The host never synchronizes per layer; a
+                 step's length update waits for the step's end event, at the next step (the
+                 one synchronization per token, which HF's generate loop makes anyway).
+                 A Watchdog thread releases the stream (ABORT) when a worker dies or stalls,
+                 and the error is raised at the next call.
+Both publish the same words in the same order (hetero/cuda/protocol.h is the GPU's side; a
+host build of it runs against real workers in the tests on every machine).
+"""
+import ctypes
+import logging
+import threading
+import time
+
+import numpy as np
+import torch
+
+from hetero.errors import WorkerDiedError, WorkerError
+from hetero.ipc import control as C
+from hetero.ipc.pool import describe_exit
+
+log = logging.getLogger("hetero")
+
+
+class CpuTransport:
+    name = "cpu"
+
+    def stage(self, s, key, value):
+        """key/value [B, Hkv, T, D] (any device): the step's new rows, into the staging area."""
+        T, D = key.shape[2], key.shape[3]
+        s.pool.drain()                               # no job may still read the staging area
+        s.knew[:, :, :T, :D].copy_(key)              # columns D..Dp-1 stay zero
+        s.vnew[:, :, :T, :D].copy_(value)
+
+    def attention(self, s, job, query, sinks):
+        """One layer's job (params in `job`) for query [B, Hq, T, D] -> [B, T, Hq, D] on query's device."""
+        B, Hq, T, D = query.shape
+        Hkv = s.spec.kv_heads
+        s.pool.drain()                               # no job may still read what is written next
+        s.q[:, :, :T, :D].copy_(query)               # columns D..Dp-1 stay zero
+        w, f = s.pool.words, s.pool.floats
+        w[C.LAYER], w[C.QLEN], w[C.WINDOW], w[C.NSPLIT] = job.layer, T, job.window, job.nsplit
+        f[C.F_SCALE], f[C.F_SOFTCAP] = job.scale, job.softcap
+        s.run_attention(job.workers, job.units)
+        rows = (Hq // Hkv) * T
+        sink = None if sinks is None else s.sink_rows(job.layer, sinks, T)
+        out = merge_partials(s.part_o[:, :, :job.nsplit, :rows, :D], s.part_m[:, :, :job.nsplit, :rows],
+                             s.part_l[:, :, :job.nsplit, :rows], sink)     # [B, Hkv, G*T, D]
+        out = out.view(B, Hkv, Hq // Hkv, T, D).reshape(B, Hq, T, D)      # q head = h*G + g
+        return out.transpose(1, 2).to(query.device, query.dtype)
+
+    def step_done(self, s, T):
+        """The step's last layer was called: its T new rows are in the cache."""
+        s.advance(T)
+
+    def settle(self, s):
+        """Before a step's first write: nothing is pending on the CPU."""
+
+    def close(self):
+        pass
+
+
+def merge_partials(o, m, l, sink=None):
+    """Exact combination of split partials: o [B, Hkv, ns, rows, D], m/l [B, Hkv, ns, rows]
+    -> [B, Hkv, rows, D] (see hetero.cpu_attention.kernel).
+    sink: None, or a logit per row (broadcasting to [B, Hkv, rows]) that joins the softmax's
+    denominator but adds no value (gpt_oss's s_aux, unscaled and not soft-capped):
+        out = sum_s e^(m_s - M) o_s / (sum_s e^(m_s - M) l_s + e^(sink - M)),  M = max(max_s m_s, sink).
+    hetero/cuda/protocol.h computes the same on the GPU."""
+    if sink is None:
+        if o.shape[2] == 1:
+            return o[:, :, 0] / l[:, :, 0, :, None]
+        M = m.amax(2, keepdim=True)                          # [B, Hkv, 1, rows]
+    else:
+        M = torch.maximum(m.amax(2), sink).unsqueeze(2)      # [B, Hkv, 1, rows]
+    wgt = torch.exp(m - M)                                   # [B, Hkv, ns, rows]
+    den = (wgt * l).sum(2)                                   # [B, Hkv, rows]
+    if sink is not None:
+        den = den + torch.exp(sink - M[:, :, 0])
+    return (wgt[..., None] * o).sum(2) / den[..., None]
+
+
+class Watchdog:
+    """While the GPU may wait on the workers: every `period` s, check that the workers live and
+    that an unfinished job (FIN != UNITS) advances; on a dead worker, or no progress for the
+    pool's job_timeout, write ABORT (the GPU's waits return at once, the stream drains), mark the
+    pool broken and keep the error for the host to raise (`check`)."""
+
+    def __init__(self, pool, period=0.002):
+        self.pool, self.period, self.error = pool, period, None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hetero-watchdog", daemon=True)
+        pool.words[C.ABORT] = 0
+        self._thread.start()
+
+    def _run(self):
+        pool, w = self.pool, self.pool.words
+        seen, since = None, time.monotonic()
+        errs = [int(w[C.err_word(r)]) for r in range(pool.n)]       # a new value: a job failed
+        while not self._stop.wait(self.period):
+            err = None
+            for rank, p in enumerate(pool.procs):
+                if p.poll() is not None:
+                    err = WorkerDiedError(f"CPU worker {rank} (pid {p.pid}) {describe_exit(p.returncode)} while "
+                                          "the GPU waited on the workers; the pool is broken")
+                    break
+                if w[C.err_word(rank)] != errs[rank]:
+                    err = WorkerError(f"CPU worker {rank} failed a GPU-posted attention job; its traceback "
+                                      "is on stderr")
+                    break
+            now, progress = time.monotonic(), (int(w[C.TICKET]), int(w[C.FIN]), int(w[C.UNITS]))
+            if err is None and progress[1] != progress[2]:          # a job is unfinished
+                if progress != seen:
+                    seen, since = progress, now
+                elif now - since > pool.job_timeout:
+                    holders = [r for r in range(pool.n) if w[C.busy_word(r)] == w[C.TICKET] >> 32]
+                    pool.stuck = holders or list(range(pool.n))     # killed at pool.close
+                    err = WorkerError(f"CPU workers made no progress on a GPU-posted attention job for "
+                                      f"{pool.job_timeout:g} s (workers holding its units: {holders}); "
+                                      "HeteroConfig.worker_timeout")
+            else:
+                seen, since = progress, now
+            if err is not None:
+                self.error = err
+                pool.broken = str(err)
+                w[C.ABORT] = 1                                       # release the GPU's waits
+                return
+
+    def check(self):
+        if self.error is not None:
+            raise self.error
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join()
+
+
+class _Lib:
+    """The compiled signal.cu (ctypes), loaded once per process and device architecture."""
+    _cache = {}
+
+    @classmethod
+    def load(cls, arch):
+        if arch not in cls._cache:
+            from hetero.cuda.build import cuda_library
+
+            lib = ctypes.CDLL(cuda_library(arch))
+            vp, i64p, f64p = ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_double)
+            lib.hetero_attention_step.argtypes = [vp, ctypes.c_int, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp,
+                                                  i64p, vp, i64p, f64p, vp]
+            lib.hetero_register.argtypes = [vp, ctypes.c_size_t, ctypes.POINTER(vp)]
+            lib.hetero_unregister.argtypes = [vp]
+            lib.hetero_counter_alloc.argtypes = [ctypes.POINTER(vp)]
+            lib.hetero_counter_free.argtypes = [vp]
+            lib.hetero_error_string.restype = ctypes.c_char_p
+            cls._cache[arch] = lib
+        return cls._cache[arch]
+
+
+def _ptr(a):
+    return a.ctypes.data_as(ctypes.POINTER(ctypes.c_int64 if a.dtype == np.int64 else ctypes.c_double))
+
+
+class CudaTransport:
+    """See the module docstring. Build with `CudaTransport.open(pool, session, device)`, which
+    returns None (and logs why, once) when the extension cannot be built or loaded."""
+    name = "cuda"
+    why = None           # why the last open() failed
+    _said = set()
+
+    @classmethod
+    def open(cls, pool, session, device, quiet=False):
+        try:
+            major, minor = torch.cuda.get_device_capability(device)
+            return cls(_Lib.load(major * 10 + minor), pool, session)
+        except Exception as e:      # no nvcc, a compile error, an old driver: the exact fallback
+            cls.why = f"{type(e).__name__}: {str(e).strip()}"
+            if not quiet and cls.why not in cls._said:
+                cls._said.add(cls.why)
+                log.warning("hetero: CUDA transport unavailable (%s); decode uses host copies",
+                            cls.why.splitlines()[0])
+            return None
+
+    def __init__(self, lib, pool, session):
+        self.lib, self.pool = lib, pool
+        self._regs, self.watchdog, self.counter = [], None, None
+        self.pending, self.step_end = 0, None    # rows of a step whose end the host has not seen
+        self._kv, self._sinks = None, {}
+        lay = session.layout
+        self.dims = np.array([0, lay.q_heads, lay.kv_heads, 0, session.spec.head_dim, lay.tmax, lay.dpad,
+                              lay.nsplit_max], np.int64)      # B, Hq, Hkv, T, D, Tmax, Dp, NS (signal.cu)
+        self.iparams = np.zeros(7, np.int64)    # seq, layer, T, window, nsplit, units, active (JobParams)
+        self.fparams = np.zeros(2, np.float64)  # scale, softcap
+        try:
+            self._map(session)
+            pool.keep_awake(True)               # the GPU posts GO: the workers must not sleep
+            self.watchdog = Watchdog(pool)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- the device-specific parts (tests replace them with the host build of protocol.h)
+    def _map(self, session):
+        """Page-lock the control segment and the session's staging region; their device addresses."""
+        self.ctrl_dev = self._register(self.pool.words.ctypes.data, self.pool.words.nbytes)
+        offs, _ = session.layout.offsets()
+        if offs["lengths"][0] != 0:
+            raise RuntimeError("the session layout must start with its lengths array")
+        end = offs["part_l"][0] + session.part_l.numel() * 4
+        dev = self._register(session.lengths.ctypes.data, -(-end // 4096) * 4096)   # lengths .. part_l
+        self.dev = {n: dev + offs[n][0] for n in ("q", "knew", "vnew", "part_o", "part_m", "part_l")}
+        c = ctypes.c_void_p()
+        self._call(self.lib.hetero_counter_alloc(ctypes.byref(c)), "cudaMalloc")
+        self.counter = c.value
+
+    def _register(self, ptr, nbytes):
+        d = ctypes.c_void_p()
+        self._call(self.lib.hetero_register(ctypes.c_void_p(ptr), nbytes, ctypes.byref(d)), "cudaHostRegister")
+        self._regs.append(ptr)
+        return d.value
+
+    def _launch(self, s, q, k, v, out, sink):
+        """Enqueue copy-out + signal, wait, merge (signal.cu) on the current stream."""
+        stream = torch.cuda.current_stream(q.device).cuda_stream
+        self._call(self.lib.hetero_attention_step(
+            stream, s.layout.code, q.data_ptr(), k.data_ptr(), v.data_ptr(), self.dev["q"], self.dev["knew"],
+            self.dev["vnew"], self.dev["part_o"], self.dev["part_m"], self.dev["part_l"],
+            None if sink is None else sink.data_ptr(), out.data_ptr(), _ptr(self.dims), self.ctrl_dev,
+            _ptr(self.iparams), _ptr(self.fparams), self.counter), "the attention step launch")
+
+    def _event(self):
+        e = torch.cuda.Event()
+        e.record()
+        return e
+
+    def _drain(self):
+        if self._regs:
+            torch.cuda.synchronize()
+
+    def _unmap(self):
+        if self.counter is not None:
+            self.lib.hetero_counter_free(ctypes.c_void_p(self.counter))
+            self.counter = None
+        for ptr in reversed(self._regs):
+            self.lib.hetero_unregister(ctypes.c_void_p(ptr))
+        self._regs = []
+
+    def _call(self, rc, what):
+        if rc != 0:
+            raise RuntimeError(f"{what} failed: {self.lib.hetero_error_string(rc).decode()}")
+
+    # ---- the protocol
+    def settle(self, s):
+        """Before a step's first write: apply the previous step's length update once its last
+        layer ran (wait for its end event: the per-token synchronization)."""
+        if self.pending:
+            if not self.step_end.query():          # HF's loop usually synchronized already
+                self.step_end.synchronize()
+            self.watchdog.check()
+            T, self.pending = self.pending, 0
+            s.advance(T)
+
+    def stage(self, s, key, value):
+        self.watchdog.check()
+        self._kv = (key.to(s.spec.dtype).contiguous(), value.to(s.spec.dtype).contiguous())
+
+    def attention(self, s, job, query, sinks):
+        self.watchdog.check()
+        B, Hq, T, D = query.shape
+        q = query.to(s.spec.dtype).contiguous()
+        k, v = self._kv
+        out = torch.empty(B, T, Hq, D, dtype=s.spec.dtype, device=query.device)
+        sink = None if sinks is None else self._sink(job.layer, sinks)
+        self.pool.seq += 1
+        active = min(self.pool.n, job.workers + 1)   # no parent taker here: its share goes to a worker
+        self.iparams[:] = (self.pool.seq, job.layer, T, job.window, job.nsplit, job.units, active)
+        self.fparams[:] = (job.scale, job.softcap)
+        self.dims[0], self.dims[3] = B, T
+        self._launch(s, q, k, v, out, sink)
+        return out.to(query.dtype)
+
+    def _sink(self, layer, sinks):
+        hit = self._sinks.get(layer)
+        if hit is None or hit[0] is not sinks:
+            hit = self._sinks[layer] = (sinks, sinks.detach().float().contiguous())
+        return hit[1]
+
+    def step_done(self, s, T):
+        self.pending += T
+        self.step_end = self._event()
+
+    def close(self):
+        """Wait for the GPU's jobs, stop the watchdog, release the page locks. Idempotent. Raises
+        the watchdog's error, if any (a worker died or stalled during the last step)."""
+        err = self.watchdog.error if self.watchdog is not None else None
+        try:
+            self._drain()
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.stop()
+                self.watchdog = None
+            if self.pool.words is not None:
+                self.pool.keep_awake(False)
+            self._unmap()
+        if err is not None:
+            raise err

@@ -1,0 +1,243 @@
+"""The transport seam (hetero.ipc.transport) on every machine.
+
+The CUDA transport's protocol runs here with its device parts replaced by the host build of
+hetero/cuda/protocol.h (HostTransport below): the same C code that the GPU kernels run
+publishes each job to the real workers (params, FIN, tagged ticket, GO words), the "stream"
+waits on FIN or ABORT with it, and it merges the partials. So word offsets, encodings, the
+merge, the deferred length update (one synchronization per token) and the watchdog are checked
+without a GPU; the CUDA source itself must compile wherever nvcc exists.
+"""
+import ctypes
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from hetero import HeteroGenerator
+from hetero.cuda import build
+from hetero.errors import WorkerDiedError, WorkerError
+from hetero.generator import HeteroGenerator as _Gen
+from hetero.ipc import control as C
+from hetero.ipc.pool import WorkerPool
+from hetero.ipc.transport import CpuTransport, CudaTransport
+from hetero.offload.session import KVSession
+from tests.conftest import build_model, padded_batch
+from tests.test_kernel import FixedPlan
+from tests.test_layout import spec_of
+
+_HOST = []
+
+
+def host_lib():
+    if not _HOST:
+        lib = ctypes.CDLL(build.host_library())
+        vp, i64p, f64p = ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_double)
+        lib.hetero_host_publish.argtypes = [vp, i64p, f64p]
+        lib.hetero_host_released.argtypes = [vp, ctypes.c_int64]
+        lib.hetero_host_merge.argtypes = [vp, vp, vp, i64p, ctypes.c_int64, vp, vp]
+        _HOST.append(lib)
+    return _HOST[0]
+
+
+def _p(a):
+    return a.ctypes.data_as(ctypes.POINTER(ctypes.c_int64 if a.dtype == np.int64 else ctypes.c_double))
+
+
+class _Done:
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+
+class HostTransport(CudaTransport):
+    """CudaTransport with signal.cu's three kernels done on the host by protocol.h's code: the
+    copy-out (host copies into the staging area), publish (hetero_host_publish), the stream's
+    wait (a spin on hetero_host_released: FIN == UNITS or ABORT) and the merge (hetero_host_merge)."""
+    launches = 0
+
+    def __init__(self, pool, session):
+        super().__init__(host_lib(), pool, session)
+
+    def _map(self, session):
+        pass
+
+    def _launch(self, s, q, k, v, out, sink):
+        T, D = q.shape[2], q.shape[3]
+        s.q[:, :, :T, :D].copy_(q)
+        s.knew[:, :, :T, :D].copy_(k)
+        s.vnew[:, :, :T, :D].copy_(v)
+        words = self.pool.words
+        self.lib.hetero_host_publish(words.ctypes.data, _p(self.iparams), _p(self.fparams))
+        units = int(self.iparams[5])
+        while not self.lib.hetero_host_released(words.ctypes.data, units):
+            time.sleep(0)
+        merged = torch.empty(out.shape, dtype=torch.float32)
+        self.lib.hetero_host_merge(s.part_o.data_ptr(), s.part_m.data_ptr(), s.part_l.data_ptr(), _p(self.dims),
+                                   int(self.iparams[4]), None if sink is None else sink.data_ptr(),
+                                   merged.data_ptr())
+        out.copy_(merged)
+        HostTransport.launches += 1
+
+    def _event(self):
+        return _Done()
+
+    def _drain(self):
+        pass
+
+    def _unmap(self):
+        pass
+
+
+def test_cuda_source_compiles_for_sm80_and_sm90():
+    """The extension's source compiles with this machine's nvcc (no GPU needed), so a broken
+    kernel fails here and not on a rare GPU machine."""
+    if build.nvcc() is None:
+        pytest.skip("nvcc not found")
+    path = build.compile_check((80, 90))
+    assert os.path.getsize(path) > 0
+
+
+@pytest.fixture
+def host_transport(monkeypatch):
+    """Every generate uses HostTransport (the CUDA transport's protocol, on the host)."""
+    made = []
+
+    def choose(self, session, pool, host_jobs):
+        made.append(HostTransport(pool, session))
+        session.use_transport(made[-1])
+
+    monkeypatch.setattr(_Gen, "_choose_transport", choose)
+    return made
+
+
+@pytest.mark.parametrize("model_type,dtype", [("llama", torch.float32), ("gemma2", torch.float32),
+                                               ("qwen3", torch.bfloat16)])
+def test_cuda_protocol_generate_matches_hf(host_transport, model_type, dtype):
+    """A whole generate through the CUDA transport's protocol (host build): HF's greedy tokens,
+    scores close; the length update waits for each step's end (settle)."""
+    model, _ = build_model(model_type, dtype=dtype)
+    ids, mask = padded_batch()
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+              return_dict_in_generate=True, output_scores=True)
+    ref = model.generate(ids, **kw)
+    before = HostTransport.launches
+    with HeteroGenerator(model, cpu_workers=2) as gen:
+        out = gen.generate(ids, **kw)
+    assert len(host_transport) == 1 and host_transport[0].watchdog is None     # closed
+    assert HostTransport.launches - before == 5 * model.config.num_hidden_layers   # decode steps x layers
+    assert torch.equal(out.sequences, ref.sequences)
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    for a, b in zip(out.scores, ref.scores):
+        torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = WorkerPool(2, [])
+    yield p
+    p.close()
+
+
+def _session(pool, planner, dtype=torch.float32, D=32, lengths=(40, 75)):
+    g = torch.Generator().manual_seed(3)
+    s = KVSession(pool, spec_of(D, dtype, windows=(0, 0)), pads=[0] * len(lengths), real_lens=list(lengths),
+                  cap=96, planner=planner)
+    for layer in range(2):
+        for b, L in enumerate(lengths):
+            s.write_rows(layer, b, torch.randn(2, L, D, generator=g).to(dtype), torch.randn(2, L, D, generator=g).to(dtype))
+    s.finish_prefill()
+    return s, g
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("workers,nsplit", [(0, 1), (1, 3), (2, 4)])
+def test_cuda_protocol_step_equals_cpu_transport(pool, dtype, workers, nsplit):
+    """One layer through the CPU transport and through the CUDA protocol (host build), same
+    staged rows (a non-final layer: the lengths stay, the append rewrites the same row): equal
+    outputs (bit-equal with one split, where both merges are o / l), sinks included."""
+    s, g = _session(pool, FixedPlan(workers, nsplit), dtype)
+    try:
+        ht = HostTransport(pool, s)
+        k, v = torch.randn(2, 2, 1, 32, generator=g).to(dtype), torch.randn(2, 2, 1, 32, generator=g).to(dtype)
+        q = torch.randn(2, 4, 1, 32, generator=g).to(dtype)
+        for sinks in (None, torch.randn(4, generator=g) * 2):
+            s.stage_kv(k, v)
+            cpu = s.attend(0, q, None, 32 ** -0.5, None, sinks=sinks)
+            s.use_transport(ht)
+            s.stage_kv(k, v)
+            seq = pool.seq
+            host = s.attend(0, q, None, 32 ** -0.5, None, sinks=sinks)
+            assert pool.seq == seq + 1 and pool.words[C.FIN] == pool.words[C.UNITS] == 2 * 2 * nsplit
+            assert C.go_seq(pool.words[C.go_word(0)]) == pool.seq          # the GO word the C code posted
+            s.use_transport(CpuTransport())
+            if nsplit == 1 and sinks is None:
+                assert torch.equal(host, cpu)
+            else:
+                torch.testing.assert_close(host.float(), cpu.float(), atol=1e-6, rtol=1e-5)
+        ht.close()
+    finally:
+        s.close()
+
+
+def test_cuda_protocol_defers_the_length_update_to_the_next_step(pool):
+    """The last layer's call does not touch lengths (the GPU may still run the step); the next
+    step's first write applies it after the step's end event."""
+    s, g = _session(pool, FixedPlan(1, 2))
+    try:
+        ht = HostTransport(pool, s)
+        s.use_transport(ht)
+        before = s.lengths.copy()
+        for layer in range(2):
+            s.stage_kv(torch.randn(2, 2, 1, 32, generator=g), torch.randn(2, 2, 1, 32, generator=g))
+            s.attend(layer, torch.randn(2, 4, 1, 32, generator=g), None, 32 ** -0.5, None)
+        assert np.array_equal(s.lengths, before) and ht.pending == 1
+        s.stage_kv(torch.randn(2, 2, 1, 32, generator=g), torch.randn(2, 2, 1, 32, generator=g))
+        assert np.array_equal(s.lengths, before + 1) and ht.pending == 0
+        ht.close()
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("how", ["stopped", "killed"])
+def test_watchdog_releases_the_wait_and_raises(how):
+    """While the "stream" waits on a job, a stopped worker (no progress for job_timeout) or a
+    killed one makes the watchdog write ABORT: the wait returns within the limit, and the next
+    call and close() raise; the pool is broken (the next generate replaces it)."""
+    pool = WorkerPool(1, [], job_timeout=0.5)
+    try:
+        s, g = _session(pool, FixedPlan(0, 2))
+        try:
+            ht = HostTransport(pool, s)
+            s.use_transport(ht)
+            victim = pool.procs[0]
+            os.kill(victim.pid, signal.SIGSTOP)        # the job waits; "killed": dies while it waits
+            if how == "killed":
+                threading.Timer(0.1, os.kill, (victim.pid, signal.SIGKILL)).start()
+            s.stage_kv(torch.randn(2, 2, 1, 32, generator=g), torch.randn(2, 2, 1, 32, generator=g))
+            t0 = time.perf_counter()
+            s.attend(0, torch.randn(2, 4, 1, 32, generator=g), None, 32 ** -0.5, None)   # released by ABORT
+            assert time.perf_counter() - t0 < 2.0
+            assert pool.words[C.ABORT] == 1 and pool.broken and not pool.alive
+            err = WorkerError if how == "stopped" else WorkerDiedError
+            with pytest.raises(err, match="made no progress" if how == "stopped" else "SIGKILL"):
+                s.stage_kv(torch.randn(2, 2, 1, 32, generator=g), torch.randn(2, 2, 1, 32, generator=g))
+            with pytest.raises(err):
+                ht.close()
+        finally:
+            s.close()
+    finally:
+        pool.close()
+    assert all(p.poll() is not None for p in pool.procs)
+
+
+def test_transport_config_is_checked():
+    from hetero import HeteroConfig
+
+    with pytest.raises(ValueError, match="transport must be"):
+        HeteroConfig(transport="gpu")
