@@ -294,6 +294,10 @@ class HeteroGenerator:
                 self.model.set_attn_implementation(attention.NAME)
                 yield HeteroCache(session)
             except WorkerError:
+                try:
+                    session.close()  # first: a GPU may still post jobs until its stream is drained
+                except WorkerError:
+                    pass
                 self._pool.close()  # restarted by the next generate
                 raise
             finally:

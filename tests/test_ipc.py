@@ -90,6 +90,30 @@ def test_idle_workers_sleep_and_are_woken():
         pool.close()
 
 
+def test_keep_awake_workers_answer_a_job_posted_without_a_wake():
+    """With keep_awake on, no worker sleeps (the GPU posts GO with plain stores, no futex wake):
+    a job posted by plain stores is answered at once; off again, they sleep."""
+    pool = WorkerPool(2, [0, 1] if os.cpu_count() > 1 else [0], idle_spin=1)
+    try:
+        pool.run(C.CMD_PING)
+        pool.keep_awake(True)
+        time.sleep(0.2)                                  # past any sleep's timeout
+        assert [int(pool.words[C.asleep_word(r)]) for r in range(2)] == [0, 0]
+        for _ in range(20):
+            pool.seq += 1
+            atomics.post(pool.words, C.go_word(0), 2, C.LINE, C.go(pool.seq, C.CMD_PING))   # no wake
+            assert atomics.spin_until_all(pool.words, C.done_word(0), 2, C.LINE, pool.seq, 50_000_000)
+        pool.keep_awake(False)
+        pool.run(C.CMD_PING)
+        deadline = time.perf_counter() + 5.0
+        while atomics.HAVE_FUTEX and time.perf_counter() < deadline and \
+                not all(pool.words[C.asleep_word(r)] == 1 for r in range(2)):
+            time.sleep(0.01)
+        assert not atomics.HAVE_FUTEX or all(pool.words[C.asleep_word(r)] == 1 for r in range(2))
+    finally:
+        pool.close()
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # A segment owner: creates `n` segments, prints their names, waits for its stdin to close, then

@@ -57,7 +57,7 @@ def _build(compiler, flags, source, suffix):
     for name in SOURCES:
         with open(os.path.join(SRC, name), "rb") as f:
             h.update(f.read())
-    h.update(" ".join([compiler, *flags, source]).encode())
+    h.update(" ".join([compiler, *flags, *defines(), source]).encode())
     out = os.path.join(_cache_dir(), f"{os.path.splitext(source)[0]}-{h.hexdigest()[:16]}{suffix}")
     if os.path.exists(out):
         return out

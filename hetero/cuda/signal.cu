@@ -7,9 +7,11 @@
 //   wait_job         one thread spins until the job's units are all finished (FIN == UNITS)
 //                    or the host watchdog set ABORT.
 //   merge_partials   the split partials (mapped) -> the attention output [B, T, Hq, D] (device).
+// Once the watchdog set ABORT, later layers publish nothing and merge zeros (the host raises).
 //
 // Plain CUDA C++ with a C ABI, loaded through ctypes (hetero/cuda/build.py compiles it with
 // nvcc on first use); it links cudart statically and shares torch's primary context and streams.
+// Every call runs on the calling thread's current device: the Python side selects the model's.
 // Shapes (Dp = head dim padded to the workers' tile; rows = G * Tmax):
 //   q_in [B, Hq, T, D], k_in/v_in [B, Hkv, T, D]              device, model dtype, contiguous
 //   q_st [B, Hq, Tmax, Dp] f32, k_st/v_st [B, Hkv, Tmax, Dp]  mapped staging, storage = model dtype
@@ -62,7 +64,7 @@ __global__ void copy_out_signal(const T* q_in, const T* k_in, const T* v_in, flo
         if (done == gridDim.x - 1) {         // the last block: every block's stores are fenced
             *blocks_done = 0;                // for the next launch (stream order)
             __threadfence_system();
-            publish_job(ctrl, p);
+            if (load_word(ctrl, HW_ABORT) == 0) publish_job(ctrl, p);   // aborted: post nothing more
         }
     }
 }
@@ -75,17 +77,22 @@ __global__ void wait_job(const volatile int64_t* ctrl, int64_t units) {
 // One block per output row (b, t, q head), one thread per column d.
 template <typename T>
 __global__ void merge_partials(const float* part_o, const float* part_m, const float* part_l, Dims s,
-                               int64_t nsplit, const float* sinks, T* out) {
+                               int64_t nsplit, const float* sinks, T* out, const volatile int64_t* ctrl) {
     const int64_t qh = blockIdx.x % s.Hq, t = (blockIdx.x / s.Hq) % s.T, b = blockIdx.x / (s.Hq * s.T);
     const int64_t G = s.Hq / s.Hkv, h = qh / G, g = qh % G, rows = G * s.Tmax, r = g * s.T + t;
     const volatile float* m = part_m + ((b * s.Hkv + h) * s.NS) * rows + r;   // volatile: workers wrote it
     const volatile float* l = part_l + ((b * s.Hkv + h) * s.NS) * rows + r;
     const volatile float* o = part_o + (((b * s.Hkv + h) * s.NS) * rows + r) * s.Dp;
     __shared__ float M, den;
-    if (threadIdx.x == 0) den = merge_weight_sum(m, l, rows, nsplit, sinks != nullptr, sinks ? sinks[qh] : 0.f, &M);
+    __shared__ bool aborted;
+    if (threadIdx.x == 0) {
+        aborted = load_word(ctrl, HW_ABORT) != 0;     // the partials may be stale: zeros, the host raises
+        den = aborted ? 1.f : merge_weight_sum(m, l, rows, nsplit, sinks != nullptr, sinks ? sinks[qh] : 0.f, &M);
+    }
     __syncthreads();
     for (int64_t d = threadIdx.x; d < s.D; d += blockDim.x)
-        out[((b * s.T + t) * s.Hq + qh) * s.D + d] = from_f32<T>(merge_value(o, rows * s.Dp, m, rows, nsplit, M, den, d));
+        out[((b * s.T + t) * s.Hq + qh) * s.D + d] =
+            from_f32<T>(aborted ? 0.f : merge_value(o, rows * s.Dp, m, rows, nsplit, M, den, d));
 }
 
 template <typename T>
@@ -100,7 +107,7 @@ static cudaError_t step(cudaStream_t stream, const void* q, const void* k, const
     wait_job<<<1, 1, 0, stream>>>(ctrl, p.units);
     int mthreads = s.D < 128 ? 64 : 128;
     merge_partials<T><<<(unsigned)(s.B * s.T * s.Hq), mthreads, 0, stream>>>(
-        (const float*)part_o, (const float*)part_m, (const float*)part_l, s, p.nsplit, sinks, (T*)out);
+        (const float*)part_o, (const float*)part_m, (const float*)part_l, s, p.nsplit, sinks, (T*)out, ctrl);
     return cudaGetLastError();
 }
 
@@ -129,7 +136,9 @@ int hetero_attention_step(void* stream, int dtype, const void* q, const void* k,
 int hetero_register(void* ptr, size_t nbytes, void** device_ptr) {
     cudaError_t e = cudaHostRegister(ptr, nbytes, cudaHostRegisterPortable | cudaHostRegisterMapped);
     if (e != cudaSuccess) return (int)e;
-    return (int)cudaHostGetDevicePointer(device_ptr, ptr, 0);
+    e = cudaHostGetDevicePointer(device_ptr, ptr, 0);
+    if (e != cudaSuccess) cudaHostUnregister(ptr);
+    return (int)e;
 }
 
 int hetero_unregister(void* ptr) { return (int)cudaHostUnregister(ptr); }
@@ -138,7 +147,8 @@ int hetero_unregister(void* ptr) { return (int)cudaHostUnregister(ptr); }
 int hetero_counter_alloc(void** counter) {
     cudaError_t e = cudaMalloc(counter, sizeof(unsigned int));
     if (e != cudaSuccess) return (int)e;
-    return (int)cudaMemset(*counter, 0, sizeof(unsigned int));
+    e = cudaMemset(*counter, 0, sizeof(unsigned int));
+    return (int)(e != cudaSuccess ? e : cudaDeviceSynchronize());   // zeroed before any stream uses it
 }
 
 int hetero_counter_free(void* counter) { return (int)cudaFree(counter); }

@@ -96,10 +96,11 @@ class WorkerPool:
 
     def keep_awake(self, on):
         """on: idle workers spin instead of sleeping (the GPU posts their jobs and cannot wake a
-        sleeper), and the sleeping ones are woken now."""
+        sleeper). Turning it on runs a ping job: every worker wakes, and after it reads AWAKE
+        before it would sleep again (a futex wake alone could miss one about to fall asleep)."""
         atomics.swap(self.words, C.AWAKE, int(bool(on)))
-        if on and atomics.HAVE_FUTEX:
-            atomics.wake_sleepers(self.words, C.go_word(0), self.n, C.LINE, C.ASLEEP_FROM_GO)
+        if on:
+            self.run(C.CMD_PING)
 
     def drain(self):
         """Wait for a job still in flight (abandoned between submit and wait by an exception or

@@ -93,7 +93,7 @@ class Watchdog:
     pool's job_timeout, write ABORT (the GPU's waits return at once, the stream drains), mark the
     pool broken and keep the error for the host to raise (`check`)."""
 
-    def __init__(self, pool, period=0.002):
+    def __init__(self, pool, period=0.01):
         self.pool, self.period, self.error = pool, period, None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hetero-watchdog", daemon=True)
@@ -179,7 +179,7 @@ class CudaTransport:
     def open(cls, pool, session, device, quiet=False):
         try:
             major, minor = torch.cuda.get_device_capability(device)
-            return cls(_Lib.load(major * 10 + minor), pool, session)
+            return cls(_Lib.load(major * 10 + minor), pool, session, device)
         except Exception as e:      # no nvcc, a compile error, an old driver: the exact fallback
             cls.why = f"{type(e).__name__}: {str(e).strip()}"
             if not quiet and cls.why not in cls._said:
@@ -188,8 +188,8 @@ class CudaTransport:
                             cls.why.splitlines()[0])
             return None
 
-    def __init__(self, lib, pool, session):
-        self.lib, self.pool = lib, pool
+    def __init__(self, lib, pool, session, device=None):
+        self.lib, self.pool, self.device = lib, pool, device    # the model's GPU: every call runs on it
         self._regs, self.watchdog, self.counter = [], None, None
         self.pending, self.step_end = 0, None    # rows of a step whose end the host has not seen
         self._kv, self._sinks = None, {}
@@ -209,6 +209,10 @@ class CudaTransport:
     # ---- the device-specific parts (tests replace them with the host build of protocol.h)
     def _map(self, session):
         """Page-lock the control segment and the session's staging region; their device addresses."""
+        with torch.cuda.device(self.device):
+            self._map_on_device(session)
+
+    def _map_on_device(self, session):
         self.ctrl_dev = self._register(self.pool.words.ctypes.data, self.pool.words.nbytes)
         offs, _ = session.layout.offsets()
         if offs["lengths"][0] != 0:
@@ -229,28 +233,31 @@ class CudaTransport:
     def _launch(self, s, q, k, v, out, sink):
         """Enqueue copy-out + signal, wait, merge (signal.cu) on the current stream."""
         stream = torch.cuda.current_stream(q.device).cuda_stream
-        self._call(self.lib.hetero_attention_step(
-            stream, s.layout.code, q.data_ptr(), k.data_ptr(), v.data_ptr(), self.dev["q"], self.dev["knew"],
-            self.dev["vnew"], self.dev["part_o"], self.dev["part_m"], self.dev["part_l"],
-            None if sink is None else sink.data_ptr(), out.data_ptr(), _ptr(self.dims), self.ctrl_dev,
-            _ptr(self.iparams), _ptr(self.fparams), self.counter), "the attention step launch")
+        with torch.cuda.device(q.device):
+            rc = self.lib.hetero_attention_step(
+                stream, s.layout.code, q.data_ptr(), k.data_ptr(), v.data_ptr(), self.dev["q"], self.dev["knew"],
+                self.dev["vnew"], self.dev["part_o"], self.dev["part_m"], self.dev["part_l"],
+                None if sink is None else sink.data_ptr(), out.data_ptr(), _ptr(self.dims), self.ctrl_dev,
+                _ptr(self.iparams), _ptr(self.fparams), self.counter)
+        self._call(rc, "the attention step launch")
 
     def _event(self):
         e = torch.cuda.Event()
-        e.record()
+        e.record(torch.cuda.current_stream(self.device))
         return e
 
     def _drain(self):
         if self._regs:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
 
     def _unmap(self):
-        if self.counter is not None:
-            self.lib.hetero_counter_free(ctypes.c_void_p(self.counter))
-            self.counter = None
-        for ptr in reversed(self._regs):
-            self.lib.hetero_unregister(ctypes.c_void_p(ptr))
-        self._regs = []
+        with torch.cuda.device(self.device):
+            if self.counter is not None:
+                self.lib.hetero_counter_free(ctypes.c_void_p(self.counter))
+                self.counter = None
+            for ptr in reversed(self._regs):
+                self.lib.hetero_unregister(ctypes.c_void_p(ptr))
+            self._regs = []
 
     def _call(self, rc, what):
         if rc != 0:
@@ -261,6 +268,7 @@ class CudaTransport:
         """Before a step's first write: apply the previous step's length update once its last
         layer ran (wait for its end event: the per-token synchronization)."""
         if self.pending:
+            self.watchdog.check()
             if not self.step_end.query():          # HF's loop usually synchronized already
                 self.step_end.synchronize()
             self.watchdog.check()
@@ -299,12 +307,13 @@ class CudaTransport:
     def close(self):
         """Wait for the GPU's jobs, stop the watchdog, release the page locks. Idempotent. Raises
         the watchdog's error, if any (a worker died or stalled during the last step)."""
-        err = self.watchdog.error if self.watchdog is not None else None
+        err = None
         try:
             self._drain()
         finally:
             if self.watchdog is not None:
                 self.watchdog.stop()
+                err = self.watchdog.error
                 self.watchdog = None
             if self.pool.words is not None:
                 self.pool.keep_awake(False)

@@ -276,7 +276,7 @@ class KVSession:
         failed = None
         try:
             self.transport.close()        # waits for a GPU's jobs and releases its page locks
-        except WorkerError as e:
+        except BaseException as e:        # raised after the cleanup below
             failed = e
         if self.opened:
             self.opened = False
