@@ -1,6 +1,7 @@
 """HeteroGenerator: HF-style generate() with the KV cache and decode attention on CPU workers."""
 import contextlib
 import copy
+import inspect
 import os
 import sys
 import threading
@@ -226,7 +227,32 @@ class HeteroGenerator:
                                 f"exceeds the model's max_position_embeddings ({self.spec.max_positions})")
         return attention_mask, max_new_tokens
 
-    def _plan_cache(self, attention_mask, max_new_tokens):
+    def _chunk(self, attention_mask):
+        """The chunk size of a chunked prefill (HeteroConfig.prefill_chunk), or None for one pass:
+        the first forward covers the left pads and one chunk, so later chunks hold real tokens only."""
+        C = self.config.prefill_chunk
+        if C is None:
+            return None
+        first = int((attention_mask.shape[1] - attention_mask.sum(1)).max()) + C
+        return C if attention_mask.shape[1] > first else None
+
+    def prefill_chunks(self, cache, input_ids, attention_mask, chunk):
+        """Run all but the last chunk of a prompt through the model into `cache`: the first forward
+        (pads + one chunk) with the model's own attention, each later chunk of `chunk` tokens with
+        its attention on the CPU workers over the cached KV (q_len = chunk). The last chunk (at
+        most `chunk` tokens) is left to generate's first forward, which continues the cache."""
+        S = input_ids.shape[1]
+        pos = attention_mask.long().cumsum(-1) - 1             # as generate computes position ids
+        pos.masked_fill_(attention_mask == 0, 1)
+        extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {}
+        a, b = 0, S - int(attention_mask.sum(1).min()) + chunk     # the longest left pad + one chunk
+        while b < S:
+            self.model(input_ids=input_ids[:, a:b], attention_mask=attention_mask[:, :b], position_ids=pos[:, a:b],
+                       past_key_values=cache, use_cache=True, cache_position=torch.arange(a, b, device=input_ids.device),
+                       **extra)
+            a, b = b, b + chunk
+
+    def _plan_cache(self, attention_mask, max_new_tokens, tmax=1):
         real = attention_mask.sum(1).cpu()
         rows = int(real.max()) + max_new_tokens
         cap = whole_blocks(rows)
@@ -235,7 +261,7 @@ class HeteroGenerator:
             raise CapacityError(f"a request needs {rows} KV rows (prompt {int(real.max())} + {max_new_tokens} new) "
                                 f"but the cache capacity is max_cache_tokens={limit}")
         s = self.spec
-        layout = KVSession.layout_for(s, len(real), cap)     # sliding layers: a ring of their window
+        layout = KVSession.layout_for(s, len(real), cap, tmax)   # sliding layers: a ring of their window
         rings = f"; {layout.ring_layers} sliding layers keep {layout.ring} rows" if layout.ring_layers else ""
         what = (f"the KV cache for this batch needs {layout.nbytes / 2**30:.2f} GiB ({len(real)} requests x {cap} rows "
                 f"x {s.layers} layers x 2 x {s.kv_heads} heads x {s.head_dim} x {s.dtype}{rings})")
@@ -263,30 +289,34 @@ class HeteroGenerator:
                             f"input_ids, attention_mask, max_new_tokens, {', '.join(sorted(GENERATE_KWARGS))}")
         attention_mask, max_new_tokens = self._check_inputs(input_ids, attention_mask, max_new_tokens)
         lora = self._lora_batch(adapter_names, input_ids.shape[0])
-        pads, real, cap = self._plan_cache(attention_mask, max_new_tokens)
+        chunk = self._chunk(attention_mask)
+        pads, real, cap = self._plan_cache(attention_mask, max_new_tokens, tmax=chunk or 1)
         # a checkpoint may ship cache_implementation="static": ours replaces it
         gen_config = copy.deepcopy(self.model.generation_config)
         gen_config.cache_implementation = None
         objects = {k: kwargs.pop(k) for k in PASS_THROUGH if k in kwargs}
         gen_config.update(max_new_tokens=max_new_tokens, num_beams=1, **kwargs)
-        with self.kv_context(pads, real, cap, host_jobs=lora is not None) as cache, torch.inference_mode(), \
-                _active(lora):
+        with self.kv_context(pads, real, cap, host_jobs=lora is not None, tmax=chunk or 1) as cache, \
+                torch.inference_mode(), _active(lora):
+            if chunk:
+                self.prefill_chunks(cache, input_ids, attention_mask, chunk)
             return self.model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache,
                                        generation_config=gen_config, **objects)
 
     @contextlib.contextmanager
-    def kv_context(self, pads, real_lens, cap, host_jobs=False):
+    def kv_context(self, pads, real_lens, cap, host_jobs=False, tmax=1):
         """Open a KV session (shared arena mapped in the workers) for len(pads) requests of `cap` rows,
         route the model's attention to it and yield its HeteroCache (`cache.session`). On exit the
         session is closed and the model's attention implementation restored, whatever happened.
         host_jobs: the host also posts jobs during decode (LoRA deltas): a CUDA model then uses host
-        copies, not the CUDA transport (whose jobs the GPU posts)."""
+        copies, not the CUDA transport (whose jobs the GPU posts). tmax: query tokens per step after
+        the first forward (a chunked prefill's chunk)."""
         if not self._lock.acquire(blocking=False):
             raise RuntimeError("this HeteroGenerator is already generating (in another thread); "
                                "use one generator per thread")
         try:
             pool = self._ensure_pool()
-            session = KVSession(pool, self.spec, pads, real_lens, cap, planner=self._ensure_planner(pool))
+            session = KVSession(pool, self.spec, pads, real_lens, cap, planner=self._ensure_planner(pool), tmax=tmax)
             self._choose_transport(session, pool, host_jobs)
             token = attention.active_session.set(session)
             previous = self.model.config._attn_implementation

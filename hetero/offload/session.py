@@ -40,13 +40,14 @@ class Job(NamedTuple):
 
 
 class KVSession:
-    def __init__(self, pool, spec, pads, real_lens, cap, planner=None):
+    def __init__(self, pool, spec, pads, real_lens, cap, planner=None, tmax=1):
+        """tmax: query tokens per step after the first forward (chunked prefill: the chunk size)."""
         self.pool, self.spec = pool, spec
         self.transport = CpuTransport()               # use_transport() may replace it (a CUDA model)
         self.planner = planner or StaticPlanner(pool.n)
         self.batch = len(pads)
         self.pads = [int(p) for p in pads]            # left pads per request
-        self.layout = self.layout_for(spec, self.batch, cap)
+        self.layout = self.layout_for(spec, self.batch, cap, tmax)
         windows = spec.windows or (0,) * spec.layers
         _, ringed = ring_plan(windows, self.layout.cap, self.layout.tmax)
         # per layer: the window its ring was sized for (0: the layer keeps every row)
@@ -76,6 +77,7 @@ class KVSession:
             self.order = v["order"]                     # numpy, the workers' unit order (see _plan_step)
             self.order[:] = np.arange(self.batch)
             self._real_lens = np.asarray(real_lens, np.int64)
+            self._prefill_rows = None                   # rows the prefill forward stored per request
             # the parent takes attention units too (kernel.run_job): the arena's arrays, and scratch of its own
             rows = spec.q_heads // spec.kv_heads * self.layout.tmax
             self._job = (v["q"], v["knew"], v["vnew"], v["K"], v["V"], v["Kr"], v["Vr"], slots_of(ringed),
@@ -135,6 +137,7 @@ class KVSession:
         """key/value: [B, Hkv, S, D] on the model's device (S includes left pads). A ring layer
         stores only the rows its window can still see at the first decode step."""
         window = self.ring_window[layer]
+        self._prefill_rows = [key.shape[2] - pad for pad in self.pads]
         for b, pad in enumerate(self.pads):
             n = key.shape[2] - pad
             start = max(0, n - window + 1) // BK * BK if window else 0     # whole blocks
@@ -201,8 +204,11 @@ class KVSession:
         return k[:, j0:j0 + n - start, :D].contiguous(), v[:, j0:j0 + n - start, :D].contiguous()
 
     def finish_prefill(self):
-        """Called after the last layer's prefill attention: later forwards are decode steps."""
-        self.lengths[:] = self._real_lens
+        """Called after the last layer's prefill attention: later forwards (the rest of a chunked
+        prompt, then the decode steps) go to the workers. Without a prefill forward (benchmarks
+        writing rows themselves), the lengths are the real_lens given."""
+        # a chunked prefill's first forward stores only its own rows; the later chunks are steps
+        self.lengths[:] = self._real_lens if self._prefill_rows is None else self._prefill_rows
         self._plan_step(1)
         self.prefilled = True
 
