@@ -8,6 +8,7 @@ import importlib
 _EXPORTS = {
     "HeteroGenerator": "hetero.generator",
     "HeteroConfig": "hetero.config",
+    "Context": "hetero.context",
     **{name: "hetero.errors" for name in ("HeteroError", "UnsupportedModelError", "CapacityError", "WorkerError",
                                           "WorkerDiedError", "GeneratorClosedError", "AdapterError")},
 }

@@ -13,6 +13,7 @@ import torch
 from hetero import attention
 from hetero.adapters import hooks as lora_hooks, source as lora_source
 from hetero.config import HeteroConfig
+from hetero.context import Context
 from hetero.errors import AdapterError, CapacityError, GeneratorClosedError, UnsupportedModelError, WorkerError
 from hetero.ipc import shm
 from hetero.ipc.pool import WorkerPool
@@ -29,6 +30,8 @@ GENERATE_KWARGS = frozenset({
     "no_repeat_ngram_size", "min_new_tokens", "eos_token_id", "pad_token_id", "bos_token_id", "streamer",
     "return_dict_in_generate", "output_scores", "output_logits", "logits_processor", "stopping_criteria",
 })
+DEFAULT_RESERVE = 1024   # KV rows a context keeps free for later calls, unless prefill(reserve=) says
+CONTINUE_CHUNK = 256     # a context's continuations go to the workers in pieces of at most this many tokens
 SHARED_IDLE_SPIN = 400   # ~10 us of polls before a CPU model's worker sleeps (atomics.sleep_until_changed)
 PASS_THROUGH = ("streamer", "logits_processor", "stopping_criteria")  # objects, not GenerationConfig fields
 
@@ -56,6 +59,7 @@ class HeteroGenerator:
         self._pool = None
         self._planner = None
         self._store = None                 # LoRA adapters in shared memory (created on first load)
+        self._contexts = set()             # open Contexts (prefill): closed with the generator
         self._hooks = lora_hooks.LoraHooks(model)
         self._closed = False
         self._lock = threading.Lock()  # one generate (or adapter load) at a time: the pool has one control block
@@ -236,21 +240,19 @@ class HeteroGenerator:
         first = int((attention_mask.shape[1] - attention_mask.sum(1)).max()) + C
         return C if attention_mask.shape[1] > first else None
 
-    def prefill_chunks(self, cache, input_ids, attention_mask, chunk):
-        """Run all but the last chunk of a prompt through the model into `cache`: the first forward
-        (pads + one chunk) with the model's own attention, each later chunk of `chunk` tokens with
-        its attention on the CPU workers over the cached KV (q_len = chunk). The last chunk (at
-        most `chunk` tokens) is left to generate's first forward, which continues the cache."""
+    def prefill_chunks(self, cache, input_ids, attention_mask, chunk, to_end=False):
+        """Run all but the last chunk of a prompt through the model into `cache` (to_end: all of
+        it): the first forward (pads + one chunk) with the model's own attention, each later
+        chunk of `chunk` tokens with its attention on the CPU workers over the cached KV (q_len =
+        chunk). The last chunk (at most `chunk` tokens) is otherwise left to generate's first
+        forward, which continues the cache."""
         S = input_ids.shape[1]
-        pos = attention_mask.long().cumsum(-1) - 1             # as generate computes position ids
-        pos.masked_fill_(attention_mask == 0, 1)
-        extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {}
         a, b = 0, S - int(attention_mask.sum(1).min()) + chunk     # the longest left pad + one chunk
         while b < S:
-            self.model(input_ids=input_ids[:, a:b], attention_mask=attention_mask[:, :b], position_ids=pos[:, a:b],
-                       past_key_values=cache, use_cache=True, cache_position=torch.arange(a, b, device=input_ids.device),
-                       **extra)
+            self._forward(cache, input_ids, attention_mask, a, b)
             a, b = b, b + chunk
+        if to_end:
+            self._forward(cache, input_ids, attention_mask, a, S)
 
     def _plan_cache(self, attention_mask, max_new_tokens, tmax=1):
         real = attention_mask.sum(1).cpu()
@@ -277,10 +279,13 @@ class HeteroGenerator:
         pads = attention_mask.shape[1] - real
         return pads.tolist(), real.tolist(), cap
 
-    def generate(self, input_ids, attention_mask=None, max_new_tokens=None, adapter_names=None, **kwargs):
+    def generate(self, input_ids, attention_mask=None, max_new_tokens=None, adapter_names=None, context=None,
+                 **kwargs):
         """transformers-style generate; returns a tensor of sequences, or a GenerateOutput when
         return_dict_in_generate=True. Left padding only. adapter_names: one loaded adapter name
-        per request, or None / "__base__" for the base model (as peft's adapter_names)."""
+        per request, or None / "__base__" for the base model (as peft's adapter_names).
+        context: a Context from prefill(); input_ids [1, n] are then the new tokens after it, and
+        the sequences returned start with the context's tokens (as if it had been the prompt)."""
         if self._closed:
             raise GeneratorClosedError("generate() called on a closed HeteroGenerator")
         unknown = sorted(set(kwargs) - GENERATE_KWARGS)
@@ -289,19 +294,28 @@ class HeteroGenerator:
                             f"input_ids, attention_mask, max_new_tokens, {', '.join(sorted(GENERATE_KWARGS))}")
         attention_mask, max_new_tokens = self._check_inputs(input_ids, attention_mask, max_new_tokens)
         lora = self._lora_batch(adapter_names, input_ids.shape[0])
+        if context is not None:
+            gen_config, objects = self._generation_config(max_new_tokens, kwargs)
+            return self._generate_in_context(context, input_ids, attention_mask, max_new_tokens, gen_config,
+                                             objects, lora)
         chunk = self._chunk(attention_mask)
         pads, real, cap = self._plan_cache(attention_mask, max_new_tokens, tmax=chunk or 1)
-        # a checkpoint may ship cache_implementation="static": ours replaces it
-        gen_config = copy.deepcopy(self.model.generation_config)
-        gen_config.cache_implementation = None
-        objects = {k: kwargs.pop(k) for k in PASS_THROUGH if k in kwargs}
-        gen_config.update(max_new_tokens=max_new_tokens, num_beams=1, **kwargs)
+        gen_config, objects = self._generation_config(max_new_tokens, kwargs)
         with self.kv_context(pads, real, cap, host_jobs=lora is not None, tmax=chunk or 1) as cache, \
                 torch.inference_mode(), _active(lora):
             if chunk:
                 self.prefill_chunks(cache, input_ids, attention_mask, chunk)
             return self.model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache,
                                        generation_config=gen_config, **objects)
+
+    def _generation_config(self, max_new_tokens, kwargs):
+        """(GenerationConfig, pass-through objects) for one call."""
+        # a checkpoint may ship cache_implementation="static": ours replaces it
+        gen_config = copy.deepcopy(self.model.generation_config)
+        gen_config.cache_implementation = None
+        objects = {k: kwargs.pop(k) for k in PASS_THROUGH if k in kwargs}
+        gen_config.update(max_new_tokens=max_new_tokens, num_beams=1, **kwargs)
+        return gen_config, objects
 
     @contextlib.contextmanager
     def kv_context(self, pads, real_lens, cap, host_jobs=False, tmax=1):
@@ -311,18 +325,12 @@ class HeteroGenerator:
         host_jobs: the host also posts jobs during decode (LoRA deltas): a CUDA model then uses host
         copies, not the CUDA transport (whose jobs the GPU posts). tmax: query tokens per step after
         the first forward (a chunked prefill's chunk)."""
-        if not self._lock.acquire(blocking=False):
-            raise RuntimeError("this HeteroGenerator is already generating (in another thread); "
-                               "use one generator per thread")
-        try:
+        with self._exclusive():
             pool = self._ensure_pool()
             session = KVSession(pool, self.spec, pads, real_lens, cap, planner=self._ensure_planner(pool), tmax=tmax)
-            self._choose_transport(session, pool, host_jobs)
-            token = attention.active_session.set(session)
-            previous = self.model.config._attn_implementation
             try:
-                self.model.set_attn_implementation(attention.NAME)
-                yield HeteroCache(session)
+                with self._routed(session, host_jobs) as cache:
+                    yield cache
             except WorkerError:
                 try:
                     session.close()  # first: a GPU may still post jobs until its stream is drained
@@ -331,15 +339,135 @@ class HeteroGenerator:
                 self._pool.close()  # restarted by the next generate
                 raise
             finally:
-                self.model.set_attn_implementation(previous)
-                attention.active_session.reset(token)
                 try:
                     session.close()      # raises when a worker died or stalled unnoticed (holding no units)
                 except WorkerError:
                     self._pool.close()
                     raise
+
+    @contextlib.contextmanager
+    def _exclusive(self):
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError("this HeteroGenerator is already generating (in another thread); "
+                               "use one generator per thread")
+        try:
+            yield
         finally:
             self._lock.release()
+
+    @contextlib.contextmanager
+    def _routed(self, session, host_jobs):
+        """For one call: pick the session's transport, route the model's attention to it and yield
+        a HeteroCache over it; restore the model's attention implementation afterwards."""
+        self._choose_transport(session, session.pool, host_jobs)
+        token = attention.active_session.set(session)
+        previous = self.model.config._attn_implementation
+        try:
+            self.model.set_attn_implementation(attention.NAME)
+            yield HeteroCache(session)
+        finally:
+            self.model.set_attn_implementation(previous)
+            attention.active_session.reset(token)
+
+    # ---- contexts: a request's KV kept between calls
+    def prefill(self, input_ids, attention_mask=None, reserve=None):
+        """Prefill one request (input_ids [1, S]) and keep its KV in shared memory: returns a
+        Context that generate(new_ids, context=ctx) continues (the new tokens are prefilled over
+        the cached KV on the CPU workers, then decoded), call after call. `reserve`: rows kept
+        free for the tokens later calls add (default: 1024, within the model's max positions; a call
+        that needs more raises CapacityError).
+        Close it (ctx.close(), or `with`) to free its memory; gen.close() closes the rest."""
+        if self._closed:
+            raise GeneratorClosedError("prefill() called on a closed HeteroGenerator")
+        if reserve is None and isinstance(input_ids, torch.Tensor) and input_ids.ndim == 2:
+            room = None if self.spec.max_positions is None else self.spec.max_positions - input_ids.shape[1]
+            reserve = DEFAULT_RESERVE if room is None else max(1, min(DEFAULT_RESERVE, room))
+        attention_mask, reserve = self._check_inputs(input_ids, attention_mask, reserve)
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"a context holds one request: input_ids must be [1, S], got {tuple(input_ids.shape)}")
+        if not bool(attention_mask.all()):
+            raise ValueError("a context's prompt cannot be padded: pass its tokens only (attention_mask all ones)")
+        tmax = self.config.prefill_chunk or CONTINUE_CHUNK
+        pads, real, cap = self._plan_cache(attention_mask, reserve, tmax=tmax)
+        with self._exclusive():
+            pool = self._ensure_pool()
+            session = KVSession(pool, self.spec, pads, real, cap, planner=self._ensure_planner(pool), tmax=tmax)
+            try:
+                with self._routed(session, host_jobs=False) as cache, torch.inference_mode():
+                    S = input_ids.shape[1]
+                    chunk = self._chunk(attention_mask)
+                    if chunk:                            # all chunks; the last one too
+                        self.prefill_chunks(cache, input_ids, attention_mask, chunk, to_end=True)
+                    else:
+                        self._forward(cache, input_ids, attention_mask, 0, S)
+                session.end_call()
+            except BaseException:
+                try:
+                    session.close()
+                finally:
+                    if self._pool is not None and not self._pool.alive:
+                        self._pool.close()
+                raise
+        ctx = Context(self, session, input_ids[0].detach().to("cpu", torch.long).clone())
+        self._contexts.add(ctx)
+        return ctx
+
+    def _generate_in_context(self, ctx, input_ids, attention_mask, max_new_tokens, gen_config, objects, lora):
+        """generate() continuing `ctx`: [cached tokens, the last call's unstored token, new tokens]."""
+        if ctx.generator is not self or ctx.closed:
+            raise ValueError("context= takes an open Context from this generator's prefill()")
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"a context continues one request: input_ids must be [1, n], got {tuple(input_ids.shape)}")
+        if not bool(attention_mask.all()):
+            raise ValueError("the new tokens of a context cannot be padded (attention_mask all ones)")
+        device = self.model.device
+        full = torch.cat([ctx.token_ids, ctx.pending, input_ids[0].to("cpu")]).to(device)[None]   # [1, S]
+        session, cached = ctx.session, ctx.length
+        need = full.shape[1] + max_new_tokens - 1           # KV rows once the last new token is chosen
+        if need > session.layout.cap:
+            raise CapacityError(f"the context holds {cached} tokens and this call adds {full.shape[1] - cached} "
+                                f"+ {max_new_tokens} new: {need} rows, but it was prefilled with room for "
+                                f"{session.layout.cap} (prefill(..., reserve=...))")
+        if self.spec.max_positions is not None and full.shape[1] + max_new_tokens > self.spec.max_positions:
+            raise CapacityError(f"{full.shape[1] + max_new_tokens} positions exceed the model's "
+                                f"max_position_embeddings ({self.spec.max_positions})")
+        with self._exclusive():
+            pool = self._ensure_pool()
+            session.begin_call(pool, self._ensure_planner(pool))
+            try:
+                with self._routed(session, host_jobs=lora is not None) as cache, torch.inference_mode(), \
+                        _active(lora):
+                    for layer in cache.layers:
+                        layer.seen = cached
+                    mask = torch.ones_like(full)
+                    tmax = session.layout.tmax
+                    a = cached                               # continue in pieces of at most tmax tokens
+                    while full.shape[1] - a > tmax:
+                        self._forward(cache, full, mask, a, a + tmax)
+                        a += tmax
+                    out = self.model.generate(full, attention_mask=mask, past_key_values=cache,
+                                              generation_config=gen_config, **objects)
+                session.end_call()
+            except WorkerError:
+                try:
+                    session.end_call()
+                except WorkerError:
+                    pass
+                self._pool.close()                           # the context stays; the next call maps it again
+                raise
+        seq = out if isinstance(out, torch.Tensor) else out.sequences
+        stored = int(session.lengths[0])
+        ctx.token_ids, ctx.pending = seq[0, :stored].to("cpu"), seq[0, stored:].to("cpu")
+        return out
+
+    def _forward(self, cache, input_ids, attention_mask, a, b):
+        """The model over positions [a, b) of input_ids into `cache` (no logits kept but the last)."""
+        pos = attention_mask.long().cumsum(-1) - 1             # as generate computes position ids
+        pos.masked_fill_(attention_mask == 0, 1)
+        extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {}
+        self.model(input_ids=input_ids[:, a:b], attention_mask=attention_mask[:, :b], position_ids=pos[:, a:b],
+                   past_key_values=cache, use_cache=True, cache_position=torch.arange(a, b, device=input_ids.device),
+                   **extra)
 
     def _choose_transport(self, session, pool, host_jobs):
         """A CUDA model's decode round trip: the CUDA extension where HeteroConfig.transport and the
@@ -368,6 +496,11 @@ class HeteroGenerator:
     def close(self):
         """Stop the workers and free every shared segment; restore the model's modules. Idempotent."""
         self._closed = True
+        for ctx in list(self._contexts):
+            try:
+                ctx.close()
+            except WorkerError:
+                pass
         self._hooks.remove()
         if self._store is not None:
             self._store.close()

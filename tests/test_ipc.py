@@ -378,9 +378,12 @@ def test_job_wakes_only_the_workers_it_uses():
         pool.close()
 
 
-def test_one_session_per_pool():
+def test_pool_maps_one_session_at_a_time():
+    """Two sessions on one pool (a context and a call, or two contexts): opening or continuing one
+    maps it in the workers and unmaps the other, whose segment stays; closing unlinks both."""
     import torch
 
+    from hetero.cpu_attention.planner import StaticPlanner
     from hetero.model_spec import ModelSpec
     from hetero.offload.session import KVSession
 
@@ -390,10 +393,14 @@ def test_one_session_per_pool():
     pool = WorkerPool(1, [])
     try:
         first = KVSession(pool, spec, pads=[0], real_lens=[4], cap=40)
-        with pytest.raises(RuntimeError, match="already serves an open KV session"):
-            KVSession(pool, spec, pads=[0], real_lens=[4], cap=40)
+        second = KVSession(pool, spec, pads=[0], real_lens=[4], cap=40)
+        assert pool.session is second and second.opened and not first.opened
+        first.begin_call(pool, StaticPlanner(1))
+        assert pool.session is first and first.opened and not second.opened
+        second.close()                                   # not mapped: no worker job, just unlinked
+        assert pool.session is first
         first.close()
-        KVSession(pool, spec, pads=[0], real_lens=[4], cap=40).close()
+        assert pool.session is None
     finally:
         pool.close()
     assert set(_ours()) <= before

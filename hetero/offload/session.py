@@ -103,8 +103,10 @@ class KVSession:
         return t if arr.dtype == np.float32 else t.view(self.spec.dtype)
 
     def _open(self):
-        if self.pool.session is not None:
-            raise RuntimeError("this worker pool already serves an open KV session; close it first")
+        """Map this session in the pool's workers (CMD_OPEN; they drop the one they had mapped)."""
+        other = self.pool.session
+        if other is not None and other is not self:
+            other.opened = False                      # its segment stays; the workers unmap it now
         self.pool.drain()
         w, lay = self.pool.words, self.layout
         w[C.S_BATCH], w[C.S_HQ], w[C.S_HKV], w[C.S_HDIM] = lay.batch, lay.q_heads, lay.kv_heads, lay.head_dim
@@ -115,6 +117,26 @@ class KVSession:
         self.pool.run(C.CMD_OPEN)
         self.opened = True
         self.pool.session = self
+
+    def begin_call(self, pool, planner):
+        """Before a call continues this session (a Context): map it in `pool`'s workers if it is
+        not (a pool serves one mapped session at a time, and a broken pool is replaced between
+        calls), take the call's planner, forget a failed call's half-done layer."""
+        self.planner = planner
+        self.pending = [False] * self.spec.layers
+        if self.pool is not pool or pool.session is not self:
+            self.pool = pool
+            self._open()
+        if self.prefilled:
+            self._plan_step(self._planned_T)
+
+    def end_call(self):
+        """After a call on a session that stays open: release its transport (a GPU's page locks)
+        and check the workers, so a death unnoticed during the call raises from that call."""
+        t, self.transport = self.transport, CpuTransport()
+        t.close()
+        if self.opened and not self.pool.closed and self.pool.broken is None:
+            self.pool.run(C.CMD_PING)
 
     def note_update(self, layer):
         """HeteroLayer.update of `layer` ran: its attention call comes next."""

@@ -1,0 +1,48 @@
+"""Context: one request's KV kept in shared memory between calls (HeteroGenerator.prefill).
+
+A long document, or a conversation so far, is prefilled once; each later generate(new_ids,
+context=ctx) prefills only the new tokens over the cached KV (their attention on the CPU
+workers) and decodes. The arena is the context's own KVSession segment; the worker pool maps
+one session at a time and maps a context's again when a call continues it.
+"""
+import torch
+
+
+class Context:
+    def __init__(self, generator, session, token_ids):
+        self.generator, self.session = generator, session
+        self.token_ids = token_ids                             # [n] int64, CPU: tokens whose KV is cached
+        self.pending = torch.empty(0, dtype=torch.long)        # generated after them, not yet cached (the
+        self.closed = False                                    # last token of a call): fed by the next call
+
+    @property
+    def length(self):
+        """Tokens whose KV the context holds."""
+        return int(self.session.lengths[0])
+
+    @property
+    def capacity(self):
+        """KV rows the context can hold (prompt + reserve, in whole blocks)."""
+        return self.session.layout.cap
+
+    @property
+    def tokens(self):
+        """Every token of the context so far: the cached ones, then the pending ones."""
+        return torch.cat([self.token_ids, self.pending])
+
+    def close(self):
+        """Free the context's shared memory. Idempotent."""
+        if not self.closed:
+            self.closed = True
+            self.generator._contexts.discard(self)
+            self.session.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        state = "closed" if self.closed else f"{self.length} tokens cached, room for {self.capacity}"
+        return f"Context({state})"

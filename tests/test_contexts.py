@@ -1,0 +1,99 @@
+"""Contexts (HeteroGenerator.prefill): a request's KV kept in shared memory between calls. Each
+call continuing a context must give what HF generate gives on the whole conversation so far."""
+import os
+
+import pytest
+import torch
+
+from hetero import CapacityError, HeteroConfig, HeteroGenerator
+from tests.conftest import VOCAB, build_model, our_segments
+
+KW = dict(do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_scores=True)
+
+
+def hf(model, ids, new):
+    return model.generate(ids[None], attention_mask=torch.ones_like(ids)[None], max_new_tokens=new, **KW)
+
+
+def turns(seed, *lengths):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=g) for n in lengths]
+
+
+@pytest.mark.parametrize("model_type,chunk", [("llama", None), ("mistral", 4), ("gemma2", None)])
+def test_multi_turn_context_matches_hf_on_the_whole_conversation(model_type, chunk):
+    """prefill a document, then three turns: each turn's new message (longer than a continuation
+    piece in one turn) is prefilled over the cached KV on the workers and decoded; tokens and
+    scores equal HF generate over [document, turn 1, answer 1, ..., turn k]."""
+    model, _ = build_model(model_type)
+    doc, *msgs = turns(1, 40, 7, 19, 1)
+    with HeteroGenerator(model, config=HeteroConfig(cpu_workers=2, prefill_chunk=chunk)) as gen:
+        ctx = gen.prefill(doc[None], reserve=120)
+        assert ctx.length == 40 and torch.equal(ctx.tokens, doc)
+        history = doc
+        for msg, new in zip(msgs, (5, 6, 4)):
+            conv = torch.cat([history, msg])
+            ref = hf(model, conv, new)
+            out = gen.generate(msg[None], context=ctx, max_new_tokens=new, **KW)
+            assert torch.equal(out.sequences, ref.sequences)                 # starts with the conversation
+            for a, b in zip(out.scores, ref.scores):
+                torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+            history = out.sequences[0]
+            assert torch.equal(ctx.tokens, history) and ctx.length == len(history) - 1    # last token pending
+        ctx.close()
+        ctx.close()                                                           # idempotent
+
+
+def test_contexts_interleave_with_each_other_and_with_plain_generate(llama):
+    """Two contexts and one-shot generates alternate on one pool (it maps one session at a time)."""
+    a_doc, b_doc, a_msg, b_msg, plain = turns(2, 30, 25, 6, 5, 12)
+    with HeteroGenerator(llama, cpu_workers=2) as gen:
+        a, b = gen.prefill(a_doc[None]), gen.prefill(b_doc[None])
+        out_plain = gen.generate(plain[None], max_new_tokens=4, **KW)
+        out_b = gen.generate(b_msg[None], context=b, max_new_tokens=4, **KW)
+        out_a = gen.generate(a_msg[None], context=a, max_new_tokens=4, **KW)
+        assert torch.equal(out_plain.sequences, hf(llama, plain, 4).sequences)
+        assert torch.equal(out_a.sequences, hf(llama, torch.cat([a_doc, a_msg]), 4).sequences)
+        assert torch.equal(out_b.sequences, hf(llama, torch.cat([b_doc, b_msg]), 4).sequences)
+        assert len(our_segments(os.getpid())) >= 2                           # both arenas alive
+        a.close()
+        with pytest.raises(ValueError, match="open Context"):
+            gen.generate(a_msg[None], context=a, max_new_tokens=2)
+    assert b.closed                                                           # closed with the generator
+
+
+def test_context_capacity_and_bad_input(llama):
+    doc, msg = turns(3, 20, 5)
+    with HeteroGenerator(llama, cpu_workers=1) as gen:
+        with gen.prefill(doc[None], reserve=8) as ctx:                        # 28 rows -> one block of 32
+            assert ctx.capacity == 32
+            with pytest.raises(CapacityError, match="reserve"):
+                gen.generate(msg[None], context=ctx, max_new_tokens=10)
+            out = gen.generate(msg[None], context=ctx, max_new_tokens=3, pad_token_id=0)
+            assert out.shape[1] == 28
+            with pytest.raises(ValueError, match="one request"):
+                gen.generate(torch.stack([msg, msg]), context=ctx, max_new_tokens=2)
+        with pytest.raises(ValueError, match="one request"):
+            gen.prefill(torch.stack([doc, doc]))
+        with pytest.raises(ValueError, match="padded"):
+            gen.prefill(doc[None], attention_mask=torch.cat([torch.zeros(1, 1, dtype=torch.long),
+                                                              torch.ones(1, 19, dtype=torch.long)], 1))
+    with pytest.raises(ValueError, match="open Context"):
+        with HeteroGenerator(llama, cpu_workers=1) as other:
+            other.generate(msg[None], context=ctx, max_new_tokens=2)
+
+
+def test_context_survives_a_dead_worker(llama):
+    """A worker killed between calls: the next call replaces the pool, which maps the context's
+    arena again (the KV lives in the parent's segment, not in the workers), and gives HF's tokens."""
+    import signal
+
+    doc, msg = turns(4, 33, 6)
+    with HeteroGenerator(llama, cpu_workers=2) as gen:
+        ctx = gen.prefill(doc[None])
+        old = gen._pool
+        os.kill(old.procs[0].pid, signal.SIGKILL)
+        old.procs[0].wait()
+        out = gen.generate(msg[None], context=ctx, max_new_tokens=4, **KW)
+        assert gen._pool is not old and ctx.session.pool is gen._pool
+        assert torch.equal(out.sequences, hf(llama, torch.cat([doc, msg]), 4).sequences)
