@@ -100,6 +100,23 @@ def lora_tables():
     return "\n".join(lines)
 
 
+def contexts_table():
+    r = _load("contexts.json")
+    if r is None:
+        return ""
+    m, spread = r["median_s"], {k: (min(v), max(v)) for k, v in r["runs_s"].items()}
+    names = {"ttft_cached": "time to first token, question over the cached context",
+             "ttft_hetero": "time to first token, hetero re-prefilling document + question",
+             "ttft_hf": "time to first token, HF generate re-prefilling document + question",
+             "prefill_s": "prefill of the document (gen.prefill)",
+             "load_s": f"load of the saved context ({r['saved_file_bytes'] / 2**20:.0f} MB file, page-cached)"}
+    out = [f"{r['model']}, a {r['context'] // 1024}K-token document and a {r['question']}-token question, "
+           f"{r['rounds']} rounds (median [fastest-slowest]):", "", "| what | seconds |", "|---|---|"]
+    out += [f"| {names[k]} | {m[k]:.3f} [{spread[k][0]:.3f}-{spread[k][1]:.3f}] |" for k in names]
+    out += ["", *_targets([(k, f"{v}x", met) for k, (v, met) in r["summary"].items() if met is not None])]
+    return "\n".join(out)
+
+
 if __name__ == "__main__":
     print(decode_tables())
     print()
@@ -108,3 +125,5 @@ if __name__ == "__main__":
     print(ipc_table())
     print()
     print(lora_tables())
+    print()
+    print(contexts_table())

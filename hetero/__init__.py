@@ -10,7 +10,8 @@ _EXPORTS = {
     "HeteroConfig": "hetero.config",
     "Context": "hetero.context",
     **{name: "hetero.errors" for name in ("HeteroError", "UnsupportedModelError", "CapacityError", "WorkerError",
-                                          "WorkerDiedError", "GeneratorClosedError", "AdapterError")},
+                                          "WorkerDiedError", "GeneratorClosedError", "AdapterError",
+                                          "ContextFileError")},
 }
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"

@@ -30,6 +30,15 @@ class Context:
         """Every token of the context so far: the cached ones, then the pending ones."""
         return torch.cat([self.token_ids, self.pending])
 
+    def save(self, path):
+        """Write the context (its KV, tokens and the model's fingerprint) to a memory-mappable file;
+        HeteroGenerator.load_context(path) brings it back without a prefill."""
+        if self.closed:
+            raise ValueError("save() on a closed Context")
+        from hetero.offload import saved
+
+        saved.save(self, path)
+
     def close(self):
         """Free the context's shared memory. Idempotent."""
         if not self.closed:

@@ -27,3 +27,7 @@ class GeneratorClosedError(HeteroError):
 
 class AdapterError(HeteroError, ValueError):
     """A LoRA adapter cannot be loaded or used (unsupported variant, wrong base model, unknown name)."""
+
+
+class ContextFileError(HeteroError, ValueError):
+    """A saved context that cannot be loaded into this model: truncated, corrupted or mismatched."""

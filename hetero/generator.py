@@ -414,6 +414,36 @@ class HeteroGenerator:
         self._contexts.add(ctx)
         return ctx
 
+    def load_context(self, path, reserve=None):
+        """A Context saved by Context.save, copied into a new arena (no prefill). The file must
+        come from this model (same attention shape and projection weights) and be whole: else
+        ContextFileError, and nothing is left allocated. `reserve` as in prefill()."""
+        from hetero.offload import saved
+
+        if self._closed:
+            raise GeneratorClosedError("load_context() called on a closed HeteroGenerator")
+        header = saved.read_header(path)
+        saved.check_model(header, self.model, self.spec, path)
+        n = header["length"]
+        if reserve is None:
+            room = None if self.spec.max_positions is None else self.spec.max_positions - n
+            reserve = DEFAULT_RESERVE if room is None else max(1, min(DEFAULT_RESERVE, room))
+        tmax = self.config.prefill_chunk or CONTINUE_CHUNK
+        pads, real, cap = self._plan_cache(torch.ones(1, n, dtype=torch.long), reserve, tmax=tmax)
+        with self._exclusive():
+            pool = self._ensure_pool()
+            session = KVSession(pool, self.spec, pads, real, cap, planner=self._ensure_planner(pool), tmax=tmax)
+            try:
+                saved.fill(session, header, path)
+                session.finish_prefill()
+            except BaseException:
+                session.close()
+                raise
+        ctx = Context(self, session, torch.tensor(header["tokens"], dtype=torch.long))
+        ctx.pending = torch.tensor(header["pending"], dtype=torch.long)
+        self._contexts.add(ctx)
+        return ctx
+
     def _generate_in_context(self, ctx, input_ids, attention_mask, max_new_tokens, gen_config, objects, lora,
                              extend=True):
         """generate() continuing `ctx`: [cached tokens, the last call's unstored token, new tokens].

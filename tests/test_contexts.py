@@ -117,3 +117,60 @@ def test_questions_over_one_document_leave_it_unchanged(model_type):
             for a, b in zip(out.scores, ref.scores):
                 torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
             assert ctx.length == 45 and torch.equal(ctx.tokens, doc)
+
+
+@pytest.mark.parametrize("model_type,dtype", [("llama", torch.float32), ("mistral", torch.bfloat16)])
+def test_saved_context_loads_without_prefill_and_continues_exactly(tmp_path, model_type, dtype):
+    """save after a turn, load into a new generator: same tokens, the same KV rows, and the next
+    turn's output equals the original context's (and HF's in fp32); mistral keeps only its
+    window's rows (the file holds those: with 4-token pieces its ring, 64 rows, is shorter than
+    the context)."""
+    from hetero.offload import saved
+    model, _ = build_model(model_type, dtype=dtype)
+    doc, msg, nxt = turns(6, 50, 7, 5)
+    path = tmp_path / "doc.ctx"
+    config = HeteroConfig(cpu_workers=2, prefill_chunk=4 if model_type == "mistral" else None)
+    with HeteroGenerator(model, config=config) as gen:
+        ctx = gen.prefill(doc[None])
+        gen.generate(msg[None], context=ctx, max_new_tokens=4, **KW)
+        ctx.save(path)
+        tokens, pending = ctx.token_ids.clone(), ctx.pending.clone()
+        expect = gen.generate(nxt[None], context=ctx, max_new_tokens=5, **KW)
+    starts = {lay["start"] for lay in saved.read_header(path)["layers"]}
+    assert starts == ({32} if model_type == "mistral" else {0})            # 60 rows; window 6 -> from 32
+    with HeteroGenerator(model, config=config) as gen:
+        loaded = gen.load_context(path)
+        assert torch.equal(loaded.token_ids, tokens) and torch.equal(loaded.pending, pending)
+        assert loaded.length == len(tokens) and len(pending) == 1
+        got = gen.generate(nxt[None], context=loaded, max_new_tokens=5, **KW)
+    assert torch.equal(got.sequences, expect.sequences)
+    for a, b in zip(got.scores, expect.scores):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)                    # the same KV: bit-identical
+    if dtype == torch.float32:
+        assert torch.equal(got.sequences, hf(model, got.sequences[0, :-5], 5).sequences)
+
+
+def test_bad_context_files_raise_and_leave_nothing(tmp_path, llama):
+    from hetero import ContextFileError
+
+    doc = turns(7, 40)[0]
+    good = tmp_path / "good.ctx"
+    with HeteroGenerator(llama, cpu_workers=1) as gen:
+        with gen.prefill(doc[None]) as ctx:
+            ctx.save(good)
+        data = good.read_bytes()
+        before = set(our_segments(os.getpid()))
+        cases = {"truncated": data[:-100], "not a context": b"hello" * 100,
+                 "corrupted": data[:-10] + bytes(b ^ 0xFF for b in data[-10:])}
+        for what, blob in cases.items():
+            bad = tmp_path / f"{what}.ctx"
+            bad.write_bytes(blob)
+            with pytest.raises(ContextFileError, match="truncated|bad magic|corrupted"):
+                gen.load_context(bad)
+            assert set(our_segments(os.getpid())) == before                 # nothing half-loaded
+        other, _ = build_model("llama", seed=1)                             # same shape, other weights
+        with HeteroGenerator(other, cpu_workers=1) as gen2:
+            with pytest.raises(ContextFileError, match="another model: attention_weights_sha256"):
+                gen2.load_context(good)
+        with pytest.raises(ContextFileError, match="cannot read"):
+            gen.load_context(tmp_path / "missing.ctx")
