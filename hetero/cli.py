@@ -1,4 +1,5 @@
-"""`hetero` command line: `hetero demo` (the embedded default job) and `hetero info`."""
+"""`hetero` command line: `hetero demo` (the embedded default job), `hetero chat`, `hetero info`,
+`hetero profile`."""
 import argparse
 import os
 import time
@@ -74,6 +75,68 @@ def demo(args):
     return 0 if same else 1
 
 
+def chat(args):
+    """Multi-turn chat with the embedded SmolLM2 (or --model PATH) over stdin: the conversation is
+    one Context, so each turn prefills only its new tokens over the cached KV."""
+    import sys
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
+
+    from hetero import HeteroGenerator
+    from hetero.models import load_smollm2
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    if args.model:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
+        tok = AutoTokenizer.from_pretrained(args.model)
+    else:
+        model, tok = load_smollm2(dtype)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    sample = dict(do_sample=True, temperature=args.temperature) if args.temperature > 0 else dict(do_sample=False)
+    interactive = sys.stdin.isatty()
+    ctx = None
+    with HeteroGenerator(model, cpu_workers=args.workers) as gen:
+        while True:
+            try:
+                line = input("you> " if interactive else "")
+            except EOFError:
+                break
+            if not line.strip():
+                continue
+            messages.append({"role": "user", "content": line})
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            full = torch.tensor(tok(text, add_special_tokens=False)["input_ids"])
+            fed = ctx.tokens if ctx is not None else None
+            if fed is None or len(fed) >= len(full) or not torch.equal(full[:len(fed)], fed):
+                if ctx is not None:           # the template re-tokenized the history differently
+                    ctx.close()
+                ctx = gen.prefill(full[None, :-1], reserve=args.reserve)
+                fed = ctx.tokens
+            new = full[len(fed):]
+            print("bot> ", end="", flush=True)
+            clock = _Clock()
+            streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
+
+            class Both:                       # print the tokens and time them
+                def put(self, v):
+                    clock.put(v)
+                    streamer.put(v)
+
+                def end(self):
+                    streamer.end()
+
+            out = gen.generate(new[None], context=ctx, max_new_tokens=args.max_new_tokens, streamer=Both(),
+                               pad_token_id=tok.eos_token_id, **sample)
+            answer = tok.decode(out[0, len(full):], skip_special_tokens=True).strip()
+            messages.append({"role": "assistant", "content": answer})
+            print(f"     [{len(new)} new tokens prefilled over {len(fed)} cached; first token after "
+                  f"{clock.prefill:.2f} s, {clock.per_token_ms:.0f} ms/token]", flush=True)
+        if ctx is not None:
+            ctx.close()
+    return 0
+
+
 def info(args):
     from hetero import HeteroConfig
 
@@ -129,6 +192,16 @@ def main(argv=None):
     d.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     d.add_argument("--workers", type=int, default=None)
     d.set_defaults(fn=demo)
+    c = sub.add_parser("chat", help="multi-turn chat (stdin) with the embedded SmolLM2: each turn prefills "
+                                    "only its new tokens over the conversation's cached KV")
+    c.add_argument("--model", default=None, help="a transformers causal LM directory (default: SmolLM2-135M-Instruct)")
+    c.add_argument("--system", default=None, help="a system message")
+    c.add_argument("--max-new-tokens", type=int, default=128)
+    c.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    c.add_argument("--reserve", type=int, default=None, help="KV rows kept free for the conversation")
+    c.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    c.add_argument("--workers", type=int, default=None)
+    c.set_defaults(fn=chat)
     i = sub.add_parser("info", help="what the engine would use on this machine")
     i.add_argument("--workers", type=int, default=None)
     i.set_defaults(fn=info)

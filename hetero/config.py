@@ -22,6 +22,8 @@ class HeteroConfig:
                                           # or stuck worker); progress = a unit taken or a worker finished
     profile: str = "auto"                 # "auto": plan decode steps from a measured profile (cached on disk,
                                           # measured on first use); "off": every worker, a fixed split rule
+    context_memory: int | None = None     # bytes the open contexts' arenas may hold together (None: no budget);
+                                          # a new context closes unreferenced ones (LRU) or raises CapacityError
     prefill_chunk: int | None = None      # prompt tokens per forward after the first (None: one pass): each later
                                           # chunk attends to the cached KV on the CPU workers
     transport: str = "auto"               # a CUDA model's decode round trip: "auto": the CUDA extension (hetero/
@@ -33,6 +35,7 @@ class HeteroConfig:
         _check_int("cpu_workers", self.cpu_workers, 1)
         _check_int("max_cache_tokens", self.max_cache_tokens, 1)
         _check_int("prefill_chunk", self.prefill_chunk, 1)
+        _check_int("context_memory", self.context_memory, 1)
         _check_int("spin_budget", self.spin_budget, 1, allow_none=False)
         if not (isinstance(self.ram_fraction, (int, float)) and 0 < self.ram_fraction <= 1):
             raise ValueError(f"HeteroConfig.ram_fraction must be in (0, 1], got {self.ram_fraction!r}")

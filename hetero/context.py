@@ -43,7 +43,7 @@ class Context:
         """Free the context's shared memory. Idempotent."""
         if not self.closed:
             self.closed = True
-            self.generator._contexts.discard(self)
+            self.generator._forget(self)
             self.session.close()
 
     def __enter__(self):

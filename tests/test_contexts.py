@@ -174,3 +174,28 @@ def test_bad_context_files_raise_and_leave_nothing(tmp_path, llama):
                 gen2.load_context(good)
         with pytest.raises(ContextFileError, match="cannot read"):
             gen.load_context(tmp_path / "missing.ctx")
+
+
+def test_context_memory_budget_evicts_unreferenced_contexts_first(llama):
+    """HeteroConfig.context_memory: a new context closes contexts nobody references any more,
+    least recently used first; when every context is still referenced, CapacityError."""
+    import gc
+
+    doc = turns(8, 30)[0]
+    with HeteroGenerator(llama, config=HeteroConfig(cpu_workers=1)) as probe:
+        with probe.prefill(doc[None], reserve=30) as c:
+            size = c.session.layout.nbytes
+    with HeteroGenerator(llama, config=HeteroConfig(cpu_workers=1, context_memory=2 * size)) as gen:
+        a = gen.prefill(doc[None], reserve=30)
+        b = gen.prefill(doc[None], reserve=30)
+        with pytest.raises(CapacityError, match="still referenced"):
+            gen.prefill(doc[None], reserve=30)
+        a_session = a.session
+        del a
+        gc.collect()
+        c = gen.prefill(doc[None], reserve=30)                # a's arena is closed for it
+        assert a_session.lengths is None and not b.closed and not c.closed
+        out = gen.generate(turns(9, 4)[0][None], context=b, max_new_tokens=2, pad_token_id=0)
+        assert out.shape[1] == 36
+    with pytest.raises(ValueError, match="context_memory"):
+        HeteroConfig(context_memory=0)
