@@ -83,7 +83,7 @@ def chat(args):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
-    from hetero import HeteroGenerator
+    from hetero import CapacityError, HeteroGenerator
     from hetero.models import load_smollm2
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
@@ -126,8 +126,19 @@ def chat(args):
                 def end(self):
                     streamer.end()
 
-            out = gen.generate(new[None], context=ctx, max_new_tokens=args.max_new_tokens, streamer=Both(),
-                               pad_token_id=tok.eos_token_id, **sample)
+            kw = dict(max_new_tokens=args.max_new_tokens, streamer=Both(), pad_token_id=tok.eos_token_id, **sample)
+            try:
+                out = gen.generate(new[None], context=ctx, **kw)
+            except CapacityError:                 # the conversation outgrew the context's reserve
+                ctx.close()
+                try:
+                    ctx = gen.prefill(full[None, :-1], reserve=args.reserve)
+                except CapacityError as e:        # past the model's positions: the chat is over
+                    print(f"\n[{e}]")
+                    break
+                fed = ctx.tokens
+                new = full[len(fed):]
+                out = gen.generate(new[None], context=ctx, **kw)
             answer = tok.decode(out[0, len(full):], skip_special_tokens=True).strip()
             messages.append({"role": "assistant", "content": answer})
             print(f"     [{len(new)} new tokens prefilled over {len(fed)} cached; first token after "

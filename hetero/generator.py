@@ -388,6 +388,7 @@ class HeteroGenerator:
         if reserve is None and isinstance(input_ids, torch.Tensor) and input_ids.ndim == 2:
             room = None if self.spec.max_positions is None else self.spec.max_positions - input_ids.shape[1]
             reserve = DEFAULT_RESERVE if room is None else max(1, min(DEFAULT_RESERVE, room))
+        self._sweep()
         attention_mask, reserve = self._check_inputs(input_ids, attention_mask, reserve)
         if input_ids.shape[0] != 1:
             raise ValueError(f"a context holds one request: input_ids must be [1, S], got {tuple(input_ids.shape)}")
@@ -424,6 +425,13 @@ class HeteroGenerator:
     def _forget(self, ctx):
         self._contexts.pop(id(ctx.session), None)
 
+    def _sweep(self):
+        """Close the contexts nobody references any more (nobody can continue them)."""
+        for key, (session, ref) in list(self._contexts.items()):
+            if ref() is None:
+                del self._contexts[key]
+                session.close()
+
     def _make_room(self, nbytes):
         """Before a new context of `nbytes`: within HeteroConfig.context_memory, closing contexts
         nobody references any more, least recently used first; CapacityError if that is not enough."""
@@ -452,14 +460,18 @@ class HeteroGenerator:
 
         if self._closed:
             raise GeneratorClosedError("load_context() called on a closed HeteroGenerator")
+        self._sweep()
         header = saved.read_header(path)
         saved.check_model(header, self.model, self.spec, path)
         n = header["length"]
+        tokens = torch.tensor(header["tokens"], dtype=torch.long)
+        pending = torch.tensor(header["pending"], dtype=torch.long)
         if reserve is None:
             room = None if self.spec.max_positions is None else self.spec.max_positions - n
             reserve = DEFAULT_RESERVE if room is None else max(1, min(DEFAULT_RESERVE, room))
+        mask, reserve = self._check_inputs(tokens[None].to(self.model.device), None, reserve)
         tmax = self.config.prefill_chunk or CONTINUE_CHUNK
-        pads, real, cap = self._plan_cache(torch.ones(1, n, dtype=torch.long), reserve, tmax=tmax)
+        pads, real, cap = self._plan_cache(mask, reserve, tmax=tmax)
         with self._exclusive():
             self._make_room(KVSession.layout_for(self.spec, 1, cap, tmax).nbytes)
             pool = self._ensure_pool()
@@ -470,8 +482,8 @@ class HeteroGenerator:
             except BaseException:
                 session.close()
                 raise
-        ctx = Context(self, session, torch.tensor(header["tokens"], dtype=torch.long))
-        ctx.pending = torch.tensor(header["pending"], dtype=torch.long)
+        ctx = Context(self, session, tokens)
+        ctx.pending = pending
         return self._keep(ctx)
 
     def _generate_in_context(self, ctx, input_ids, attention_mask, max_new_tokens, gen_config, objects, lora,
@@ -486,22 +498,24 @@ class HeteroGenerator:
             raise ValueError(f"a context continues one request: input_ids must be [1, n], got {tuple(input_ids.shape)}")
         if not bool(attention_mask.all()):
             raise ValueError("the new tokens of a context cannot be padded (attention_mask all ones)")
-        device = self.model.device
-        full = torch.cat([ctx.token_ids, ctx.pending, input_ids[0].to("cpu")]).to(device)[None]   # [1, S]
-        session, cached = ctx.session, ctx.length
-        need = full.shape[1] + max_new_tokens - 1           # KV rows once the last new token is chosen
-        if need > session.layout.cap:
-            raise CapacityError(f"the context holds {cached} tokens and this call adds {full.shape[1] - cached} "
-                                f"+ {max_new_tokens} new: {need} rows, but it was prefilled with room for "
-                                f"{session.layout.cap} (prefill(..., reserve=...))")
-        if self.spec.max_positions is not None and full.shape[1] + max_new_tokens > self.spec.max_positions:
-            raise CapacityError(f"{full.shape[1] + max_new_tokens} positions exceed the model's "
-                                f"max_position_embeddings ({self.spec.max_positions})")
         with self._exclusive():
+            if ctx.closed:
+                raise ValueError("context= takes an open Context from this generator's prefill()")
+            full = torch.cat([ctx.token_ids, ctx.pending, input_ids[0].to("cpu")]).to(self.model.device)[None]
+            session, cached = ctx.session, ctx.length                    # full: [1, S]
+            need = full.shape[1] + max_new_tokens - 1           # KV rows once the last new token is chosen
+            if need > session.layout.cap:
+                raise CapacityError(f"the context holds {cached} tokens and this call adds {full.shape[1] - cached} "
+                                    f"+ {max_new_tokens} new: {need} rows, but it was prefilled with room for "
+                                    f"{session.layout.cap} (prefill(..., reserve=...))")
+            if self.spec.max_positions is not None and full.shape[1] + max_new_tokens > self.spec.max_positions:
+                raise CapacityError(f"{full.shape[1] + max_new_tokens} positions exceed the model's "
+                                    f"max_position_embeddings ({self.spec.max_positions})")
             self._contexts.move_to_end(id(session))          # most recently used
             pool = self._ensure_pool()
             session.begin_call(pool, self._ensure_planner(pool))
             rings = None if extend or not session.layout.ring_layers else (session.Kr.clone(), session.Vr.clone())
+            err = None
             try:
                 with self._routed(session, host_jobs=lora is not None) as cache, torch.inference_mode(), \
                         _active(lora):
@@ -515,23 +529,36 @@ class HeteroGenerator:
                         a += tmax
                     out = self.model.generate(full, attention_mask=mask, past_key_values=cache,
                                               generation_config=gen_config, **objects)
-                session.end_call()
-            except WorkerError:
-                try:
-                    session.end_call()
-                except WorkerError:
-                    pass
+            except BaseException as e:
+                err = e
+            try:
+                session.end_call(check=err is None)          # a GPU's last step settled, its page locks freed
+            except WorkerError as e:
+                err = err or e
+            if not extend:
+                session.rewind(cached, rings)
+            elif err is not None:
+                self._recover(ctx, cached)
+            if isinstance(err, WorkerError) and self._pool is not None:
                 self._pool.close()                           # the context stays; the next call maps it again
-                raise
-            finally:
-                if not extend:
-                    session.rewind(cached, rings)
+            if err is not None:
+                raise err
         if not extend:
             return out
         seq = out if isinstance(out, torch.Tensor) else out.sequences
         stored = int(session.lengths[0])
         ctx.token_ids, ctx.pending = seq[0, :stored].to("cpu"), seq[0, stored:].to("cpu")
         return out
+
+    def _recover(self, ctx, cached):
+        """A call that extends ctx failed midway: some of its rows may be cached. Without sliding
+        -window rings, back to the `cached` rows the context had (later rows are overwritten by
+        the next call); a ring may have been wrapped over rows the context still needs, so such a
+        context is closed (using it again raises), rather than left silently wrong."""
+        if ctx.session.layout.ring_layers == 0:
+            ctx.session.rewind(cached)
+        else:
+            ctx.close()
 
     def _forward(self, cache, input_ids, attention_mask, a, b):
         """The model over positions [a, b) of input_ids into `cache` (no logits kept but the last)."""
@@ -550,19 +577,13 @@ class HeteroGenerator:
             return
         if host_jobs:
             if want == "cuda":
-                session.close()
                 raise UnsupportedModelError("HeteroConfig.transport='cuda' cannot serve LoRA adapters yet "
                                             "(their deltas are host jobs); use transport='auto' or 'host'")
             return
-        try:
-            t = CudaTransport.open(pool, session, self.model.device, quiet=want == "cuda")
-        except BaseException:
-            session.close()
-            raise
+        t = CudaTransport.open(pool, session, self.model.device, quiet=want == "cuda")
         if t is not None:
             session.use_transport(t)
         elif want == "cuda":
-            session.close()
             raise UnsupportedModelError(f"HeteroConfig.transport='cuda': the CUDA extension is unavailable "
                                         f"({CudaTransport.why})")
 

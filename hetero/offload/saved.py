@@ -26,18 +26,25 @@ ALIGN = 4096
 
 def fingerprint(model, spec):
     """What must match between the model that saved a context and the one loading it: the
-    attention shape (hetero's ModelSpec) and a hash of every attention projection (shape and a
-    sample of 64 values from each end: a different checkpoint changes them, reading all the
-    weights would take seconds for a large model)."""
+    attention shape (hetero's ModelSpec) and a hash of the weights (every parameter's name, shape
+    and 64 values from each end: any layer's weights shape the KV; reading all of them would take
+    seconds for a large model). peft's wrapping (`.base_layer`, `lora_` adapters) is left out, so
+    a PeftModel's base matches the plain model; the device does not count."""
     h = hashlib.sha256()
     for name, p in model.named_parameters():
-        if "attn" in name and name.endswith("weight") and p.ndim == 2:
-            flat = p.detach().reshape(-1)
-            h.update(f"{name}:{tuple(p.shape)}".encode())
-            h.update(torch.cat([flat[:64], flat[-64:]]).to("cpu", torch.float32).numpy().tobytes())
+        if "lora_" in name:
+            continue
+        flat = p.detach().reshape(-1)
+        h.update(f"{name.replace('.base_layer', '')}:{tuple(p.shape)}".encode())
+        h.update(torch.cat([flat[:64], flat[-64:]]).to("cpu", torch.float32).numpy().tobytes())
     return {"model_type": spec.model_type, "layers": spec.layers, "q_heads": spec.q_heads,
             "kv_heads": spec.kv_heads, "head_dim": spec.head_dim, "dtype": str(spec.dtype),
-            "windows": list(spec.windows or ()), "attention_weights_sha256": h.hexdigest()}
+            "windows": list(spec.windows or ()), "weights_sha256": h.hexdigest()}
+
+
+def _meta_crc(tokens, pending, length, layers):
+    """The CRC-32 the payload's continues from: the header fields a flipped bit would corrupt."""
+    return zlib.crc32(json.dumps([tokens, pending, length, layers]).encode())
 
 
 def layer_start(n, window):
@@ -60,12 +67,13 @@ def save(ctx, path):
     s = ctx.session
     n = ctx.length
     layers = [{"start": layer_start(n, s.ring_window[i]), "rows": n} for i in range(s.spec.layers)]
-    crc = payload = 0
+    tokens, pending = ctx.token_ids.tolist(), ctx.pending.tolist()
+    crc, payload = _meta_crc(tokens, pending, n, layers), 0
     for raw in _layer_bytes(s, layers):
         crc, payload = zlib.crc32(raw, crc), payload + len(raw)
     header = json.dumps({
         "version": VERSION, "fingerprint": fingerprint(ctx.generator.model, s.spec),
-        "tokens": ctx.token_ids.tolist(), "pending": ctx.pending.tolist(), "length": n,
+        "tokens": tokens, "pending": pending, "length": n,
         "layers": layers, "payload_bytes": payload, "crc32": crc}).encode()
     head = MAGIC + len(header).to_bytes(8, "little") + header
     head += b"\0" * (-len(head) % ALIGN)
@@ -97,14 +105,22 @@ def read_header(path):
         raise ContextFileError(f"cannot read saved context {path}: {e}") from e
     except ValueError as e:
         raise ContextFileError(f"{path}: corrupted header ({e})") from e
-    if header.get("version") != VERSION:
-        raise ContextFileError(f"{path}: format version {header.get('version')}, this hetero reads {VERSION}")
-    header["offset"] = -(-(len(MAGIC) + 8 + n) // ALIGN) * ALIGN
+    if not isinstance(header, dict) or header.get("version") != VERSION:
+        raise ContextFileError(f"{path}: format version {header.get('version') if isinstance(header, dict) else '?'}, "
+                               f"this hetero reads {VERSION}")
+    try:
+        header["offset"] = -(-(len(MAGIC) + 8 + n) // ALIGN) * ALIGN
+        ints = lambda xs: all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in xs)  # noqa: E731
+        ok = (ints(header["tokens"]) and ints(header["pending"]) and ints([header["length"], header["payload_bytes"],
+              header["crc32"]]) and len(header["tokens"]) == header["length"] and header["layers"]
+              and all(ints([lay["start"], lay["rows"]]) for lay in header["layers"]) and "fingerprint" in header)
+    except (KeyError, TypeError) as e:
+        raise ContextFileError(f"{path}: corrupted header (missing or wrong field: {e})") from e
+    if not ok:
+        raise ContextFileError(f"{path}: corrupted header (fields of the wrong type or disagreeing)")
     if size != header["offset"] + header["payload_bytes"]:
         raise ContextFileError(f"{path} is truncated or padded: {size} bytes, the header says "
                                f"{header['offset'] + header['payload_bytes']}")
-    if len(header["tokens"]) != header["length"] or len(header["layers"]) == 0:
-        raise ContextFileError(f"{path}: corrupted header (token count and length disagree)")
     return header
 
 
@@ -128,18 +144,22 @@ def fill(session, header, path):
                                f"says {header['payload_bytes']})")
     mm = np.memmap(path, dtype=np.uint8, mode="r", offset=header["offset"], shape=(header["payload_bytes"],))
     try:
-        off, crc = 0, 0
+        off = 0
+        crc = _meta_crc(header["tokens"], header["pending"], header["length"], header["layers"])
         for i, lay in enumerate(header["layers"]):
             rows = lay["rows"] - lay["start"]
             nbytes = spec.kv_heads * rows * spec.head_dim * itemsize
+            # this session may keep the layer as a smaller ring (another chunk size): its rows only
+            start = max(lay["start"], layer_start(lay["rows"], session.ring_window[i]))
             kv = []
             for _ in range(2):
                 raw = mm[off:off + nbytes]
                 crc = zlib.crc32(raw, crc)
                 arr = torch.from_numpy(np.array(raw).view(np_dtype).reshape(spec.kv_heads, rows, spec.head_dim))
+                arr = arr[:, start - lay["start"]:]
                 kv.append(arr if spec.dtype == torch.float32 else arr.view(spec.dtype))
                 off += nbytes
-            session.write_rows(i, 0, kv[0], kv[1], lay["start"])
+            session.write_rows(i, 0, kv[0], kv[1], start)
         if crc != header["crc32"]:
             raise ContextFileError(f"{path} is corrupted: payload CRC-32 {crc:#010x}, the header says "
                                    f"{header['crc32']:#010x}")

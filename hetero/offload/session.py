@@ -130,17 +130,26 @@ class KVSession:
         if self.prefilled:
             self._plan_step(self._planned_T)
 
-    def end_call(self):
-        """After a call on a session that stays open: release its transport (a GPU's page locks)
-        and check the workers, so a death unnoticed during the call raises from that call."""
+    def end_call(self, check=True):
+        """After a call on a session that stays open: apply a GPU step's deferred length update,
+        release the transport (a GPU's page locks) and, with check, ping the workers, so a death
+        unnoticed during the call raises from that call."""
         t, self.transport = self.transport, CpuTransport()
-        t.close()
-        if self.opened and not self.pool.closed and self.pool.broken is None:
+        try:
+            t.settle(self)
+        finally:
+            t.close()
+        if check and self.opened and not self.pool.closed and self.pool.broken is None:
             self.pool.run(C.CMD_PING)
 
     def rewind(self, length, rings=None):
         """Back to `length` cached rows (batch 1): later rows are ignored and overwritten by later
         appends; rings: (Kr, Vr) copies saved before, put back (a call may have wrapped them)."""
+        if not self.pool.closed and self.pool.broken is None:
+            try:
+                self.pool.drain()          # an interrupted job may still be appending
+            except WorkerError:
+                pass
         self.lengths[0] = length
         if rings is not None:
             self.Kr.copy_(rings[0])
