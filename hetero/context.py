@@ -15,15 +15,21 @@ class Context:
         self.pending = torch.empty(0, dtype=torch.long)        # generated after them, not yet cached (the
         self.closed = False                                    # last token of a call): fed by the next call
 
+    def _open(self):
+        if self.closed:
+            raise ValueError("this Context is closed (ctx.close(), its generator's close(), or a failed call "
+                             "that could not keep it consistent)")
+        return self.session
+
     @property
     def length(self):
         """Tokens whose KV the context holds."""
-        return int(self.session.lengths[0])
+        return int(self._open().lengths[0])
 
     @property
     def capacity(self):
         """KV rows the context can hold (prompt + reserve, in whole blocks)."""
-        return self.session.layout.cap
+        return self._open().layout.cap
 
     @property
     def tokens(self):

@@ -258,3 +258,12 @@ def test_unreferenced_contexts_are_freed_by_the_next_prefill(llama):
         gc.collect()
         gen.prefill(doc[None], reserve=10).close()
         assert len(our_segments(os.getpid())) == base
+
+
+def test_closed_context_says_so(llama):
+    doc = turns(13, 10)[0]
+    with HeteroGenerator(llama, cpu_workers=1) as gen:
+        ctx = gen.prefill(doc[None], reserve=4)
+    assert ctx.closed and "closed" in repr(ctx)
+    with pytest.raises(ValueError, match="Context is closed"):
+        ctx.length
