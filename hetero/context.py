@@ -43,14 +43,16 @@ class Context:
             raise ValueError("save() on a closed Context")
         from hetero.offload import saved
 
-        saved.save(self, path)
+        with self.generator._lock:                  # not while a call on this generator runs
+            saved.save(self, path)
 
     def close(self):
         """Free the context's shared memory. Idempotent."""
-        if not self.closed:
-            self.closed = True
-            self.generator._forget(self)
-            self.session.close()
+        with self.generator._lock:                  # not while a call on this generator runs
+            if not self.closed:
+                self.closed = True
+                self.generator._forget(self)
+                self.session.close()
 
     def __enter__(self):
         return self

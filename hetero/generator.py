@@ -66,7 +66,10 @@ class HeteroGenerator:
         self._contexts = collections.OrderedDict()
         self._hooks = lora_hooks.LoraHooks(model)
         self._closed = False
-        self._lock = threading.Lock()  # one generate (or adapter load) at a time: the pool has one control block
+        # one generate (or adapter load, or context close) at a time: the pool has one control block.
+        # Reentrant so a call can close its own context (_recover); _busy refuses a nested call
+        self._lock = threading.RLock()
+        self._busy = False
         attention.register()
         try:
             self._ensure_pool()
@@ -107,13 +110,20 @@ class HeteroGenerator:
         lora_source.check_name(name, self._store.adapters if self._store else {})
         weights = lora_source.from_directory(name, path, self.model)
         with self._lock:
+            self._refuse_nested("load_adapter")
             self._add_adapter(name, weights)
 
     def unload_adapter(self, name):
         """Remove adapter `name` from the workers and from shared memory."""
         self._adapter(name)
         with self._lock:
+            self._refuse_nested("unload_adapter")
             self._store.remove(name)
+
+    def _refuse_nested(self, what):
+        """Under the lock: this thread is not inside a call (a streamer calling back)."""
+        if self._busy:
+            raise RuntimeError(f"{what} called from inside a call of the same HeteroGenerator; not supported")
 
     def adapter_on_device(self, name):
         """True once `name`'s device copy is ready (before that its prefill runs on the CPU workers)."""
@@ -298,6 +308,10 @@ class HeteroGenerator:
         if unknown:
             raise TypeError(f"generate() got unsupported arguments {unknown}; supported: "
                             f"input_ids, attention_mask, max_new_tokens, {', '.join(sorted(GENERATE_KWARGS))}")
+        if context is not None and max_new_tokens is None and isinstance(context, Context) and not context.closed:
+            gc = self.model.generation_config       # HF's max_length counts the whole sequence
+            max_new_tokens = gc.max_new_tokens if gc.max_new_tokens is not None else \
+                gc.max_length - len(context.tokens) - input_ids.shape[-1]
         attention_mask, max_new_tokens = self._check_inputs(input_ids, attention_mask, max_new_tokens)
         lora = self._lora_batch(adapter_names, input_ids.shape[0])
         if context is not None:
@@ -357,7 +371,14 @@ class HeteroGenerator:
             raise RuntimeError("this HeteroGenerator is already generating (in another thread); "
                                "use one generator per thread")
         try:
-            yield
+            if self._busy:
+                raise RuntimeError("generate/prefill called from inside a call of the same HeteroGenerator "
+                                   "(a streamer or logits processor?); not supported")
+            self._busy = True
+            try:
+                yield
+            finally:
+                self._busy = False
         finally:
             self._lock.release()
 
@@ -588,7 +609,12 @@ class HeteroGenerator:
                                         f"({CudaTransport.why})")
 
     def close(self):
-        """Stop the workers and free every shared segment; restore the model's modules. Idempotent."""
+        """Stop the workers and free every shared segment; restore the model's modules. Idempotent.
+        Waits for a call running in another thread."""
+        with self._lock:
+            self._close()
+
+    def _close(self):
         self._closed = True
         for session, ref in list(self._contexts.values()):
             ctx = ref()

@@ -267,3 +267,41 @@ def test_closed_context_says_so(llama):
     assert ctx.closed and "closed" in repr(ctx)
     with pytest.raises(ValueError, match="Context is closed"):
         ctx.length
+
+
+def test_context_close_from_another_thread_waits_for_the_running_call(llama):
+    """ctx.close() in another thread while a call on the context runs: it waits for the call
+    (which completes correctly) instead of unmapping the arena under it; a nested call from a
+    streamer is refused."""
+    import threading
+    import time
+
+    doc, msg = turns(14, 30, 5)
+    closed_at = []
+
+    class Slow:
+        def put(self, value):
+            time.sleep(0.05)
+
+        def end(self):
+            pass
+
+    with HeteroGenerator(llama, cpu_workers=1) as gen:
+        ctx = gen.prefill(doc[None])
+        closer = threading.Timer(0.1, lambda: (ctx.close(), closed_at.append(time.perf_counter())))
+        closer.start()
+        out = gen.generate(msg[None], context=ctx, max_new_tokens=6, streamer=Slow(), **KW)
+        done = time.perf_counter()
+        closer.join()
+        assert closed_at and closed_at[0] >= done and ctx.closed
+        assert torch.equal(out.sequences, hf(llama, torch.cat([doc, msg]), 6).sequences)
+
+        class Nested:
+            def put(self, value):
+                gen.generate(msg[None], max_new_tokens=1, pad_token_id=0)
+
+            def end(self):
+                pass
+
+        with pytest.raises(RuntimeError, match="from inside a call"):
+            gen.generate(msg[None], max_new_tokens=2, streamer=Nested(), pad_token_id=0)
