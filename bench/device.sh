@@ -6,7 +6,10 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl posix_ipc==1.3.2
 # Then with the device tool: run(command="bash bench/device.sh", carry=[".whl"]).
-# STEPS picks the parts (default all): STEPS="gpu gpu_decode attention ipc" bash bench/device.sh
+# STEPS picks the parts (default all): STEPS="gpu gpu_decode attention ipc" bash bench/device.sh.
+# A device call is limited to 10 minutes: run one step per call (STEPS=gpu, then STEPS=gpu_decode, ...);
+# gpu_decode writes its JSON after every row, so a run cut by the limit still returns what it measured
+# (GPU_DECODE_ARGS="--contexts 8192 65536" narrows it).
 # At most 8 files come back from $OUT: one log per step and one JSON per benchmark.
 set -uo pipefail
 OUT=${OUT:-/tmp/hetero_device}
@@ -32,11 +35,7 @@ for step in ${STEPS:-gpu gpu_decode attention ipc}; do
         gpu)
             python3 -m pytest -q -rs tests/test_gpu.py 2>&1 | tee "$OUT/test_gpu.log" || rc=1 ;;
         gpu_decode)  # Llama-3-8B shape, 8K-128K: hetero (CUDA transport, host copies) vs HF GPU / offloaded / static
-            if python3 bench/gpu_decode.py 2>&1 | tee "$OUT/gpu_decode.log"; then
-                cp bench/results/gpu_decode.json "$OUT"/
-            else
-                rc=1
-            fi ;;
+            python3 bench/gpu_decode.py --copy-to "$OUT" ${GPU_DECODE_ARGS:-} 2>&1 | tee "$OUT/gpu_decode.log" || rc=1 ;;
         attention)   # 16 workers x 5 split counts per row: the long contexts only
             if python3 bench/attention.py --contexts 8192 32768 65536 --out attention_gpu_host 2>&1 | tee "$OUT/attention.log"; then
                 cp bench/results/attention_gpu_host.json bench/results/attention_gpu_host.png "$OUT"/

@@ -174,6 +174,7 @@ def main():
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--out", default="gpu_decode")
+    ap.add_argument("--copy-to", default=None, help="also copy the JSON here after every row (a device's $OUT)")
     ap.add_argument("--one", choices=SYSTEMS, help=argparse.SUPPRESS)
     ap.add_argument("--shape", help=argparse.SUPPRESS)
     ap.add_argument("--context", type=int, help=argparse.SUPPRESS)
@@ -209,7 +210,8 @@ def main():
                       f"{r['peak_gpu_bytes'] / 2**30:6.2f} GiB {r.get('info') or ''}" if "ms" in r else
                       ("OOM" if r.get("oom") else "failed: " + r.get("error", "")[-300:])), flush=True)
             rows.append(row)
-        results[shape] = {"base_ms": base_ms, "rows": rows}
+            results[shape] = {"base_ms": base_ms, "rows": rows}
+            save(args, cores, host_gbps, pcie, results, {})     # partial results survive a time limit
     summary = {}
     for shape, res in results.items():
         by = {r["context"]: r for r in res["rows"]}
@@ -228,13 +230,23 @@ def main():
                 round(x, 3), x <= TARGETS["gpu_memory_growth"])
     for k, (v, met) in summary.items():
         print(f"  {'MET ' if met else 'MISS'} {k}: {v}")
+    print("wrote", save(args, cores, host_gbps, pcie, results, summary))
+
+
+def save(args, cores, host_gbps, pcie, results, summary):
+    import shutil
+
+    import torch
+
     path = write_json(f"{args.out}.json", {
         "bench": "gpu_decode", "machine": machine(), "gpu": torch.cuda.get_device_name(), "cores": cores,
         "host_read_gbps": host_gbps, "pcie_gbps": pcie, "steps": args.steps, "targets": TARGETS,
         "results": results, "summary": summary,
         "note": "ms = median per-token time after 2 warm-up steps, one fresh process per cell; bound = KV bytes / "
                 "all-core host read bandwidth + the base layers' time (HF at 256 tokens)"})
-    print("wrote", path)
+    if args.copy_to:
+        shutil.copy(path, args.copy_to)
+    return path
 
 
 if __name__ == "__main__":
