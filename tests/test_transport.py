@@ -241,3 +241,22 @@ def test_transport_config_is_checked():
 
     with pytest.raises(ValueError, match="transport must be"):
         HeteroConfig(transport="gpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the extension may work here")
+def test_unavailable_extension_falls_back_with_one_log_line(pool, caplog):
+    """Where the CUDA transport cannot be used (here: no CUDA at all), open() returns None and
+    logs why once; the session keeps the exact host-copy transport and nothing stays allocated."""
+    import logging
+
+    s, _ = _session(pool, FixedPlan(1, 1))
+    try:
+        CudaTransport._said.clear()
+        with caplog.at_level(logging.WARNING, logger="hetero"):
+            for _ in range(3):
+                assert CudaTransport.open(pool, s, torch.device("cuda")) is None
+        lines = [r.getMessage() for r in caplog.records if "CUDA transport unavailable" in r.getMessage()]
+        assert len(lines) == 1 and CudaTransport.why
+        assert isinstance(s.transport, CpuTransport) and pool.words[C.AWAKE] == 0
+    finally:
+        s.close()
