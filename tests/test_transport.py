@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from hetero import HeteroGenerator
+from hetero import HeteroConfig, HeteroGenerator
 from hetero.cuda import build
 from hetero.errors import WorkerDiedError, WorkerError
 from hetero.generator import HeteroGenerator as _Gen
@@ -39,6 +39,7 @@ def host_lib():
         lib.hetero_host_publish.argtypes = [vp, i64p, f64p]
         lib.hetero_host_released.argtypes = [vp, ctypes.c_int64]
         lib.hetero_host_merge.argtypes = [vp, vp, vp, i64p, ctypes.c_int64, vp, vp]
+        lib.hetero_host_copy_out.argtypes = [vp, vp, vp, vp, vp, vp, i64p, ctypes.c_int64]
         _HOST.append(lib)
     return _HOST[0]
 
@@ -57,8 +58,9 @@ class _Done:
 
 class HostTransport(CudaTransport):
     """CudaTransport with signal.cu's three kernels done on the host by protocol.h's code: the
-    copy-out (host copies into the staging area), publish (hetero_host_publish), the stream's
-    wait (a spin on hetero_host_released: FIN == UNITS or ABORT) and the merge (hetero_host_merge)."""
+    copy-out (hetero_host_copy_out: the kernel's index math into the staging area), publish
+    (hetero_host_publish), the stream's wait (a spin on hetero_host_released: FIN == UNITS or
+    ABORT) and the merge (hetero_host_merge)."""
     launches = 0
 
     def __init__(self, pool, session):
@@ -68,10 +70,9 @@ class HostTransport(CudaTransport):
         pass
 
     def _launch(self, s, q, k, v, out, sink):
-        T, D = q.shape[2], q.shape[3]
-        s.q[:, :, :T, :D].copy_(q)
-        s.knew[:, :, :T, :D].copy_(k)
-        s.vnew[:, :, :T, :D].copy_(v)
+        # the copy-out kernel's index math, on the host (q, k, v: contiguous, the storage dtype)
+        self.lib.hetero_host_copy_out(q.data_ptr(), k.data_ptr(), v.data_ptr(), s.q.data_ptr(), s.knew.data_ptr(),
+                                      s.vnew.data_ptr(), _p(self.dims), q.element_size())
         words = self.pool.words
         self.lib.hetero_host_publish(words.ctypes.data, _p(self.iparams), _p(self.fparams))
         units = int(self.iparams[5])
@@ -116,21 +117,25 @@ def host_transport(monkeypatch):
     return made
 
 
-@pytest.mark.parametrize("model_type,dtype", [("llama", torch.float32), ("gemma2", torch.float32),
-                                               ("qwen3", torch.bfloat16)])
-def test_cuda_protocol_generate_matches_hf(host_transport, model_type, dtype):
+@pytest.mark.parametrize("model_type,dtype,chunk", [("llama", torch.float32, None), ("gemma2", torch.float32, None),
+                                                     ("qwen3", torch.bfloat16, None), ("mistral", torch.float32, 4)])
+def test_cuda_protocol_generate_matches_hf(host_transport, model_type, dtype, chunk):
     """A whole generate through the CUDA transport's protocol (host build): HF's greedy tokens,
-    scores close; the length update waits for each step's end (settle)."""
+    scores close; the length update waits for each step's end (settle). With chunk, the later
+    prompt chunks go through it too (q_len 4 in a staging of 4 tokens, then q_len 1)."""
     model, _ = build_model(model_type, dtype=dtype)
-    ids, mask = padded_batch()
+    ids, mask = padded_batch(lengths=(20, 14, 9) if chunk else (12, 8, 5))
     kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
               return_dict_in_generate=True, output_scores=True)
     ref = model.generate(ids, **kw)
     before = HostTransport.launches
-    with HeteroGenerator(model, cpu_workers=2) as gen:
+    with HeteroGenerator(model, config=HeteroConfig(cpu_workers=2, prefill_chunk=chunk)) as gen:
         out = gen.generate(ids, **kw)
     assert len(host_transport) == 1 and host_transport[0].watchdog is None     # closed
-    assert HostTransport.launches - before == 5 * model.config.num_hidden_layers   # decode steps x layers
+    # forwards through the workers: one pass, 5 decode steps; chunked (pads 11 + 4 = 15 tokens first),
+    # the chunk [15, 19), then generate's 6 forwards ([19, 20) and 5 decode steps)
+    steps = 5 if chunk is None else 7
+    assert HostTransport.launches - before == steps * model.config.num_hidden_layers
     assert torch.equal(out.sequences, ref.sequences)
     tol = 1e-4 if dtype == torch.float32 else 0.1
     for a, b in zip(out.scores, ref.scores):

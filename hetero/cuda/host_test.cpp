@@ -13,23 +13,50 @@ void hetero_host_publish(int64_t* ctrl, const int64_t* iparams, const double* fp
 
 int hetero_host_released(const int64_t* ctrl, int64_t units) { return job_released(ctrl, units); }
 
-// dims: B, Hq, Hkv, T, D, Tmax, Dp, NS; out [B, T, Hq, D] f32; sinks [Hq] or null.
+static Dims dims_of(const int64_t* d) { return Dims{d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]}; }
+
+// The merge kernel's loop on the host: out [B, T, Hq, D] f32; sinks [Hq] or null.
 void hetero_host_merge(const float* part_o, const float* part_m, const float* part_l, const int64_t* dims,
                        int64_t nsplit, const float* sinks, float* out) {
-    int64_t B = dims[0], Hq = dims[1], Hkv = dims[2], T = dims[3], D = dims[4], Tmax = dims[5], Dp = dims[6],
-            NS = dims[7];
-    int64_t G = Hq / Hkv, rows = G * Tmax;
-    for (int64_t b = 0; b < B; ++b)
-        for (int64_t t = 0; t < T; ++t)
-            for (int64_t qh = 0; qh < Hq; ++qh) {
-                int64_t h = qh / G, r = (qh % G) * T + t;
-                const float* m = part_m + ((b * Hkv + h) * NS) * rows + r;
-                const float* l = part_l + ((b * Hkv + h) * NS) * rows + r;
-                const float* o = part_o + (((b * Hkv + h) * NS) * rows + r) * Dp;
-                float M, den = merge_weight_sum(m, l, rows, nsplit, sinks != nullptr, sinks ? sinks[qh] : 0.f, &M);
-                for (int64_t d = 0; d < D; ++d)
-                    out[((b * T + t) * Hq + qh) * D + d] = merge_value(o, rows * Dp, m, rows, nsplit, M, den, d);
+    const Dims s = dims_of(dims);
+    for (int64_t b = 0; b < s.B; ++b)
+        for (int64_t t = 0; t < s.T; ++t)
+            for (int64_t qh = 0; qh < s.Hq; ++qh) {
+                const PartialRow p = partial_row(b, t, qh, s);
+                const float *m = part_m + p.ml, *l = part_l + p.ml, *o = part_o + p.o;
+                float M, den = merge_weight_sum(m, l, p.rows, nsplit, sinks != nullptr, sinks ? sinks[qh] : 0.f, &M);
+                for (int64_t d = 0; d < s.D; ++d)
+                    out[p.out + d] = merge_value(o, p.rows * s.Dp, m, p.rows, nsplit, M, den, d);
             }
+}
+
+// The copy-out kernel's loop on the host: q [B, Hq, T, D] -> q_st (f32), k/v [B, Hkv, T, D] ->
+// k_st/v_st, for f32 (element_bytes 4) or bf16 (2: q widened by its bits, k/v copied as bits).
+void hetero_host_copy_out(const void* q, const void* k, const void* v, float* q_st, void* k_st, void* v_st,
+                          const int64_t* dims, int64_t element_bytes) {
+    const Dims s = dims_of(dims);
+    const int64_t nq = s.B * s.Hq * s.T * s.D, nk = s.B * s.Hkv * s.T * s.D;
+    for (int64_t i = 0; i < nq + nk; ++i) {
+        if (i < nq) {
+            float x;
+            if (element_bytes == 4) {
+                x = ((const float*)q)[i];
+            } else {
+                uint32_t bits = (uint32_t)((const uint16_t*)q)[i] << 16;
+                __builtin_memcpy(&x, &bits, 4);
+            }
+            q_st[staged_offset(i, s)] = x;
+        } else {
+            const int64_t j = i - nq, o = staged_offset(j, s);
+            if (element_bytes == 4) {
+                ((float*)k_st)[o] = ((const float*)k)[j];
+                ((float*)v_st)[o] = ((const float*)v)[j];
+            } else {
+                ((uint16_t*)k_st)[o] = ((const uint16_t*)k)[j];
+                ((uint16_t*)v_st)[o] = ((const uint16_t*)v)[j];
+            }
+        }
+    }
 }
 
 }  // extern "C"

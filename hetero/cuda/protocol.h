@@ -26,6 +26,31 @@ struct JobParams {
     int64_t active;     // workers 0..active-1 are posted
 };
 
+// Shapes of one layer's round trip (see signal.cu): batch, q heads, kv heads, this step's query
+// tokens, head dim; the staging's token capacity and padded head dim; split slots.
+struct Dims {
+    int64_t B, Hq, Hkv, T, D, Tmax, Dp, NS;
+};
+
+// Element i of a [B, H, T, D] tensor -> its offset in a [B, H, Tmax, Dp] staging array.
+HD int64_t staged_offset(int64_t i, const Dims& s) {
+    int64_t d = i % s.D, t = (i / s.D) % s.T, bh = i / (s.D * s.T);
+    return (bh * s.Tmax + t) * s.Dp + d;
+}
+
+// Output row (b, t, q head qh) of out [B, T, Hq, D]: where its split partials start. The workers
+// write part_m/part_l [B, Hkv, NS, G*Tmax] and part_o [.., Dp] with row r = g*T + t of kv head
+// h, q head = h*G + g (kernel.run_unit); split s is at + s * rows (m, l) and + s * rows * Dp (o).
+struct PartialRow {
+    int64_t ml, o, rows, out;    // offsets of split 0 in part_m/l and part_o; rows = G*Tmax; out row
+};
+
+HD PartialRow partial_row(int64_t b, int64_t t, int64_t qh, const Dims& s) {
+    const int64_t G = s.Hq / s.Hkv, h = qh / G, g = qh % G, rows = G * s.Tmax, r = g * s.T + t;
+    const int64_t ml = ((b * s.Hkv + h) * s.NS) * rows + r;
+    return PartialRow{ml, ml * s.Dp, rows, ((b * s.T + t) * s.Hq + qh) * s.D};
+}
+
 // Full fence for stores that a CPU core reads (system scope).
 HD void fence_system() {
 #ifdef __CUDA_ARCH__

@@ -23,10 +23,6 @@
 
 #include "protocol.h"
 
-struct Dims {
-    int64_t B, Hq, Hkv, T, D, Tmax, Dp, NS;
-};
-
 template <typename T> __device__ __forceinline__ float to_f32(T x);
 template <> __device__ __forceinline__ float to_f32<float>(float x) { return x; }
 template <> __device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -37,12 +33,6 @@ template <> __device__ __forceinline__ float from_f32<float>(float x) { return x
 template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
 
-// Element i of a [B, H, T, D] tensor -> its offset in a [B, H, Tmax, Dp] staging array.
-__device__ __forceinline__ int64_t staged(int64_t i, int64_t T, int64_t D, int64_t Tmax, int64_t Dp) {
-    int64_t d = i % D, t = (i / D) % T, bh = i / (D * T);
-    return (bh * Tmax + t) * Dp + d;
-}
-
 template <typename T>
 __global__ void copy_out_signal(const T* q_in, const T* k_in, const T* v_in, float* q_st, T* k_st, T* v_st,
                                 Dims s, volatile int64_t* ctrl, JobParams p, unsigned int* blocks_done) {
@@ -50,9 +40,9 @@ __global__ void copy_out_signal(const T* q_in, const T* k_in, const T* v_in, flo
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < nq + nk; i += stride) {
         if (i < nq) {
-            q_st[staged(i, s.T, s.D, s.Tmax, s.Dp)] = to_f32(q_in[i]);
+            q_st[staged_offset(i, s)] = to_f32(q_in[i]);
         } else {
-            int64_t j = i - nq, o = staged(j, s.T, s.D, s.Tmax, s.Dp);
+            int64_t j = i - nq, o = staged_offset(j, s);
             k_st[o] = k_in[j];
             v_st[o] = v_in[j];
         }
@@ -79,10 +69,11 @@ template <typename T>
 __global__ void merge_partials(const float* part_o, const float* part_m, const float* part_l, Dims s,
                                int64_t nsplit, const float* sinks, T* out, const volatile int64_t* ctrl) {
     const int64_t qh = blockIdx.x % s.Hq, t = (blockIdx.x / s.Hq) % s.T, b = blockIdx.x / (s.Hq * s.T);
-    const int64_t G = s.Hq / s.Hkv, h = qh / G, g = qh % G, rows = G * s.Tmax, r = g * s.T + t;
-    const volatile float* m = part_m + ((b * s.Hkv + h) * s.NS) * rows + r;   // volatile: workers wrote it
-    const volatile float* l = part_l + ((b * s.Hkv + h) * s.NS) * rows + r;
-    const volatile float* o = part_o + (((b * s.Hkv + h) * s.NS) * rows + r) * s.Dp;
+    const PartialRow p = partial_row(b, t, qh, s);
+    const int64_t rows = p.rows;
+    const volatile float* m = part_m + p.ml;                   // volatile: the workers wrote them
+    const volatile float* l = part_l + p.ml;
+    const volatile float* o = part_o + p.o;
     __shared__ float M, den;
     __shared__ bool aborted;
     if (threadIdx.x == 0) {
@@ -91,7 +82,7 @@ __global__ void merge_partials(const float* part_o, const float* part_m, const f
     }
     __syncthreads();
     for (int64_t d = threadIdx.x; d < s.D; d += blockDim.x)
-        out[((b * s.T + t) * s.Hq + qh) * s.D + d] =
+        out[p.out + d] =
             from_f32<T>(aborted ? 0.f : merge_value(o, rows * s.Dp, m, rows, nsplit, M, den, d));
 }
 
