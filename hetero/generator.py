@@ -64,6 +64,7 @@ class HeteroGenerator:
         # open contexts, least recently used first: id(session) -> (session, weak reference to its Context).
         # A context nobody references any more keeps its arena until space is needed or close()
         self._contexts = collections.OrderedDict()
+        self._parent_affinity = None       # (thread, its affinity) before _pin_parent (a GPU model)
         self._hooks = lora_hooks.LoraHooks(model)
         self._closed = False
         # one generate (or adapter load, or context close) at a time: the pool has one control block.
@@ -186,7 +187,22 @@ class HeteroGenerator:
             self._planner = None
             if self._store is not None:
                 self._store.attach(self._pool)
+            if self.model.device.type == "cuda":
+                self._pin_parent(self._pool.worker_cores)
         return self._pool
+
+    def _pin_parent(self, worker_cores):
+        """A GPU model: the calling thread (the one enqueueing the GPU's work; threads it starts
+        later inherit it) keeps to the cores no worker is pinned to, so workers spinning through a
+        decode step never take its core. close() in the same thread restores the affinity it had.
+        Nothing to do when the workers use every core."""
+        usable = os.sched_getaffinity(0)
+        free = usable - set(worker_cores)
+        if not free or free == usable:
+            return
+        if self._parent_affinity is None:
+            self._parent_affinity = (threading.get_native_id(), usable)
+        os.sched_setaffinity(0, free)
 
     def _ensure_planner(self, pool):
         """The decode planner: from the machine's measured profile (cached on disk) unless profile='off'."""
@@ -630,6 +646,11 @@ class HeteroGenerator:
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+        if self._parent_affinity is not None:
+            tid, cores = self._parent_affinity
+            if tid == threading.get_native_id():
+                os.sched_setaffinity(0, cores)
+            self._parent_affinity = None
 
     def __enter__(self):
         return self

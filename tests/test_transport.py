@@ -265,3 +265,18 @@ def test_unavailable_extension_falls_back_with_one_log_line(pool, caplog):
         assert isinstance(s.transport, CpuTransport) and pool.words[C.AWAKE] == 0
     finally:
         s.close()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
+def test_parent_pinned_off_the_workers_cores_and_restored(llama):
+    """What a GPU model does at pool start (_pin_parent): the calling thread keeps to the cores no
+    worker uses; close() gives it its affinity back."""
+    before = os.sched_getaffinity(0)
+    workers = sorted(before)[1:]
+    gen = HeteroGenerator(llama, cpu_workers=1)
+    try:
+        gen._pin_parent(workers)
+        assert os.sched_getaffinity(0) == before - set(workers)
+    finally:
+        gen.close()
+    assert os.sched_getaffinity(0) == before
