@@ -26,17 +26,29 @@ def _item_ptr(context, builder, arrty, arr, idx):
     return cgutils.get_item_pointer(context, builder, arrty, ary, [idx])
 
 
+def _load(ordering):
+    """codegen of an atomic load of arr[idx] with `ordering`."""
+    def codegen(context, builder, sig, args):
+        ptr = _item_ptr(context, builder, sig.args[0], args[0], args[1])
+        return builder.load_atomic(ptr, ordering, 8)
+    return codegen
+
+
+def _rmw(op, ordering):
+    """codegen of an atomic read-modify-write `op` of arr[idx] with `ordering`; returns the old value."""
+    def codegen(context, builder, sig, args):
+        ptr = _item_ptr(context, builder, sig.args[0], args[0], args[1])
+        v = context.cast(builder, args[2], sig.args[2], types.int64)
+        return builder.atomic_rmw(op, ptr, v, ordering)
+    return codegen
+
+
 @intrinsic
 def atomic_load(typingctx, arr, idx):
     """arr[idx] with acquire ordering (arr: 1-d int64 array)."""
     if not _is_flags(arr):
         return None
-
-    def codegen(context, builder, sig, args):
-        ptr = _item_ptr(context, builder, sig.args[0], args[0], args[1])
-        return builder.load_atomic(ptr, "acquire", 8)
-
-    return types.int64(arr, idx), codegen
+    return types.int64(arr, idx), _load("acquire")
 
 
 @intrinsic
@@ -59,13 +71,7 @@ def fetch_add(typingctx, arr, idx, val):
     """Atomically arr[idx] += val; returns the old value (acq_rel; arr: 1-d int64 array)."""
     if not _is_flags(arr):
         return None
-
-    def codegen(context, builder, sig, args):
-        ptr = _item_ptr(context, builder, sig.args[0], args[0], args[1])
-        v = context.cast(builder, args[2], sig.args[2], types.int64)
-        return builder.atomic_rmw("add", ptr, v, "acq_rel")
-
-    return types.int64(arr, idx, val), codegen
+    return types.int64(arr, idx, val), _rmw("add", "acq_rel")
 
 
 @intrinsic
@@ -90,13 +96,7 @@ def exchange(typingctx, arr, idx, val):
     side of a sleep/wake handshake needs (the store is visible before any later load)."""
     if not _is_flags(arr):
         return None
-
-    def codegen(context, builder, sig, args):
-        ptr = _item_ptr(context, builder, sig.args[0], args[0], args[1])
-        v = context.cast(builder, args[2], sig.args[2], types.int64)
-        return builder.atomic_rmw("xchg", ptr, v, "seq_cst")
-
-    return types.int64(arr, idx, val), codegen
+    return types.int64(arr, idx, val), _rmw("xchg", "seq_cst")
 
 
 @intrinsic
@@ -104,12 +104,7 @@ def load_seq_cst(typingctx, arr, idx):
     """arr[idx] with seq_cst ordering: the other side of exchange()'s handshake."""
     if not _is_flags(arr):
         return None
-
-    def codegen(context, builder, sig, args):
-        ptr = _item_ptr(context, builder, sig.args[0], args[0], args[1])
-        return builder.load_atomic(ptr, "seq_cst", 8)
-
-    return types.int64(arr, idx), codegen
+    return types.int64(arr, idx), _load("seq_cst")
 
 
 @intrinsic
