@@ -6,16 +6,20 @@ import time
 
 
 class _Clock:
-    """A transformers streamer that timestamps tokens: prefill time and median decode time per token."""
+    """A transformers streamer that timestamps tokens: prefill time and median decode time per
+    token; `inner`, another streamer, gets every call too (chat prints the tokens)."""
 
-    def __init__(self):
-        self.stamps = []
+    def __init__(self, inner=None):
+        self.stamps, self.inner = [], inner
 
     def put(self, value):
         self.stamps.append(time.perf_counter())
+        if self.inner is not None:
+            self.inner.put(value)
 
     def end(self):
-        pass
+        if self.inner is not None:
+            self.inner.end()
 
     @property
     def prefill(self):
@@ -97,6 +101,12 @@ def chat(args):
     interactive = sys.stdin.isatty()
     ctx = None
     with HeteroGenerator(model, cpu_workers=args.workers) as gen:
+        def restart(old, full):
+            """A new context holding all of the conversation but its last token."""
+            if old is not None:
+                old.close()
+            return gen.prefill(full[None, :-1], reserve=args.reserve)
+
         while True:
             try:
                 line = input("you> " if interactive else "")
@@ -107,41 +117,26 @@ def chat(args):
             messages.append({"role": "user", "content": line})
             text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             full = torch.tensor(tok(text, add_special_tokens=False)["input_ids"])
-            fed = ctx.tokens if ctx is not None else None
-            if fed is None or len(fed) >= len(full) or not torch.equal(full[:len(fed)], fed):
-                if ctx is not None:           # the template re-tokenized the history differently
-                    ctx.close()
-                ctx = gen.prefill(full[None, :-1], reserve=args.reserve)
-                fed = ctx.tokens
-            new = full[len(fed):]
+            if ctx is None or len(ctx.tokens) >= len(full) or not torch.equal(full[:len(ctx.tokens)], ctx.tokens):
+                ctx = restart(ctx, full)      # first turn, or the template re-tokenized the history
             print("bot> ", end="", flush=True)
-            clock = _Clock()
-            streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
-
-            class Both:                       # print the tokens and time them
-                def put(self, v):
-                    clock.put(v)
-                    streamer.put(v)
-
-                def end(self):
-                    streamer.end()
-
-            kw = dict(max_new_tokens=args.max_new_tokens, streamer=Both(), pad_token_id=tok.eos_token_id, **sample)
+            clock = _Clock(TextStreamer(tok, skip_prompt=True, skip_special_tokens=True))
+            kw = dict(max_new_tokens=args.max_new_tokens, streamer=clock, pad_token_id=tok.eos_token_id, **sample)
+            fed = ctx.tokens
             try:
-                out = gen.generate(new[None], context=ctx, **kw)
-            except CapacityError:                 # the conversation outgrew the context's reserve
-                ctx.close()
+                out = gen.generate(full[None, len(fed):], context=ctx, **kw)
+            except CapacityError:             # the conversation outgrew the context's reserve
                 try:
-                    ctx = gen.prefill(full[None, :-1], reserve=args.reserve)
-                except CapacityError as e:        # past the model's positions: the chat is over
+                    ctx = restart(ctx, full)
+                except CapacityError as e:    # past the model's positions: the chat is over
                     print(f"\n[{e}]")
                     break
                 fed = ctx.tokens
-                new = full[len(fed):]
-                out = gen.generate(new[None], context=ctx, **kw)
+                out = gen.generate(full[None, len(fed):], context=ctx, **kw)
+            new = len(full) - len(fed)
             answer = tok.decode(out[0, len(full):], skip_special_tokens=True).strip()
             messages.append({"role": "assistant", "content": answer})
-            print(f"     [{len(new)} new tokens prefilled over {len(fed)} cached; first token after "
+            print(f"     [{new} new tokens prefilled over {len(fed)} cached; first token after "
                   f"{clock.prefill:.2f} s, {clock.per_token_ms:.0f} ms/token]", flush=True)
         if ctx is not None:
             ctx.close()

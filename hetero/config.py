@@ -23,7 +23,7 @@ class HeteroConfig:
     profile: str = "auto"                 # "auto": plan decode steps from a measured profile (cached on disk,
                                           # measured on first use); "off": every worker, a fixed split rule
     context_memory: int | None = None     # bytes the open contexts' arenas may hold together (None: no budget);
-                                          # a new context closes unreferenced ones (LRU) or raises CapacityError
+                                          # over it (after unreferenced ones are closed) a new context raises CapacityError
     prefill_chunk: int | None = None      # prompt tokens per forward after the first (None: one pass): each later
                                           # chunk attends to the cached KV on the CPU workers
     transport: str = "auto"               # a CUDA model's decode round trip: "auto": the CUDA extension (hetero/

@@ -1,5 +1,4 @@
 """HeteroGenerator: HF-style generate() with the KV cache and decode attention on CPU workers."""
-import collections
 import contextlib
 import copy
 import inspect
@@ -61,10 +60,11 @@ class HeteroGenerator:
         self._pool = None
         self._planner = None
         self._store = None                 # LoRA adapters in shared memory (created on first load)
-        # open contexts, least recently used first: id(session) -> (session, weak reference to its Context).
-        # A context nobody references any more keeps its arena until space is needed or close()
-        self._contexts = collections.OrderedDict()
+        # open contexts: id(session) -> (session, weak reference to its Context). A context nobody
+        # references any more keeps its arena until the next prefill/load_context (_sweep) or close()
+        self._contexts = {}
         self._parent_affinity = None       # (thread, its affinity) before _pin_parent (a GPU model)
+        self._logits_kw = None             # {"logits_to_keep": 1} when the model's forward takes it
         self._hooks = lora_hooks.LoraHooks(model)
         self._closed = False
         # one generate (or adapter load, or context close) at a time: the pool has one control block.
@@ -423,29 +423,42 @@ class HeteroGenerator:
         if self._closed:
             raise GeneratorClosedError("prefill() called on a closed HeteroGenerator")
         if reserve is None and isinstance(input_ids, torch.Tensor) and input_ids.ndim == 2:
-            room = None if self.spec.max_positions is None else self.spec.max_positions - input_ids.shape[1]
-            reserve = DEFAULT_RESERVE if room is None else max(1, min(DEFAULT_RESERVE, room))
+            reserve = self._default_reserve(input_ids.shape[1])
         self._sweep()
         attention_mask, reserve = self._check_inputs(input_ids, attention_mask, reserve)
         if input_ids.shape[0] != 1:
             raise ValueError(f"a context holds one request: input_ids must be [1, S], got {tuple(input_ids.shape)}")
         if not bool(attention_mask.all()):
             raise ValueError("a context's prompt cannot be padded: pass its tokens only (attention_mask all ones)")
+        with self._context_session(attention_mask, reserve) as session:
+            with self._routed(session, host_jobs=False) as cache, torch.inference_mode():
+                chunk = self._chunk(attention_mask)
+                if chunk:                                # all chunks; the last one too
+                    self.prefill_chunks(cache, input_ids, attention_mask, chunk, to_end=True)
+                else:
+                    self._forward(cache, input_ids, attention_mask, 0, input_ids.shape[1])
+            session.end_call()
+        return self._keep(Context(self, session, input_ids[0].detach().to("cpu", torch.long).clone()))
+
+    def _default_reserve(self, n):
+        """prefill/load_context's default reserve for a context of n tokens: DEFAULT_RESERVE rows,
+        within the model's max positions."""
+        room = None if self.spec.max_positions is None else self.spec.max_positions - n
+        return DEFAULT_RESERVE if room is None else max(1, min(DEFAULT_RESERVE, room))
+
+    @contextlib.contextmanager
+    def _context_session(self, attention_mask, reserve):
+        """Under the generator's lock: a new context's session (one request, `reserve` rows free,
+        continuations in pieces of prefill_chunk or CONTINUE_CHUNK tokens) within context_memory;
+        closed again if the body raises (and a pool that died with it)."""
         tmax = self.config.prefill_chunk or CONTINUE_CHUNK
         pads, real, cap = self._plan_cache(attention_mask, reserve, tmax=tmax)
         with self._exclusive():
-            self._make_room(KVSession.layout_for(self.spec, 1, cap, tmax).nbytes)
+            self._check_budget(KVSession.layout_for(self.spec, 1, cap, tmax).nbytes)
             pool = self._ensure_pool()
             session = KVSession(pool, self.spec, pads, real, cap, planner=self._ensure_planner(pool), tmax=tmax)
             try:
-                with self._routed(session, host_jobs=False) as cache, torch.inference_mode():
-                    S = input_ids.shape[1]
-                    chunk = self._chunk(attention_mask)
-                    if chunk:                            # all chunks; the last one too
-                        self.prefill_chunks(cache, input_ids, attention_mask, chunk, to_end=True)
-                    else:
-                        self._forward(cache, input_ids, attention_mask, 0, S)
-                session.end_call()
+                yield session
             except BaseException:
                 try:
                     session.close()
@@ -453,7 +466,6 @@ class HeteroGenerator:
                     if self._pool is not None and not self._pool.alive:
                         self._pool.close()
                 raise
-        return self._keep(Context(self, session, input_ids[0].detach().to("cpu", torch.long).clone()))
 
     def _keep(self, ctx):
         self._contexts[id(ctx.session)] = (ctx.session, weakref.ref(ctx))
@@ -469,21 +481,12 @@ class HeteroGenerator:
                 del self._contexts[key]
                 session.close()
 
-    def _make_room(self, nbytes):
-        """Before a new context of `nbytes`: within HeteroConfig.context_memory, closing contexts
-        nobody references any more, least recently used first; CapacityError if that is not enough."""
+    def _check_budget(self, nbytes):
+        """Before a new context of `nbytes` (after _sweep closed the unreferenced ones): within
+        HeteroConfig.context_memory, or CapacityError naming what the open contexts hold."""
         budget = self.config.context_memory
-        if budget is None:
-            return
         used = sum(s.layout.nbytes for s, _ in self._contexts.values())
-        for key, (session, ref) in list(self._contexts.items()):
-            if used + nbytes <= budget:
-                break
-            if ref() is None:                         # unreferenced: nobody can continue it
-                del self._contexts[key]
-                used -= session.layout.nbytes
-                session.close()
-        if used + nbytes > budget:
+        if budget is not None and used + nbytes > budget:
             held = [f"{s.layout.nbytes / 2**20:.1f} MiB ({int(s.lengths[0])} tokens)" for s, _ in self._contexts.values()]
             raise CapacityError(f"a new context needs {nbytes / 2**20:.1f} MiB, but the open contexts {held} hold "
                                 f"{used / 2**20:.1f} MiB of HeteroConfig.context_memory="
@@ -504,21 +507,11 @@ class HeteroGenerator:
         tokens = torch.tensor(header["tokens"], dtype=torch.long)
         pending = torch.tensor(header["pending"], dtype=torch.long)
         if reserve is None:
-            room = None if self.spec.max_positions is None else self.spec.max_positions - n
-            reserve = DEFAULT_RESERVE if room is None else max(1, min(DEFAULT_RESERVE, room))
+            reserve = self._default_reserve(n)
         mask, reserve = self._check_inputs(tokens[None].to(self.model.device), None, reserve)
-        tmax = self.config.prefill_chunk or CONTINUE_CHUNK
-        pads, real, cap = self._plan_cache(mask, reserve, tmax=tmax)
-        with self._exclusive():
-            self._make_room(KVSession.layout_for(self.spec, 1, cap, tmax).nbytes)
-            pool = self._ensure_pool()
-            session = KVSession(pool, self.spec, pads, real, cap, planner=self._ensure_planner(pool), tmax=tmax)
-            try:
-                saved.fill(session, header, path)
-                session.finish_prefill()
-            except BaseException:
-                session.close()
-                raise
+        with self._context_session(mask, reserve) as session:
+            saved.fill(session, header, path)
+            session.finish_prefill()
         ctx = Context(self, session, tokens)
         ctx.pending = pending
         return self._keep(ctx)
@@ -548,7 +541,6 @@ class HeteroGenerator:
             if self.spec.max_positions is not None and full.shape[1] + max_new_tokens > self.spec.max_positions:
                 raise CapacityError(f"{full.shape[1] + max_new_tokens} positions exceed the model's "
                                     f"max_position_embeddings ({self.spec.max_positions})")
-            self._contexts.move_to_end(id(session))          # most recently used
             pool = self._ensure_pool()
             session.begin_call(pool, self._ensure_planner(pool))
             rings = None if extend or not session.layout.ring_layers else (session.Kr.clone(), session.Vr.clone())
@@ -601,10 +593,12 @@ class HeteroGenerator:
         """The model over positions [a, b) of input_ids into `cache` (no logits kept but the last)."""
         pos = attention_mask.long().cumsum(-1) - 1             # as generate computes position ids
         pos.masked_fill_(attention_mask == 0, 1)
-        extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {}
+        if self._logits_kw is None:
+            self._logits_kw = {"logits_to_keep": 1} if "logits_to_keep" in \
+                inspect.signature(self.model.forward).parameters else {}
         self.model(input_ids=input_ids[:, a:b], attention_mask=attention_mask[:, :b], position_ids=pos[:, a:b],
                    past_key_values=cache, use_cache=True, cache_position=torch.arange(a, b, device=input_ids.device),
-                   **extra)
+                   **self._logits_kw)
 
     def _choose_transport(self, session, pool, host_jobs):
         """A CUDA model's decode round trip: the CUDA extension where HeteroConfig.transport and the

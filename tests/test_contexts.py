@@ -180,8 +180,8 @@ def test_bad_context_files_raise_and_leave_nothing(tmp_path, llama):
 
 
 def test_context_memory_budget_evicts_unreferenced_contexts_first(llama):
-    """HeteroConfig.context_memory: a new context closes contexts nobody references any more,
-    least recently used first; when every context is still referenced, CapacityError."""
+    """HeteroConfig.context_memory: a new context closes contexts nobody references any more;
+    when the referenced ones leave no room, CapacityError."""
     import gc
 
     doc = turns(8, 30)[0]

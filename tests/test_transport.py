@@ -23,7 +23,7 @@ from hetero.errors import WorkerDiedError, WorkerError
 from hetero.generator import HeteroGenerator as _Gen
 from hetero.ipc import control as C
 from hetero.ipc.pool import WorkerPool
-from hetero.ipc.transport import CpuTransport, CudaTransport
+from hetero.ipc.transport import CpuTransport, CudaTransport, _ptr as _p
 from hetero.offload.session import KVSession
 from tests.conftest import build_model, padded_batch
 from tests.test_kernel import FixedPlan
@@ -42,10 +42,6 @@ def host_lib():
         lib.hetero_host_copy_out.argtypes = [vp, vp, vp, vp, vp, vp, i64p, ctypes.c_int64]
         _HOST.append(lib)
     return _HOST[0]
-
-
-def _p(a):
-    return a.ctypes.data_as(ctypes.POINTER(ctypes.c_int64 if a.dtype == np.int64 else ctypes.c_double))
 
 
 class _Done:

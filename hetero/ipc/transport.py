@@ -198,6 +198,7 @@ class CudaTransport:
                               lay.nsplit_max], np.int64)      # B, Hq, Hkv, T, D, Tmax, Dp, NS (signal.cu)
         self.iparams = np.zeros(7, np.int64)    # seq, layer, T, window, nsplit, units, active (JobParams)
         self.fparams = np.zeros(2, np.float64)  # scale, softcap
+        self._args = tuple(map(_ptr, (self.dims, self.iparams, self.fparams)))   # their ctypes pointers, once
         try:
             self._map(session)
             pool.keep_awake(True)               # the GPU posts GO: the workers must not sleep
@@ -237,8 +238,8 @@ class CudaTransport:
             rc = self.lib.hetero_attention_step(
                 stream, s.layout.code, q.data_ptr(), k.data_ptr(), v.data_ptr(), self.dev["q"], self.dev["knew"],
                 self.dev["vnew"], self.dev["part_o"], self.dev["part_m"], self.dev["part_l"],
-                None if sink is None else sink.data_ptr(), out.data_ptr(), _ptr(self.dims), self.ctrl_dev,
-                _ptr(self.iparams), _ptr(self.fparams), self.counter)
+                None if sink is None else sink.data_ptr(), out.data_ptr(), self._args[0], self.ctrl_dev,
+                self._args[1], self._args[2], self.counter)
         self._call(rc, "the attention step launch")
 
     def _event(self):

@@ -5,8 +5,9 @@ libraries, pinned to one core. Imports numpy/numba only (never torch). Loop:
 spin (atomic loads) on its own GO word, then sleep on it (futex), run the job
 named in it (GO = job number and command), publish DONE. An attention job is
 shared with the other workers and the parent through a tagged ticket
-(kernel.run_job): a worker that wakes after its job ended finds it empty. Exits on CMD_EXIT, or when the parent dies (rank
-0 then unlinks the parent's segments, so nothing is left in /dev/shm).
+(kernel.run_job): a worker that wakes after its job ended finds it empty.
+Exits on CMD_EXIT, or when the parent dies (rank 0 then unlinks the parent's
+segments, so nothing is left in /dev/shm).
 """
 import os
 import signal
