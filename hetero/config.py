@@ -26,6 +26,9 @@ class HeteroConfig:
                                           # over it (after unreferenced ones are closed) a new context raises CapacityError
     prefill_chunk: int | None = None      # prompt tokens per forward after the first (None: one pass): each later
                                           # chunk attends to the cached KV on the CPU workers
+    share_contexts: bool = True           # generate(context=[ctx, ctx, ...]): requests continuing one Context read
+                                          # its KV in place, once per step for all of them (False: each request
+                                          # gets a private copy; a model with sliding windows always copies)
     transport: str = "auto"               # a CUDA model's decode round trip: "auto": the CUDA extension (hetero/
                                           # cuda, built with nvcc on first use) when it can be used, else host
                                           # copies (one log line says why); "cuda": the extension or an error;
@@ -45,6 +48,8 @@ class HeteroConfig:
                 raise ValueError(f"HeteroConfig.{name} must be > 0 seconds, got {value!r}")
         if self.profile not in ("auto", "off"):
             raise ValueError(f"HeteroConfig.profile must be 'auto' or 'off', got {self.profile!r}")
+        if not isinstance(self.share_contexts, bool):
+            raise ValueError(f"HeteroConfig.share_contexts must be True or False, got {self.share_contexts!r}")
         if self.transport not in ("auto", "cuda", "host"):
             raise ValueError(f"HeteroConfig.transport must be 'auto', 'cuda' or 'host', got {self.transport!r}")
         if self.worker_cores is not None:

@@ -49,10 +49,16 @@ class Context:
     def close(self):
         """Free the context's shared memory. Idempotent."""
         with self.generator._lock:                  # not while a call on this generator runs
-            if not self.closed:
-                self.closed = True
-                self.generator._forget(self)
-                self.session.close()
+            if self.generator._busy and not self.closed:
+                raise RuntimeError("a Context cannot be closed from inside a call of its generator (a streamer?)")
+            self._close()
+
+    def _close(self):
+        """close(), under the generator's lock (also from inside a call that failed)."""
+        if not self.closed:
+            self.closed = True
+            self.generator._forget(self)
+            self.session.close()
 
     def __enter__(self):
         return self

@@ -21,6 +21,7 @@ from hetero.ipc.pool import WorkerPool
 from hetero.ipc.transport import CudaTransport
 from hetero.model_spec import inspect_model
 from hetero.cpu_attention.planner import ProfiledPlanner, StaticPlanner
+from hetero.cpu_attention.simd import BK
 from hetero.offload.arena import whole_blocks
 from hetero.offload.cache import HeteroCache
 from hetero.offload.session import KVSession
@@ -284,7 +285,7 @@ class HeteroGenerator:
         if to_end:
             self._forward(cache, input_ids, attention_mask, a, S)
 
-    def _plan_cache(self, attention_mask, max_new_tokens, tmax=1):
+    def _plan_cache(self, attention_mask, max_new_tokens, tmax=1, prefix=0):
         real = attention_mask.sum(1).cpu()
         rows = int(real.max()) + max_new_tokens
         cap = whole_blocks(rows)
@@ -293,7 +294,7 @@ class HeteroGenerator:
             raise CapacityError(f"a request needs {rows} KV rows (prompt {int(real.max())} + {max_new_tokens} new) "
                                 f"but the cache capacity is max_cache_tokens={limit}")
         s = self.spec
-        layout = KVSession.layout_for(s, len(real), cap, tmax)   # sliding layers: a ring of their window
+        layout = KVSession.layout_for(s, len(real), cap, tmax, prefix)   # sliding layers: a ring of their window
         rings = f"; {layout.ring_layers} sliding layers keep {layout.ring} rows" if layout.ring_layers else ""
         what = (f"the KV cache for this batch needs {layout.nbytes / 2**30:.2f} GiB ({len(real)} requests x {cap} rows "
                 f"x {s.layers} layers x 2 x {s.kv_heads} heads x {s.head_dim} x {s.dtype}{rings})")
@@ -310,30 +311,45 @@ class HeteroGenerator:
         return pads.tolist(), real.tolist(), cap
 
     def generate(self, input_ids, attention_mask=None, max_new_tokens=None, adapter_names=None, context=None,
-                 extend_context=True, **kwargs):
+                 extend_context=None, **kwargs):
         """transformers-style generate; returns a tensor of sequences, or a GenerateOutput when
         return_dict_in_generate=True. Left padding only. adapter_names: one loaded adapter name
         per request, or None / "__base__" for the base model (as peft's adapter_names).
         context: a Context from prefill(); input_ids [1, n] are then the new tokens after it, and
         the sequences returned start with the context's tokens (as if it had been the prompt).
         extend_context=False: the call reads the context and leaves it as it was (many questions
-        over one document); by default the context grows by the call's tokens (a conversation)."""
+        over one document); by default the context grows by the call's tokens (a conversation).
+        context=[ctx, ...]: one Context per request of input_ids [B, n] (left-padded new tokens);
+        the call reads them and leaves them as they were. Requests continuing the same Context
+        share its KV in place (HeteroConfig.share_contexts): decode reads it once per step for
+        all of them. The sequences returned are left-padded [context tokens, new tokens, output]."""
         if self._closed:
             raise GeneratorClosedError("generate() called on a closed HeteroGenerator")
         unknown = sorted(set(kwargs) - GENERATE_KWARGS)
         if unknown:
             raise TypeError(f"generate() got unsupported arguments {unknown}; supported: "
                             f"input_ids, attention_mask, max_new_tokens, {', '.join(sorted(GENERATE_KWARGS))}")
-        if context is not None and max_new_tokens is None and isinstance(context, Context) and not context.closed:
+        many = isinstance(context, (list, tuple))
+        if many:
+            self._check_contexts(context)
+            if extend_context:
+                raise ValueError("extend_context=True needs a single Context; a list of contexts is only read")
+        if context is not None and max_new_tokens is None:
             gc = self.model.generation_config       # HF's max_length counts the whole sequence
-            max_new_tokens = gc.max_new_tokens if gc.max_new_tokens is not None else \
-                gc.max_length - len(context.tokens) - input_ids.shape[-1]
+            if gc.max_new_tokens is not None:
+                max_new_tokens = gc.max_new_tokens
+            elif many or (isinstance(context, Context) and not context.closed):
+                longest = max(len(c.tokens) for c in (context if many else [context]))
+                max_new_tokens = gc.max_length - longest - input_ids.shape[-1]
         attention_mask, max_new_tokens = self._check_inputs(input_ids, attention_mask, max_new_tokens)
         lora = self._lora_batch(adapter_names, input_ids.shape[0])
         if context is not None:
             gen_config, objects = self._generation_config(max_new_tokens, kwargs)
+            if many:
+                return self._generate_in_contexts(list(context), input_ids, attention_mask, max_new_tokens,
+                                                  gen_config, objects, lora)
             return self._generate_in_context(context, input_ids, attention_mask, max_new_tokens, gen_config,
-                                             objects, lora, extend_context)
+                                             objects, lora, extend_context is not False)
         chunk = self._chunk(attention_mask)
         pads, real, cap = self._plan_cache(attention_mask, max_new_tokens, tmax=chunk or 1)
         gen_config, objects = self._generation_config(max_new_tokens, kwargs)
@@ -354,32 +370,39 @@ class HeteroGenerator:
         return gen_config, objects
 
     @contextlib.contextmanager
-    def kv_context(self, pads, real_lens, cap, host_jobs=False, tmax=1):
+    def kv_context(self, pads, real_lens, cap, host_jobs=False, tmax=1, prefix_source=None):
         """Open a KV session (shared arena mapped in the workers) for len(pads) requests of `cap` rows,
         route the model's attention to it and yield its HeteroCache (`cache.session`). On exit the
         session is closed and the model's attention implementation restored, whatever happened.
         host_jobs: the host also posts jobs during decode (LoRA deltas): a CUDA model then uses host
         copies, not the CUDA transport (whose jobs the GPU posts). tmax: query tokens per step after
-        the first forward (a chunked prefill's chunk)."""
-        with self._exclusive():
-            pool = self._ensure_pool()
-            session = KVSession(pool, self.spec, pads, real_lens, cap, planner=self._ensure_planner(pool), tmax=tmax)
+        the first forward (a chunked prefill's chunk). prefix_source: a Context's session whose
+        first rows every request shares (KVSession)."""
+        with self._exclusive(), self._call_session(pads, real_lens, cap, host_jobs, tmax, prefix_source) as cache:
+            yield cache
+
+    @contextlib.contextmanager
+    def _call_session(self, pads, real_lens, cap, host_jobs, tmax, prefix_source=None):
+        """kv_context's body, under the generator's lock."""
+        pool = self._ensure_pool()
+        session = KVSession(pool, self.spec, pads, real_lens, cap, planner=self._ensure_planner(pool), tmax=tmax,
+                            prefix_source=prefix_source)
+        try:
+            with self._routed(session, host_jobs) as cache:
+                yield cache
+        except WorkerError:
             try:
-                with self._routed(session, host_jobs) as cache:
-                    yield cache
+                session.close()  # first: a GPU may still post jobs until its stream is drained
             except WorkerError:
-                try:
-                    session.close()  # first: a GPU may still post jobs until its stream is drained
-                except WorkerError:
-                    pass
-                self._pool.close()  # restarted by the next generate
+                pass
+            self._pool.close()  # restarted by the next generate
+            raise
+        finally:
+            try:
+                session.close()      # raises when a worker died or stalled unnoticed (holding no units)
+            except WorkerError:
+                self._pool.close()
                 raise
-            finally:
-                try:
-                    session.close()      # raises when a worker died or stalled unnoticed (holding no units)
-                except WorkerError:
-                    self._pool.close()
-                    raise
 
     @contextlib.contextmanager
     def _exclusive(self):
@@ -587,7 +610,67 @@ class HeteroGenerator:
         if ctx.session.layout.ring_layers == 0:
             ctx.session.rewind(cached)
         else:
-            ctx.close()
+            ctx._close()
+
+    def _check_contexts(self, contexts):
+        if not contexts:
+            raise ValueError("context= got an empty list")
+        for c in contexts:
+            if not isinstance(c, Context) or c.generator is not self or c.closed:
+                raise ValueError(f"context= takes open Contexts from this generator's prefill(), got {c!r}")
+
+    def _generate_in_contexts(self, contexts, input_ids, attention_mask, max_new_tokens, gen_config, objects, lora):
+        """generate() for a batch whose request b continues contexts[b] (read, not changed): the
+        call's own session holds each request's rows from `prefix` on, copied from its context
+        (the rows before it are read in place when every request continues one context; else
+        prefix is 0 and each context is copied whole). Request b's sequence is [its context's
+        tokens (pending ones too), its new tokens], left-padded to the longest; the steps that
+        feed them count, per request, the tokens that are not its own (session.skip)."""
+        B = input_ids.shape[0]
+        if len(contexts) != B:
+            raise ValueError(f"context= has {len(contexts)} contexts for a batch of {B} requests")
+        with self._exclusive():
+            self._check_contexts(contexts)
+            new = [input_ids[b, attention_mask[b].bool()].to("cpu") for b in range(B)]      # real new tokens
+            seqs = [torch.cat([c.token_ids, c.pending, n]) for c, n in zip(contexts, new)]
+            cached = [c.length for c in contexts]
+            S = max(len(q) for q in seqs)
+            full = torch.zeros(B, S, dtype=torch.long)                           # [B, S], left-padded
+            mask = torch.zeros(B, S, dtype=torch.long)
+            for b, q in enumerate(seqs):
+                full[b, S - len(q):], mask[b, S - len(q):] = q, 1
+            if self.spec.max_positions is not None and S + max_new_tokens > self.spec.max_positions:
+                raise CapacityError(f"{S + max_new_tokens} positions exceed the model's "
+                                    f"max_position_embeddings ({self.spec.max_positions})")
+            share = (self.config.share_contexts and all(c is contexts[0] for c in contexts)
+                     and not any(self.spec.windows or ()) and cached[0] >= BK)
+            source = contexts[0].session if share else None
+            tmax = self.config.prefill_chunk or CONTINUE_CHUNK
+            pads, _, cap = self._plan_cache(mask, max_new_tokens, tmax=tmax,
+                                            prefix=cached[0] // BK * BK if share else 0)
+            uncached = [len(q) - n for q, n in zip(seqs, cached)]
+            U = max(uncached)
+            full, mask = full.to(self.model.device), mask.to(self.model.device)
+            with self._call_session(pads, cached, cap, lora is not None, tmax, source) as cache, \
+                    torch.inference_mode(), _active(lora):
+                session = cache.session
+                for b, c in enumerate(contexts):                    # rows past the shared prefix
+                    src = c.session
+                    for layer in range(self.spec.layers):
+                        window = session.ring_window[layer]
+                        start = max(0, cached[b] - window + 1) // BK * BK if window else session.layout.prefix
+                        k, v = src.read_rows(layer, 0, cached[b], start)
+                        session.write_rows(layer, b, k, v, start)
+                session.finish_prefill()                           # lengths = cached
+                session.skip[:] = [U - u for u in uncached]        # the first U - u_b tokens fed are b's cached ones or pads
+                for layer in cache.layers:
+                    layer.seen = S - U
+                a = S - U
+                while S - a > tmax:                                # continue in pieces of at most tmax tokens
+                    self._forward(cache, full, mask, a, a + tmax)
+                    a += tmax
+                return self.model.generate(full, attention_mask=mask, past_key_values=cache,
+                                           generation_config=gen_config, **objects)
 
     def _forward(self, cache, input_ids, attention_mask, a, b):
         """The model over positions [a, b) of input_ids into `cache` (no logits kept but the last)."""
@@ -605,6 +688,11 @@ class HeteroGenerator:
         batch allow (see hetero.ipc.transport), else the host copies of the CPU transport."""
         want = self.config.transport
         if self.model.device.type != "cuda" or want == "host":
+            return
+        if session.layout.prefix:
+            if want == "cuda":
+                raise UnsupportedModelError("HeteroConfig.transport='cuda' cannot serve a batch sharing a context "
+                                            "yet (its prefix units are host-merged); use transport='auto' or 'host'")
             return
         if host_jobs:
             if want == "cuda":

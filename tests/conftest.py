@@ -17,6 +17,17 @@ if not os.path.basename(os.environ.get("HETERO_CACHE_DIR", "")).startswith("hete
     os.environ["HETERO_CACHE_DIR"] = tempfile.mkdtemp(prefix="hetero-test-cache-")
     atexit.register(shutil.rmtree, os.environ["HETERO_CACHE_DIR"], True)
 
+
+
+def pytest_sessionstart(session):
+    """Load the attention kernel from numba's cache (compiled in a child on a cold cache) before any
+    test compiles it here: the workers load the cached code, and the tests compare them bit for bit
+    with this process (see hetero.ipc.pool._load_kernels)."""
+    from hetero.ipc.pool import _load_kernels
+
+    _load_kernels(dict(os.environ), 600)
+
+
 VOCAB = 160
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,

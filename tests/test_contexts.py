@@ -305,3 +305,124 @@ def test_context_close_from_another_thread_waits_for_the_running_call(llama):
 
         with pytest.raises(RuntimeError, match="from inside a call"):
             gen.generate(msg[None], max_new_tokens=2, streamer=Nested(), pad_token_id=0)
+
+
+def left_pad(rows):
+    """[B, S] left-padded ids and mask of 1-D token tensors."""
+    S = max(len(r) for r in rows)
+    ids, mask = torch.zeros(len(rows), S, dtype=torch.long), torch.zeros(len(rows), S, dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, S - len(r):], mask[b, S - len(r):] = r, 1
+    return ids, mask
+
+
+def hf_batch(model, rows, new):
+    ids, mask = left_pad(rows)
+    return model.generate(ids, attention_mask=mask, max_new_tokens=new, **KW)
+
+
+@pytest.mark.parametrize("model_type,chunk,share", [("llama", None, True), ("llama", 4, True), ("llama", 4, False),
+                                                    ("gemma2", 8, True), ("mistral", 4, True)])
+def test_batch_of_questions_over_one_context(model_type, chunk, share):
+    """context=[ctx] * B with questions of different lengths (left-padded): each request's tokens
+    and scores equal HF over the left-padded batch [document, question b]. With chunk 4 the
+    19-token question takes several pieces, and the 1-token one sits out the first pieces
+    whole (session.skip). llama/gemma2 share the document's blocks in place (a 70-token document:
+    64 rows shared, 6 copied per request); share_contexts=False and mistral (a sliding window)
+    copy it per request. The context is left as it was, and decoding after it equals HF again."""
+    model, _ = build_model(model_type)
+    doc, *qs = turns(7, 70, 5, 19, 1)
+    config = HeteroConfig(cpu_workers=2, prefill_chunk=chunk, share_contexts=share)
+    with HeteroGenerator(model, config=config) as gen, gen.prefill(doc[None], reserve=60) as ctx:
+        ids, mask = left_pad(qs)
+        out = gen.generate(ids, attention_mask=mask, context=[ctx] * 3, max_new_tokens=5, **KW)
+        ref = hf_batch(model, [torch.cat([doc, q]) for q in qs], 5)
+        assert torch.equal(out.sequences, ref.sequences)
+        for a, b in zip(out.scores, ref.scores):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        assert ctx.length == 70 and torch.equal(ctx.tokens, doc)
+        one = gen.generate(qs[0][None], context=ctx, max_new_tokens=3, **KW)
+        assert torch.equal(one.sequences, hf(model, torch.cat([doc, qs[0]]), 3).sequences)
+
+
+def test_shared_prefix_is_read_in_place():
+    """The batch's arena holds only the rows past the shared blocks: its K/V are (cap - prefix)
+    rows per request, and the workers map the context's segment beside it (prefix units)."""
+    from hetero.offload.session import KVSession
+
+    model, _ = build_model("llama")
+    doc, q1, q2 = turns(8, 100, 4, 6)
+    seen = {}
+    real_init = KVSession.__init__
+
+    def spy(self, *a, **k):
+        real_init(self, *a, **k)
+        seen["layout"] = self.layout
+    with HeteroGenerator(model, cpu_workers=2) as gen, gen.prefill(doc[None]) as ctx:
+        ids, mask = left_pad([q1, q2])
+        KVSession.__init__ = spy
+        try:
+            out = gen.generate(ids, attention_mask=mask, context=[ctx, ctx], max_new_tokens=4, **KW)
+        finally:
+            KVSession.__init__ = real_init
+        lay = seen["layout"]
+        assert lay.prefix == 96 and lay.cap == 128 and lay.nparts == 2 * lay.nsplit_max
+        assert lay.kv_bytes * 3 < ctx.session.layout.kv_bytes      # 2 requests x 32 rows vs the document's 1152
+        ref = hf_batch(model, [torch.cat([doc, q1]), torch.cat([doc, q2])], 4)
+        assert torch.equal(out.sequences, ref.sequences)
+
+
+def test_batch_of_different_contexts():
+    """context=[a, b, a]: different documents (a with a pending token from a turn before) are
+    copied per request; equal to HF over [each request's conversation, its question]."""
+    model, _ = build_model("qwen3")
+    a_doc, b_doc, a_msg, q0, q1, q2 = turns(9, 40, 33, 5, 3, 8, 2)
+    with HeteroGenerator(model, cpu_workers=2) as gen, gen.prefill(a_doc[None]) as a, \
+            gen.prefill(b_doc[None]) as b:
+        gen.generate(a_msg[None], context=a, max_new_tokens=3, **KW)
+        assert len(a.pending) == 1
+        ids, mask = left_pad([q0, q1, q2])
+        out = gen.generate(ids, attention_mask=mask, context=[a, b, a], max_new_tokens=4, **KW)
+        ref = hf_batch(model, [torch.cat([a.tokens, q0]), torch.cat([b_doc, q1]), torch.cat([a.tokens, q2])], 4)
+        assert torch.equal(out.sequences, ref.sequences)
+        for x, y in zip(out.scores, ref.scores):
+            torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
+
+
+def test_batch_of_contexts_bad_input(llama):
+    doc, q = turns(10, 40, 4)
+    with HeteroGenerator(llama, cpu_workers=1) as gen:
+        ctx, other = gen.prefill(doc[None]), gen.prefill(doc[None])
+        ids = torch.stack([q, q])
+        with pytest.raises(ValueError, match="2 requests"):
+            gen.generate(ids, context=[ctx], max_new_tokens=2)
+        with pytest.raises(ValueError, match="extend_context=True"):
+            gen.generate(ids, context=[ctx, ctx], extend_context=True, max_new_tokens=2)
+        with pytest.raises(ValueError, match="empty list"):
+            gen.generate(ids, context=[], max_new_tokens=2)
+        other.close()
+        with pytest.raises(ValueError, match="open Contexts"):
+            gen.generate(ids, context=[ctx, other], max_new_tokens=2)
+        with pytest.raises(ValueError, match="open Contexts"):
+            gen.generate(ids, context=[ctx, "doc"], max_new_tokens=2)
+        with pytest.raises(CapacityError, match="max_position_embeddings"):
+            gen.generate(ids, context=[ctx, ctx], max_new_tokens=250)
+        closer = lambda *a, **k: ctx.close()                                    # noqa: E731
+        with pytest.raises(RuntimeError, match="inside a call"):
+            gen.generate(ids, context=[ctx, ctx], max_new_tokens=2, logits_processor=[closer])
+        assert not ctx.closed
+    assert not our_segments(os.getpid())
+
+
+def test_bf16_batch_sharing_a_context_matches_hf():
+    """bf16 (the vdpbf16ps score path where the CPU has it): prefix units take every request's
+    bf16 queries at once; tokens equal HF's over the left-padded batch, scores close."""
+    model, _ = build_model("llama", dtype=torch.bfloat16)
+    doc, *qs = turns(11, 90, 3, 7)
+    with HeteroGenerator(model, cpu_workers=2) as gen, gen.prefill(doc[None]) as ctx:
+        ids, mask = left_pad(qs)
+        out = gen.generate(ids, attention_mask=mask, context=[ctx, ctx], max_new_tokens=4, **KW)
+        ref = hf_batch(model, [torch.cat([doc, q]) for q in qs], 4)
+        assert torch.equal(out.sequences, ref.sequences)
+        for a, b in zip(out.scores, ref.scores):
+            torch.testing.assert_close(a, b, atol=0.15, rtol=0.05)

@@ -79,10 +79,12 @@ def _accumulate(S, c0, R, vt, blk, n, o, code):
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def attend_unit(qs, qp, dp, R, T, kt, vt, blk0, blk1, lo, hi, L, window, softcap, code, o, m, l, S):
+def attend_unit(qs, qp, dp, R, T, kt, vt, blk0, blk1, lo, hi, L, window, softcap, code, o, m, l, S, sk):
     """Attention of query rows r < R (r = g*T + t, pre-scaled in qs [>=R, D]) over KV rows
-    [lo, hi) in (logical) blocks [blk0, blk1). Token t sits at position L+t and sees rows j <= L+t
-    (and j > L+t-window when window > 0).
+    [lo, hi) in (logical) blocks [blk0, blk1). Token t sits at position L+t-sk and sees rows
+    j <= L+t-sk (and j > L+t-sk-window when window > 0); the first sk tokens are skipped (a
+    request with fewer new tokens than the step's T, see run_unit): they sit at L-1 (row 0 when
+    L = 0), so their rows stay finite, and the caller ignores them.
     dp > 0 (bf16 only): scores from the unscaled bf16 pairs qp [>=R, D/2] u32, times dp.
     kt [nblk, D, BK] / vt [nblk, D/W, BK, W] storage, logical block blk at blk % nblk; writes
     o [>=R, D] (unnormalised), m/l [>=R]; S (score_scratch) is scratch.
@@ -92,6 +94,8 @@ def attend_unit(qs, qp, dp, R, T, kt, vt, blk0, blk1, lo, hi, L, window, softcap
     dps = np.float32(dp)                                # the intrinsics take float32
     nb = max(1, min(SB_MAX, S.size // (R * BK)))      # blocks per softmax pass
     Sv = S[:R * nb * BK].reshape((R, nb * BK))          # [R, nb*BK] scores, then probabilities
+    pos_lo = L if sk == 0 else max(L - 1, 0)            # the rows' lowest and highest positions
+    pos_hi = max(L + T - 1 - sk, pos_lo)
     for r in range(R):
         m[r] = -np.inf
         l[r] = 0.0
@@ -107,9 +111,10 @@ def attend_unit(qs, qp, dp, R, T, kt, vt, blk0, blk1, lo, hi, L, window, softcap
                 for jj in range(w):
                     Sv[r, jj] = softcap * math.tanh(Sv[r, jj] / softcap)
         # mask only the passes that cross a boundary: range ends, causal edge, window edge
-        if j0 < lo or j0 + w > hi or j0 + w - 1 > L or (window > 0 and j0 <= L + T - 1 - window):
+        if j0 < lo or j0 + w > hi or j0 + w - 1 > pos_lo or (window > 0 and j0 <= pos_hi - window):
             for r in range(R):
-                pos = L + r % T
+                t = r % T
+                pos = L + t - sk if t >= sk else pos_lo
                 for jj in range(w):
                     j = j0 + jj
                     if j < lo or j >= hi or j > pos or (window > 0 and j <= pos - window):
@@ -152,9 +157,10 @@ def put_row(K, V, j, k, v, code):
 
 
 @njit(cache=True)
-def unit_span(L, T, window, nsplit, s):
-    """Blocks [blk0, blk1) and rows [lo, hi) of split s of a request with L cached rows."""
-    lo = max(0, L - window + 1) if window > 0 else 0
+def unit_span(L, T, window, nsplit, s, start):
+    """Blocks [blk0, blk1) and rows [lo, hi) of split s of a request with L cached rows and T
+    new ones, from row `start` on (a multiple of BK: the rows before it are a shared prefix's)."""
+    lo = max(start, L - window + 1) if window > 0 else start
     first = lo // BK
     nblk = (L + T + BK - 1) // BK - first
     blk0 = first + s * nblk // nsplit
@@ -162,17 +168,42 @@ def unit_span(L, T, window, nsplit, s):
     return blk0, blk1, max(lo, blk0 * BK), min(L + T, blk1 * BK)
 
 
+@njit(inline="always")
+def _stage_query(q, b, hq, t, r, scale, exact, qs, qp, qbits):
+    """Query row r of a unit: qp[r] = q[b, hq, t]'s bf16 pairs (exact), else qs[r] = scale * q[b, hq, t]."""
+    if exact:                              # qp[r, p] = bf16 pair (q[2p], q[2p+1])
+        for p in range(q.shape[3] // 2):
+            qp[r, p] = (qbits[b, hq, t, 2 * p + 1] & 0xFFFF0000) | (qbits[b, hq, t, 2 * p] >> 16)
+    else:
+        for d in range(q.shape[3]):
+            qs[r, d] = q[b, hq, t, d] * scale
+
+
+@njit(inline="always")
+def _bf16_exact(qbits, b, h0, G, T):
+    """Every query row of heads h0..h0+G-1 of request b is bf16-exact (a bf16 model's q)."""
+    exact = True
+    for g in range(G):
+        for t in range(T):
+            for d in range(qbits.shape[3]):
+                exact &= (qbits[b, h0 + g, t, d] & 0xFFFF) == 0
+    return exact
+
+
 @njit(cache=True)
-def run_unit(u, layer, T, window, nsplit, scale, softcap, code, q, knew, vnew, K, V, lengths, order,
-             part_o, part_m, part_l, qs, qp, S):
-    """Unit u = (request order[u // (nsplit*Hkv)], kv head, split u % nsplit) of one layer's step.
-    Split s of (b, h) covers whole blocks; before reading, it appends those of the T new rows
-    (staged in knew/vnew, at rows L..L+T-1) that fall in its blocks, so no unit reads a row
-    another unit is writing. Shapes: see run_job; K/V are the arrays holding this layer's KV
-    (the arena's K/V, or Kr/Vr for a ring layer), `layer` indexes them."""
+def run_unit(u, layer, T, window, nsplit, split0, start, scale, softcap, code, q, knew, vnew, K, V, lengths,
+             order, skip, part_o, part_m, part_l, qs, qp, S):
+    """Unit u = (request order[u // (nsplit*Hkv)], kv head, split u % nsplit) of one layer's step,
+    over the request's rows from `start` on (0, or a shared prefix's end: see run_prefix_unit);
+    its partial goes to split slot split0 + s. Split s of (b, h) covers whole blocks; before
+    reading, it appends those of the step's new rows (staged in knew/vnew) that fall in its
+    blocks, so no unit reads a row another unit is writing. Request b's first skip[b] tokens
+    of the step are not its own (a shorter continuation in a batch): not appended, and their
+    rows of the output are ignored; its other tokens t go to rows L+t-skip[b].
+    Shapes: see run_job; K/V are the arrays holding this layer's KV (the arena's K/V, or Kr/Vr
+    for a ring layer), `layer` indexes them."""
     Hq = q.shape[1]
     Hkv = K.shape[2]
-    D = q.shape[3]
     G = Hq // Hkv
     R = G * T
     qbits = q.view(np.uint32)
@@ -180,52 +211,82 @@ def run_unit(u, layer, T, window, nsplit, scale, softcap, code, q, knew, vnew, K
     h = (u // nsplit) % Hkv
     b = order[u // (nsplit * Hkv)]
     L = lengths[b]
+    sk = min(skip[b], T)
     Kt, Vt = K[layer, b, h], V[layer, b, h]
-    blk0, blk1, lo, hi = unit_span(L, T, window, nsplit, s)
-    for t in range(T):
-        if lo <= L + t < hi:
-            put_row(Kt, Vt, L + t, knew[b, h, t], vnew[b, h, t], code)
-    exact = code == BF16 and simd.HAS_DPBF16   # bf16 q (a bf16 model): vdpbf16ps scores
-    if exact:
-        for g in range(G):
-            for t in range(T):
-                for d in range(D):
-                    exact &= (qbits[b, h * G + g, t, d] & 0xFFFF) == 0
-    dp = scale if exact else np.float32(0.0)
+    blk0, blk1, lo, hi = unit_span(L, T - sk, window, nsplit, s, start)
+    for t in range(sk, T):
+        if lo <= L + t - sk < hi:
+            put_row(Kt, Vt, L + t - sk, knew[b, h, t], vnew[b, h, t], code)
+    exact = code == BF16 and simd.HAS_DPBF16 and _bf16_exact(qbits, b, h * G, G, T)   # vdpbf16ps scores
     for g in range(G):
         for t in range(T):
-            r = g * T + t
-            if exact:                      # qp[r, p] = bf16 pair (q[2p], q[2p+1]) of q[b, h*G + g, t]
-                for p in range(D // 2):
-                    lo_ = qbits[b, h * G + g, t, 2 * p] >> 16
-                    qp[r, p] = (qbits[b, h * G + g, t, 2 * p + 1] & 0xFFFF0000) | lo_
-            else:                          # qs[r] = scale * q[b, h*G + g, t]
-                for d in range(D):
-                    qs[r, d] = q[b, h * G + g, t, d] * scale
+            _stage_query(q, b, h * G + g, t, g * T + t, scale, exact, qs, qp, qbits)
+    dp = scale if exact else np.float32(0.0)
     attend_unit(qs, qp, dp, R, T, Kt, Vt, blk0, blk1, lo, hi, L, window, softcap,
-                code, part_o[b, h, s], part_m[b, h, s], part_l[b, h, s], S)
+                code, part_o[b, h, split0 + s], part_m[b, h, split0 + s], part_l[b, h, split0 + s], S, sk)
 
 
 @njit(cache=True)
-def run_job(ctrl, fctrl, seq, busy, code, q, knew, vnew, K, V, Kr, Vr, slots, lengths, order,
-            part_o, part_m, part_l, qs, qp, S):
+def run_prefix_unit(u, layer, T, nsplit, pblocks, scale, softcap, code, q, PK, PV, part_o, part_m, part_l,
+                    pqs, pqp, pS, po, pm, pl):
+    """Unit u = (kv head u // nsplit, split u % nsplit) of a shared prefix: its first pblocks
+    blocks (PK/PV: [layers, 1, Hkv, nblk, ...], a Context's arena, read only) attended by every
+    request's queries at once (rows (b*G + g)*T + t), so each block is read once per step
+    for the whole batch. Every query of the step sits past the prefix: no mask. The partial of
+    request b goes to split slot s of part_*[b, h] (its rows g*T + t, as run_unit's).
+    pqs/pqp/pS/po/pm/pl: scratch for B*G*T rows."""
+    B, Hq = q.shape[0], q.shape[1]
+    Hkv = PK.shape[2]
+    G = Hq // Hkv
+    R = B * G * T
+    qbits = q.view(np.uint32)
+    s, h = u % nsplit, u // nsplit
+    blk0, blk1 = s * pblocks // nsplit, (s + 1) * pblocks // nsplit
+    exact = code == BF16 and simd.HAS_DPBF16
+    for b in range(B):
+        exact = exact and _bf16_exact(qbits, b, h * G, G, T)
+    for b in range(B):
+        for g in range(G):
+            for t in range(T):
+                _stage_query(q, b, h * G + g, t, (b * G + g) * T + t, scale, exact, pqs, pqp, qbits)
+    dp = scale if exact else np.float32(0.0)
+    # L = the prefix's end and T = 1: every row sits there and sees all of [blk0 * BK, blk1 * BK)
+    attend_unit(pqs, pqp, dp, R, 1, PK[layer, 0, h], PV[layer, 0, h], blk0, blk1, blk0 * BK, blk1 * BK,
+                pblocks * BK, 0, softcap, code, po, pm, pl, pS, 0)
+    rows = G * T
+    for b in range(B):
+        for r in range(rows):
+            part_m[b, h, s, r] = pm[b * rows + r]
+            part_l[b, h, s, r] = pl[b * rows + r]
+            for d in range(po.shape[1]):
+                part_o[b, h, s, r, d] = po[b * rows + r, d]
+
+
+@njit(cache=True)
+def run_job(ctrl, fctrl, seq, busy, code, q, knew, vnew, K, V, Kr, Vr, slots, lengths, order, skip,
+            part_o, part_m, part_l, qs, qp, S, PK, PV, pblocks, pscratch):
     """One taker's part of attention job `seq` (a worker's, or the parent's: it takes units too).
 
     Units are taken one at a time from the job's tagged ticket (ctrl[TICKET], atomics.claim),
     requests in `order` (the parent's longest-first permutation, written once per step), so a
     taker that wakes late or shares its core does fewer units; one that wakes after the job
-    ended takes none. The job's params (ctrl words LAYER, QLEN, WINDOW, NSPLIT, UNITS; fctrl
-    F_SCALE, F_SOFTCAP) are read only after a successful claim: until this unit is finished
-    (FIN fetch-added) the parent cannot start the next job. Any permutation gives the same
-    result; the order only shortens the tail. Returns the number of units taken.
-    q [B,Hq,Tmax,D] f32; knew/vnew [B,Hkv,Tmax,D]; lengths/order [B]; K/V [layers,B,Hkv,nblk,D,BK]
-    and [layers,B,Hkv,nblk,D/W,BK,W], Kr/Vr likewise for ring layers; slots [layers]: layer i's
+    ended takes none. The job's params (ctrl words LAYER, QLEN, WINDOW, NSPLIT, PSPLIT, UNITS;
+    fctrl F_SCALE, F_SOFTCAP) are read only after a successful claim: until this unit is
+    finished (FIN fetch-added) the parent cannot start the next job. Any permutation gives the
+    same result; the order only shortens the tail. Returns the number of units taken.
+    With a shared prefix (pblocks > 0 blocks of PK/PV), units 0..Hkv*PSPLIT-1 are its
+    (run_prefix_unit, longest first), the rest are the requests' own rows from the prefix's
+    end on (run_unit, split slots PSPLIT..).
+    q [B,Hq,Tmax,D] f32; knew/vnew [B,Hkv,Tmax,D]; lengths/order/skip [B]; K/V [layers,B,Hkv,nblk,
+    D,BK] and [layers,B,Hkv,nblk,D/W,BK,W], Kr/Vr likewise for ring layers; slots [layers]: layer i's
     KV is K[slots[i]] when >= 0, Kr[-slots[i] - 1] when < 0; part_o [B,Hkv,NS,rows,D];
     part_m/l [B,Hkv,NS,rows]; qs [rows, D] f32, qp [rows, D/2] u32 and S (score_scratch(rows))
-    are the taker's scratch; ctrl[busy] <- seq on the first claim (who holds units).
+    are the taker's scratch, pscratch (pqs, pqp, pS, po, pm, pl) its scratch for prefix units
+    (B*rows rows); ctrl[busy] <- seq on the first claim (who holds units).
     """
     taken = 0
     tag = seq & C.TAG_MASK                  # control.ticket_tag
+    Hkv = K.shape[2]
     while True:
         left = atomics.claim(ctrl, C.TICKET, tag)
         if left == 0:
@@ -234,15 +295,35 @@ def run_job(ctrl, fctrl, seq, busy, code, q, knew, vnew, K, V, Kr, Vr, slots, le
             atomics.atomic_store(ctrl, busy, seq)
         layer = ctrl[C.LAYER]
         slot = slots[layer]
-        args = (ctrl[C.QLEN], ctrl[C.WINDOW], ctrl[C.NSPLIT], np.float32(fctrl[C.F_SCALE]),
-                np.float32(fctrl[C.F_SOFTCAP]), code, q, knew, vnew)
+        T, nsplit = ctrl[C.QLEN], ctrl[C.NSPLIT]
+        psplit = ctrl[C.PSPLIT] if pblocks > 0 else 0
+        scale, softcap = np.float32(fctrl[C.F_SCALE]), np.float32(fctrl[C.F_SOFTCAP])
         u = ctrl[C.UNITS] - left
-        if slot >= 0:
-            run_unit(u, slot, *args, K, V, lengths, order, part_o, part_m, part_l, qs, qp, S)
+        if u < Hkv * psplit:
+            pqs, pqp, pS, po, pm, pl = pscratch
+            run_prefix_unit(u, slot, T, psplit, pblocks, scale, softcap, code, q, PK, PV, part_o, part_m,
+                            part_l, pqs, pqp, pS, po, pm, pl)
         else:
-            run_unit(u, -slot - 1, *args, Kr, Vr, lengths, order, part_o, part_m, part_l, qs, qp, S)
+            args = (T, ctrl[C.WINDOW], nsplit, psplit, pblocks * BK, scale, softcap, code, q, knew, vnew)
+            u -= Hkv * psplit
+            if slot >= 0:
+                run_unit(u, slot, *args, K, V, lengths, order, skip, part_o, part_m, part_l, qs, qp, S)
+            else:
+                run_unit(u, -slot - 1, *args, Kr, Vr, lengths, order, skip, part_o, part_m, part_l, qs, qp, S)
         atomics.fetch_add(ctrl, C.FIN, 1)
         taken += 1
+
+
+def prefix_scratch(rows, dpad):
+    """A taker's scratch for shared-prefix units of `rows` query rows (B*G*Tmax; run_prefix_unit)."""
+    rows = max(rows, 1)
+    return (np.zeros((rows, dpad), np.float32), np.zeros((rows, dpad // 2), np.uint32), score_scratch(rows),
+            np.zeros((rows, dpad), np.float32), np.zeros(rows, np.float32), np.zeros(rows, np.float32))
+
+
+def no_prefix(K, V):
+    """(PK, PV) placeholders for a session without a shared prefix (same dtypes and ranks as K/V)."""
+    return np.zeros((1,) * K.ndim, K.dtype), np.zeros((1,) * V.ndim, V.dtype)
 
 
 def run_alone(layer, T, window, nsplit, scale, softcap, code, q, knew, vnew, K, V, lengths, order,
@@ -256,8 +337,10 @@ def run_alone(layer, T, window, nsplit, scale, softcap, code, q, knew, vnew, K, 
     fctrl[C.F_SCALE], fctrl[C.F_SOFTCAP] = scale, softcap
     ctrl[C.TICKET] = C.ticket(1, units)
     slots = np.arange(K.shape[0], dtype=np.int64)
+    PK, PV = no_prefix(K, V)
     taken = run_job(ctrl, fctrl, 1, C.PARENT_BUSY, code, q, knew, vnew, K, V, K, V, slots, lengths, order,
-                    part_o, part_m, part_l, qs, qp, S)
+                    np.zeros_like(lengths), part_o, part_m, part_l, qs, qp, S, PK, PV, 0,
+                    prefix_scratch(1, q.shape[3]))
     if taken != units or ctrl[C.FIN] != units:
         raise RuntimeError(f"run_job took {taken} of {units} units")
     return taken

@@ -69,13 +69,14 @@ class WorkerPool:
         self._checked = 0.0       # perf_counter of the last liveness check of every worker
         self.session = None   # the KVSession mapped in the workers (one at a time)
         shm.sweep_stale()
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+                   NUMBA_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        _load_kernels(env, start_timeout)
         self.ctrl = shm.Segment(shm.new_name("ctrl"), C.nbytes(nworkers), create=True)
         atexit.register(self.close)
         try:
             self.words = self.ctrl.array(0, (C.nbytes(nworkers) // 8,), np.int64)
             self.floats = self.words.view(np.float64)
-            env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
-                       NUMBA_NUM_THREADS="1", PYTHONUNBUFFERED="1")
             for rank, core in enumerate(self.worker_cores):
                 args = [sys.executable, "-m", "hetero.ipc.worker", self.ctrl.name, str(rank), str(nworkers),
                         str(core), str(os.getpid()), str(spin_budget if idle_spin is None else idle_spin)]
@@ -251,3 +252,20 @@ class WorkerPool:
         finally:
             self.words = self.floats = None
             self.ctrl.close()
+
+
+WARM_UP = "from hetero.ipc import atomics; from hetero.cpu_attention import kernel; atomics.warm_up(); kernel.warm_up()"
+
+
+def _load_kernels(env, timeout):
+    """Before this process first uses the attention kernel: compile it (on a cold numba cache) in a
+    child process, then load it here from the cache, as every worker does. The parent takes units
+    too, and numba's in-process JIT code rounds differently (1 ulp) from the object code it caches,
+    so a parent that compiled the kernel itself would not be bit-identical with its workers."""
+    from hetero.cpu_attention import kernel
+
+    if kernel.run_job.overloads:                 # loaded (or compiled) already in this process
+        return
+    subprocess.run([sys.executable, "-c", WARM_UP], env=env, stdin=subprocess.DEVNULL, check=True, timeout=timeout)
+    atomics.warm_up()
+    kernel.warm_up()

@@ -47,12 +47,14 @@ class CpuTransport:
         s.q[:, :, :T, :D].copy_(query)               # columns D..Dp-1 stay zero
         w, f = s.pool.words, s.pool.floats
         w[C.LAYER], w[C.QLEN], w[C.WINDOW], w[C.NSPLIT] = job.layer, T, job.window, job.nsplit
+        w[C.PSPLIT] = job.psplit
         f[C.F_SCALE], f[C.F_SOFTCAP] = job.scale, job.softcap
         s.run_attention(job.workers, job.units)
         rows = (Hq // Hkv) * T
+        ns = job.psplit + job.nsplit                 # a shared prefix's partials, then the requests' own
         sink = None if sinks is None else s.sink_rows(job.layer, sinks, T)
-        out = merge_partials(s.part_o[:, :, :job.nsplit, :rows, :D], s.part_m[:, :, :job.nsplit, :rows],
-                             s.part_l[:, :, :job.nsplit, :rows], sink)     # [B, Hkv, G*T, D]
+        out = merge_partials(s.part_o[:, :, :ns, :rows, :D], s.part_m[:, :, :ns, :rows],
+                             s.part_l[:, :, :ns, :rows], sink)     # [B, Hkv, G*T, D]
         out = out.view(B, Hkv, Hq // Hkv, T, D).reshape(B, Hq, T, D)      # q head = h*G + g
         return out.transpose(1, 2).to(query.device, query.dtype)
 

@@ -8,12 +8,13 @@ the parent drops).
 
   array    shape                               dtype    written by              read by
   lengths  [B]                                 int64    main (after each step)  workers
+  skip     [B]                                 int64    main (after each step)  workers: step tokens not a request's own
   order    [B]                                 int64    main (after each step)  workers: requests, longest first
   ringed   [layers]                            int64    main (before OPEN)      workers: 1 = layer kept in Kr/Vr
   q        [B, Hq, Tmax, Dp]                   f32      main (each layer)       workers
   knew     [B, Hkv, Tmax, Dp]                  storage  main (each layer)       workers (append)
   vnew     [B, Hkv, Tmax, Dp]                  storage  main (each layer)       workers (append)
-  part_o   [B, Hkv, NS, G*Tmax, Dp]            f32      workers                 main (merge)
+  part_o   [B, Hkv, NS, G*Tmax, Dp]            f32      workers                 main (merge); NS = nparts
   part_m   [B, Hkv, NS, G*Tmax]                f32      workers                 main (merge)
   part_l   [B, Hkv, NS, G*Tmax]                f32      workers                 main (merge)
   K        [Lfull, B, Hkv, nblk, Dp, BK]       storage  main (prefill), workers (decode append); read by workers
@@ -27,6 +28,11 @@ window keeps only the rows it can still see, in a ring: row j lives in block
 (j // BK) % nring of its Kr/Vr (the kernel takes every block index modulo the array's
 block count, which is the identity for K/V). Layers keep their order inside K/V and
 inside Kr/Vr (`layer_slots`).
+
+A batch continuing one Context shares its KV (`prefix` > 0): rows [0, prefix) of every
+request are the Context's first prefix / BK blocks, read from its own segment (the workers
+map it beside this one); K/V here then hold each request's rows from `prefix` on, in
+cap - prefix rows (row j in block (j // BK) % nblk, as a ring that never wraps).
 """
 from dataclasses import dataclass
 
@@ -95,25 +101,34 @@ class SessionLayout:
     nsplit_max: int = 16
     ring: int = 0           # KV rows per request of a ring layer (see ring_plan), a multiple of BK
     ring_layers: int = 0    # layers kept as rings (Kr/Vr); the other layers keep cap rows (K/V)
+    prefix: int = 0         # rows every request shares from a Context's arena (a multiple of BK, < cap)
 
     def __post_init__(self):
         if self.cap % BK or self.ring % BK:
             raise ValueError(f"cap and ring must be multiples of {BK}, got {self.cap}, {self.ring}")
         if not 0 <= self.ring_layers <= self.layers or (self.ring_layers > 0) != (self.ring > 0):
             raise ValueError(f"{self.ring_layers} ring layers of {self.ring} rows in {self.layers} layers")
+        if self.prefix % BK or not 0 <= self.prefix < self.cap or (self.prefix and self.ring_layers):
+            raise ValueError(f"a shared prefix of {self.prefix} rows (cap {self.cap}, {self.ring_layers} ring layers)")
 
     @property
     def dpad(self):
         """The stored head dimension: head_dim rounded up to the tile width W."""
         return -(-self.head_dim // W) * W
 
+    @property
+    def nparts(self):
+        """Partial slots per (request, kv head): the splits of its own rows, and of a shared prefix."""
+        return self.nsplit_max * (2 if self.prefix else 1)
+
     def arrays(self):
-        B, Hq, Hkv, D, T, NS = self.batch, self.q_heads, self.kv_heads, self.dpad, self.tmax, self.nsplit_max
+        B, Hq, Hkv, D, T, NS = self.batch, self.q_heads, self.kv_heads, self.dpad, self.tmax, self.nparts
         rows = (Hq // Hkv) * T
         st = NP_STORAGE[self.code]
-        full, nring = self.layers - self.ring_layers, self.ring // BK
+        full, nring, nblk = self.layers - self.ring_layers, self.ring // BK, (self.cap - self.prefix) // BK
         return [
             ("lengths", (B,), np.int64),
+            ("skip", (B,), np.int64),
             ("order", (B,), np.int64),
             ("ringed", (self.layers,), np.int64),
             ("q", (B, Hq, T, D), np.float32),
@@ -122,8 +137,8 @@ class SessionLayout:
             ("part_o", (B, Hkv, NS, rows, D), np.float32),
             ("part_m", (B, Hkv, NS, rows), np.float32),
             ("part_l", (B, Hkv, NS, rows), np.float32),
-            ("K", (full, B, Hkv, self.cap // BK, D, BK), st),
-            ("V", (full, B, Hkv, self.cap // BK, D // W, BK, W), st),
+            ("K", (full, B, Hkv, nblk, D, BK), st),
+            ("V", (full, B, Hkv, nblk, D // W, BK, W), st),
             ("Kr", (self.ring_layers, B, Hkv, nring, D, BK), st),
             ("Vr", (self.ring_layers, B, Hkv, nring, D // W, BK, W), st),
         ]
@@ -137,7 +152,7 @@ class SessionLayout:
 
     @property
     def kv_bytes(self):
-        rows = (self.layers - self.ring_layers) * self.cap + self.ring_layers * self.ring
+        rows = (self.layers - self.ring_layers) * (self.cap - self.prefix) + self.ring_layers * self.ring
         return 2 * self.batch * self.kv_heads * rows * self.dpad * np.dtype(NP_STORAGE[self.code]).itemsize
 
     def views(self, segment):

@@ -10,6 +10,7 @@ Heads are stored padded to the layout's dpad (q/k/v go into the first head_dim
 columns; the rest stay zero) and outputs are sliced back. Sliding-window layers
 keep a ring of the rows their window can still see (arena.ring_plan).
 """
+from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
@@ -36,18 +37,25 @@ class Job(NamedTuple):
     scale: float
     softcap: float    # 0.0: none
     workers: int      # workers posted besides the parent (the planner's choice)
-    units: int        # B * Hkv * nsplit
+    units: int        # Hkv * psplit + B * Hkv * nsplit
+    psplit: int = 0   # splits of a shared prefix (their partials come first: slots 0..psplit-1)
 
 
 class KVSession:
-    def __init__(self, pool, spec, pads, real_lens, cap, planner=None, tmax=1):
-        """tmax: query tokens per step after the first forward (chunked prefill: the chunk size)."""
+    def __init__(self, pool, spec, pads, real_lens, cap, planner=None, tmax=1, prefix_source=None):
+        """tmax: query tokens per step after the first forward (chunked prefill: the chunk size).
+        prefix_source: a batch-1 session (a Context's, without sliding windows) whose first
+        whole blocks every request shares, read in place: its rows [0, prefix) are not copied
+        and decode attends each of its blocks once for the whole batch (kernel.run_prefix_unit).
+        The caller copies each request's rows from `prefix` on (write_rows) before the steps."""
         self.pool, self.spec = pool, spec
+        self.prefix_source = prefix_source
+        prefix = int(prefix_source.lengths[0]) // BK * BK if prefix_source is not None else 0
         self.transport = CpuTransport()               # use_transport() may replace it (a CUDA model)
         self.planner = planner or StaticPlanner(pool.n)
         self.batch = len(pads)
         self.pads = [int(p) for p in pads]            # left pads per request
-        self.layout = self.layout_for(spec, self.batch, cap, tmax)
+        self.layout = self.layout_for(spec, self.batch, cap, tmax, prefix)
         windows = spec.windows or (0,) * spec.layers
         _, ringed = ring_plan(windows, self.layout.cap, self.layout.tmax)
         # per layer: the window its ring was sized for (0: the layer keeps every row)
@@ -63,6 +71,8 @@ class KVSession:
         try:
             v = self.layout.views(self.seg)
             self.lengths = v["lengths"]                 # numpy, real rows per request
+            self.skip = v["skip"]                       # numpy, per request: tokens of the next step(s) not its own
+            self.skip[:] = 0
             self.q = torch.from_numpy(v["q"])           # [B, Hq, Tmax, Dp] f32
             self.knew, self.vnew = self._storage(v["knew"]), self._storage(v["vnew"])
             self.K = self._storage(v["K"])              # [Lfull, B, Hkv, nblk, Dp, BK]
@@ -80,23 +90,29 @@ class KVSession:
             self._prefill_rows = None                   # rows the prefill forward stored per request
             # the parent takes attention units too (kernel.run_job): the arena's arrays, and scratch of its own
             rows = spec.q_heads // spec.kv_heads * self.layout.tmax
+            if prefix:                                  # the source's arena, read in place
+                pv = prefix_source.layout.views(prefix_source.seg)
+                shared = (pv["K"], pv["V"], prefix // BK, kernel.prefix_scratch(self.batch * rows, self.layout.dpad))
+            else:
+                shared = (*kernel.no_prefix(v["K"], v["V"]), 0, kernel.prefix_scratch(1, self.layout.dpad))
             self._job = (v["q"], v["knew"], v["vnew"], v["K"], v["V"], v["Kr"], v["Vr"], slots_of(ringed),
-                         v["lengths"], v["order"], v["part_o"], v["part_m"], v["part_l"],
+                         v["lengths"], v["order"], v["skip"], v["part_o"], v["part_m"], v["part_l"],
                          np.zeros((rows, self.layout.dpad), np.float32),
-                         np.zeros((rows, self.layout.dpad // 2), np.uint32), kernel.score_scratch(rows))
+                         np.zeros((rows, self.layout.dpad // 2), np.uint32), kernel.score_scratch(rows), *shared)
             self._open()
         except BaseException:
             self.close()
             raise
 
     @staticmethod
-    def layout_for(spec, batch, cap, tmax=1):
-        """The SessionLayout a session for `batch` requests of `cap` rows uses (memory checks)."""
+    def layout_for(spec, batch, cap, tmax=1, prefix=0):
+        """The SessionLayout a session for `batch` requests of `cap` rows uses (memory checks);
+        prefix: rows shared from a Context's arena (a multiple of BK)."""
         cap = whole_blocks(cap)
         ring, ringed = ring_plan(spec.windows or (0,) * spec.layers, cap, tmax)
         return SessionLayout(batch=batch, q_heads=spec.q_heads, kv_heads=spec.kv_heads, head_dim=spec.head_dim,
                              cap=cap, layers=spec.layers, code=STORAGE_CODES[spec.dtype], tmax=tmax,
-                             ring=ring, ring_layers=sum(ringed))
+                             ring=ring, ring_layers=sum(ringed), prefix=prefix)
 
     def _storage(self, arr):
         t = torch.from_numpy(arr)
@@ -113,7 +129,14 @@ class KVSession:
         w[C.S_CAP], w[C.S_LAYERS], w[C.S_CODE], w[C.S_TMAX], w[C.S_NSPLIT_MAX] = (
             lay.cap, lay.layers, lay.code, lay.tmax, lay.nsplit_max)
         w[C.S_RING], w[C.S_RING_LAYERS] = lay.ring, lay.ring_layers
+        w[C.S_PREFIX] = lay.prefix
         C.write_name(w, self.seg.name)
+        if lay.prefix:
+            src = self.prefix_source.layout
+            if src.nsplit_max != lay.nsplit_max:          # the workers rebuild the source's layout from this one's
+                raise ValueError(f"a shared prefix's session has nsplit_max {src.nsplit_max}, not {lay.nsplit_max}")
+            w[C.S_PCAP], w[C.S_PTMAX] = src.cap, src.tmax
+            C.write_name(w, self.prefix_source.seg.name, 1)
         self.pool.run(C.CMD_OPEN)
         self.opened = True
         self.pool.session = self
@@ -205,8 +228,9 @@ class KVSession:
         """Rows start..start+n-1 of request b: key/value [Hkv, n, D] (any device) into the blocked
         layout; start is a multiple of BK. Row j goes to block (j // BK) % nblk (a ring wraps)."""
         Hkv, n, D = key.shape
-        if start % BK:
-            raise ValueError(f"start row {start} is not a multiple of {BK}")
+        if start % BK or start < self.layout.prefix:
+            raise ValueError(f"start row {start} is not a multiple of {BK} at or past the shared prefix "
+                             f"({self.layout.prefix} rows)")
         if n == 0:
             return
         Dp = self.layout.dpad
@@ -256,7 +280,13 @@ class KVSession:
         """Workers (besides the parent, which takes units too), split count and request order
         (longest first: the longest units are taken first) for the next decode step: lengths
         change once per step, not per layer."""
-        self.nactive, self.nsplit = self.planner.plan(self.lengths, T, self.layout)
+        P = self.layout.prefix
+        self.nactive, self.nsplit = self.planner.plan(self.lengths - P, T, self.layout)   # rows past the prefix
+        self.psplit = 0
+        if P:      # the prefix's units: one "request" of P rows with every request's B*T query tokens
+            n, self.psplit = self.planner.plan(np.array([max(P - self.batch * T, 0)]), self.batch * T,
+                                               replace(self.layout, batch=1))
+            self.nactive = max(self.nactive, n)
         self.order[:] = np.argsort(-self.lengths, kind="stable")
         self._planned_T = T
 
@@ -293,16 +323,20 @@ class KVSession:
                 f"configured window), but attention was called with window {window}: refusing to compute it")
         if T != self._planned_T:
             self._plan_step(T)
+        Hkv = self.spec.kv_heads
         job = Job(layer, window or 0, self.nsplit, scale, softcap or 0.0, self.nactive,
-                  B * self.spec.kv_heads * self.nsplit)
+                  Hkv * self.psplit + B * Hkv * self.nsplit, self.psplit)
         out = self.transport.attention(self, job, query, sinks)    # [B, T, Hq, D]
         if layer == self.spec.layers - 1:
             self.transport.step_done(self, T)
         return out
 
     def advance(self, T):
-        """A decode step's T new rows are in every layer's cache: count them, plan the next step."""
-        self.lengths += T
+        """A decode step's T tokens went through every layer: count the rows each request
+        appended (those past its skip), plan the next step."""
+        took = np.minimum(self.skip, T)
+        self.lengths += T - took
+        self.skip -= took
         self._plan_step(T)
 
     def run_attention(self, nactive, units):
@@ -336,7 +370,8 @@ class KVSession:
         # session through its cache would pin the whole arena)
         self.q = self.knew = self.vnew = self.K = self.V = self.Kr = self.Vr = self.kv = None
         self._sinks, self._job = {}, None
-        self.part_o = self.part_m = self.part_l = self.lengths = self.order = None
+        self.part_o = self.part_m = self.part_l = self.lengths = self.order = self.skip = None
+        self.prefix_source = None                 # a Context's session: it stays open
         self.seg.close()
         if failed is not None:
             raise failed
