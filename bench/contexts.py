@@ -11,6 +11,10 @@ The bench model of bench/decode_cpu.py (4 layers of a Llama shape, 1024 wide, 16
   decode_shared    8 questions in one batch, context=[ctx] * 8 (its KV read in place, once per
                    step for all 8): seconds per decoded token, (t(1 + N new) - t(1 new)) / N
   decode_private   the same with HeteroConfig.share_contexts=False: each request a private copy
+  decode_dense     the same 8 questions without the context: the step's cost outside attention
+                   over the document (the dense layers and lm_head of a batch of 8, HF's loop),
+                   which sharing cannot remove; (private - dense) / (shared - dense) is the
+                   attention part's ratio
 Targets (#15): ttft_hf / ttft_cached >= 20, prefill_s / load_s >= 10, decode_private /
 decode_shared >= 3 with KV memory (private copies / context + shared batch) >= 6. Rounds
 alternate; medians and spread.
@@ -63,7 +67,7 @@ def main():
     full = torch.cat([doc, q], 1)
     one = dict(max_new_tokens=1, do_sample=False, pad_token_id=0)
     runs = {k: [] for k in ("ttft_cached", "ttft_hetero", "ttft_hf", "prefill_s", "load_s", "decode_shared",
-                            "decode_private")}
+                            "decode_private", "decode_dense")}
     B, N = args.batch, args.decode
     qs = torch.randint(3, model.config.vocab_size, (B, args.question), generator=g)
     reserve = args.question + N + 8
@@ -79,6 +83,7 @@ def main():
                 gen.config = replace(gen.config, share_contexts=share)
                 step = decode_s(gen, qs, ctx, N)
                 runs["decode_shared" if share else "decode_private"].append(step)
+            runs["decode_dense"].append(decode_s(gen, qs, None, N))
             ctx.save(path)
             ctx.close()
             t = time.perf_counter()
@@ -101,8 +106,12 @@ def main():
         f"decode per token, {B} private copies / {B} sharing the context": (
             round(med["decode_private"] / med["decode_shared"], 2),
             med["decode_private"] / med["decode_shared"] >= TARGETS["decode_private_over_shared"]),
+        "  the attention part of it, (private - dense) / (shared - dense)": (
+            round((med["decode_private"] - med["decode_dense"]) / (med["decode_shared"] - med["decode_dense"]), 2), None),
         f"KV bytes, {B} private copies / context + shared batch": (
             round(kv["private"] / kv["shared"], 2), kv["private"] / kv["shared"] >= TARGETS["kv_private_over_shared"]),
+        "  whole arenas (KV + staging + partials), private / shared": (
+            round(kv["arena_private"] / kv["arena_shared"], 2), None),
     }
     for k, (v, met) in summary.items():
         print(f"  {'    ' if met is None else 'MET ' if met else 'MISS'} {k}: {v}x")
@@ -115,10 +124,11 @@ def main():
 
 def decode_s(gen, qs, ctx, n):
     """Seconds per decoded token of a batch continuing ctx: (t(1 + n new) - t(1 new)) / n."""
-    kw = dict(do_sample=False, pad_token_id=0, context=[ctx] * qs.shape[0])
+    kw = dict(do_sample=False, pad_token_id=0, context=None if ctx is None else [ctx] * qs.shape[0])
     t1 = first_token_s(lambda: gen.generate(qs, max_new_tokens=1, **kw))
     tn = first_token_s(lambda: gen.generate(qs, max_new_tokens=1 + n, **kw))
-    print(f"  share_contexts={gen.config.share_contexts}: {qs.shape[0]} x (1 + {n}) tokens in {tn:.2f} s, "
+    what = "no context" if ctx is None else f"share_contexts={gen.config.share_contexts}"
+    print(f"  {what}: {qs.shape[0]} x (1 + {n}) tokens in {tn:.2f} s, "
           f"first {t1:.2f} s: {(tn - t1) / n * 1e3:.1f} ms per decoded token", flush=True)
     return (tn - t1) / n
 
@@ -126,13 +136,15 @@ def decode_s(gen, qs, ctx, n):
 def kv_bytes(gen, context, question, n, batch):
     """KV bytes held during a batch call: the context's arena plus the call's (rows past the shared
     blocks), against the call's arena of private copies (as generate sizes them)."""
-    spec, tmax = gen.spec, CONTINUE_CHUNK
-    ctx = KVSession.layout_for(spec, 1, whole_blocks(context + question + n + 8), tmax)
+    spec, tmax = gen.spec, min(CONTINUE_CHUNK, question)
+    ctx = KVSession.layout_for(spec, 1, whole_blocks(context + question + n + 8), CONTINUE_CHUNK)
     cap = whole_blocks(context + question + 1 + n)
     shared = KVSession.layout_for(spec, batch, cap, tmax, prefix=context // 32 * 32)
     private = KVSession.layout_for(spec, batch, cap, tmax)
     return {"context": ctx.kv_bytes, "shared_batch": shared.kv_bytes, "shared": ctx.kv_bytes + shared.kv_bytes,
-            "private": private.kv_bytes}
+            "private": private.kv_bytes,
+            # whole arenas: KV plus the staging and the split partials (sized for a step of tmax tokens)
+            "arena_shared": ctx.nbytes + shared.nbytes, "arena_private": private.nbytes}
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ def _load(name):
 
 def _targets(rows):
     """rows: [(target, value text, met)] -> a markdown table."""
-    return ["| target | value | met |", "|---|---|---|"] + [f"| {t} | {v} | {'yes' if m else 'no'} |" for t, v, m in rows]
+    met = {True: "yes", False: "no", None: "(no target)"}
+    return ["| target | value | met |", "|---|---|---|"] + [f"| {t} | {v} | {met[m]} |" for t, v, m in rows]
 
 
 def decode_tables():
@@ -110,10 +111,15 @@ def contexts_table():
              "ttft_hf": "time to first token, HF generate re-prefilling document + question",
              "prefill_s": "prefill of the document (gen.prefill)",
              "load_s": f"load of the saved context ({r['saved_file_bytes'] / 2**20:.0f} MB file, page-cached)"}
+    if "decode_shared" in m:
+        B = r["batch"]
+        names.update({"decode_shared": f"decode per token, {B} questions sharing the context in one batch",
+                      "decode_private": f"decode per token, {B} questions each with a private copy",
+                      "decode_dense": f"decode per token, the {B} questions without the context (dense floor)"})
     out = [f"{r['model']}, a {r['context'] // 1024}K-token document and a {r['question']}-token question, "
            f"{r['rounds']} rounds (median [fastest-slowest]):", "", "| what | seconds |", "|---|---|"]
     out += [f"| {names[k]} | {m[k]:.3f} [{spread[k][0]:.3f}-{spread[k][1]:.3f}] |" for k in names]
-    out += ["", *_targets([(k, f"{v}x", met) for k, (v, met) in r["summary"].items() if met is not None])]
+    out += ["", *_targets([(k.strip(), f"{v}x", met) for k, (v, met) in r["summary"].items()])]
     return "\n".join(out)
 
 

@@ -2,6 +2,7 @@
 import contextlib
 import copy
 import inspect
+import logging
 import os
 import sys
 import threading
@@ -25,6 +26,8 @@ from hetero.cpu_attention.simd import BK
 from hetero.offload.arena import whole_blocks
 from hetero.offload.cache import HeteroCache
 from hetero.offload.session import KVSession
+
+log = logging.getLogger("hetero")
 
 # generate() keywords passed through to transformers' generate (its processors and stopping criteria)
 GENERATE_KWARGS = frozenset({
@@ -339,8 +342,10 @@ class HeteroGenerator:
             if gc.max_new_tokens is not None:
                 max_new_tokens = gc.max_new_tokens
             elif many or (isinstance(context, Context) and not context.closed):
-                longest = max(len(c.tokens) for c in (context if many else [context]))
-                max_new_tokens = gc.max_length - longest - input_ids.shape[-1]
+                ctxs = context if many else [context]
+                real = [input_ids.shape[-1]] * len(ctxs) if attention_mask is None or attention_mask.ndim != 2 \
+                    else attention_mask.sum(-1).tolist()
+                max_new_tokens = gc.max_length - max(len(c.tokens) + int(n) for c, n in zip(ctxs, real))
         attention_mask, max_new_tokens = self._check_inputs(input_ids, attention_mask, max_new_tokens)
         lora = self._lora_batch(adapter_names, input_ids.shape[0])
         if context is not None:
@@ -635,21 +640,25 @@ class HeteroGenerator:
             seqs = [torch.cat([c.token_ids, c.pending, n]) for c, n in zip(contexts, new)]
             cached = [c.length for c in contexts]
             S = max(len(q) for q in seqs)
-            full = torch.zeros(B, S, dtype=torch.long)                           # [B, S], left-padded
+            pad_id = gen_config.pad_token_id if isinstance(gen_config.pad_token_id, int) else 0
+            full = torch.full((B, S), pad_id, dtype=torch.long)                  # [B, S], left-padded
             mask = torch.zeros(B, S, dtype=torch.long)
             for b, q in enumerate(seqs):
                 full[b, S - len(q):], mask[b, S - len(q):] = q, 1
             if self.spec.max_positions is not None and S + max_new_tokens > self.spec.max_positions:
                 raise CapacityError(f"{S + max_new_tokens} positions exceed the model's "
                                     f"max_position_embeddings ({self.spec.max_positions})")
-            share = (self.config.share_contexts and all(c is contexts[0] for c in contexts)
-                     and not any(self.spec.windows or ()) and cached[0] >= BK)
-            source = contexts[0].session if share else None
-            tmax = self.config.prefill_chunk or CONTINUE_CHUNK
-            pads, _, cap = self._plan_cache(mask, max_new_tokens, tmax=tmax,
-                                            prefix=cached[0] // BK * BK if share else 0)
             uncached = [len(q) - n for q, n in zip(seqs, cached)]
             U = max(uncached)
+            rows = S + max_new_tokens           # no window can hide a row from a query below it
+            share = (self.config.share_contexts and all(c is contexts[0] for c in contexts) and cached[0] >= BK
+                     and contexts[0].session.layout.ring_layers == 0
+                     and all(w == 0 or w >= rows for w in self.spec.windows or ())
+                     and not (self.model.device.type == "cuda" and self.config.transport == "cuda"))
+            source = contexts[0].session if share else None
+            tmax = min(self.config.prefill_chunk or CONTINUE_CHUNK, U)     # the staging holds one step's tokens
+            pads, _, cap = self._plan_cache(mask, max_new_tokens, tmax=tmax,
+                                            prefix=cached[0] // BK * BK if share else 0)
             full, mask = full.to(self.model.device), mask.to(self.model.device)
             with self._call_session(pads, cached, cap, lora is not None, tmax, source) as cache, \
                     torch.inference_mode(), _active(lora):
@@ -689,10 +698,9 @@ class HeteroGenerator:
         want = self.config.transport
         if self.model.device.type != "cuda" or want == "host":
             return
-        if session.layout.prefix:
-            if want == "cuda":
-                raise UnsupportedModelError("HeteroConfig.transport='cuda' cannot serve a batch sharing a context "
-                                            "yet (its prefix units are host-merged); use transport='auto' or 'host'")
+        if session.layout.prefix:           # transport='cuda' copies the context per request instead
+            log.info("hetero: a batch sharing a context uses host copies (the CUDA extension does not merge "
+                     "shared-prefix partials yet)")
             return
         if host_jobs:
             if want == "cuda":
@@ -717,7 +725,7 @@ class HeteroGenerator:
         for session, ref in list(self._contexts.values()):
             ctx = ref()
             try:
-                ctx.close() if ctx is not None else session.close()
+                ctx._close() if ctx is not None else session.close()
             except WorkerError:
                 pass
         self._contexts.clear()

@@ -321,21 +321,37 @@ def hf_batch(model, rows, new):
     return model.generate(ids, attention_mask=mask, max_new_tokens=new, **KW)
 
 
-@pytest.mark.parametrize("model_type,chunk,share", [("llama", None, True), ("llama", 4, True), ("llama", 4, False),
-                                                    ("gemma2", 8, True), ("mistral", 4, True)])
-def test_batch_of_questions_over_one_context(model_type, chunk, share):
+@pytest.mark.parametrize("model_type,chunk,share,overrides", [
+    ("llama", None, True, {}), ("llama", 4, True, {}), ("llama", 4, False, {}),
+    ("gemma2", 8, True, {"sliding_window": 512}), ("mistral", 4, True, {})])
+def test_batch_of_questions_over_one_context(model_type, chunk, share, overrides):
     """context=[ctx] * B with questions of different lengths (left-padded): each request's tokens
     and scores equal HF over the left-padded batch [document, question b]. With chunk 4 the
     19-token question takes several pieces, and the 1-token one sits out the first pieces
-    whole (session.skip). llama/gemma2 share the document's blocks in place (a 70-token document:
-    64 rows shared, 6 copied per request); share_contexts=False and mistral (a sliding window)
-    copy it per request. The context is left as it was, and decoding after it equals HF again."""
-    model, _ = build_model(model_type)
+    whole (session.skip). llama and gemma2 (soft-capped; its window longer than any sequence
+    here) share the document's blocks in place (a 70-token document: 64 rows shared, 6 copied
+    per request); share_contexts=False and mistral (a window of 6) copy it per request. The
+    context is left as it was, and decoding after it equals HF again."""
+    from hetero.offload.session import KVSession
+
+    model, _ = build_model(model_type, **overrides)
+    plans = []
+    real_plan = KVSession._plan_step
+
+    def spy(self, T):
+        real_plan(self, T)
+        plans.append((self.layout.prefix, self.psplit))
     doc, *qs = turns(7, 70, 5, 19, 1)
     config = HeteroConfig(cpu_workers=2, prefill_chunk=chunk, share_contexts=share)
     with HeteroGenerator(model, config=config) as gen, gen.prefill(doc[None], reserve=60) as ctx:
         ids, mask = left_pad(qs)
-        out = gen.generate(ids, attention_mask=mask, context=[ctx] * 3, max_new_tokens=5, **KW)
+        KVSession._plan_step = spy
+        try:
+            out = gen.generate(ids, attention_mask=mask, context=[ctx] * 3, max_new_tokens=5, **KW)
+        finally:
+            KVSession._plan_step = real_plan
+        shared = share and model_type != "mistral"
+        assert all((p == 64 and ps >= 1) if shared else (p, ps) == (0, 0) for p, ps in plans)
         ref = hf_batch(model, [torch.cat([doc, q]) for q in qs], 5)
         assert torch.equal(out.sequences, ref.sequences)
         for a, b in zip(out.scores, ref.scores):

@@ -304,3 +304,69 @@ def test_workers_share_units_deterministically(dtype):
                 torch.testing.assert_close(outs[0][b].transpose(0, 1), ref.to(dtype).float(), **tol)
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_prefix_units_through_the_workers(dtype):
+    """A batch sharing a context's first blocks (KVSession(prefix_source=...)): the workers alone,
+    the parent alone and both give bit-identical outputs (the workers map the context's segment
+    themselves), equal to private copies of the context per request up to rounding, and to the
+    reference; one request sits out the step entirely (skip = T) and the others' rows land after
+    their own skipped tokens."""
+    from hetero.ipc.pool import WorkerPool
+    from hetero.model_spec import ModelSpec
+    from hetero.offload.session import KVSession
+
+    Hq, Hkv, D, P, T = 8, 2, 64, 200, 3
+    spec = ModelSpec(model_type="t", layers=1, q_heads=Hq, kv_heads=Hkv, head_dim=D, dtype=dtype,
+                     max_positions=None, sliding=(False,))
+    g = torch.Generator().manual_seed(5)
+    own = [7, 0, 30]                                      # rows of each request past the context
+    skip = [1, 3, 0]
+    kst = torch.randn(Hkv, P + max(own) + T, D, generator=g).to(dtype)      # context rows, then per request
+    extra = [torch.randn(Hkv, n + T, D, generator=g).to(dtype) for n in own]
+    q = torch.randn(3, Hq, T, D, generator=g).to(dtype)
+    pool = WorkerPool(2, [])
+    try:
+        ctx = KVSession(pool, spec, pads=[0], real_lens=[P], cap=P + 64)
+        ctx.write_rows(0, 0, kst[:, :P], kst[:, :P])
+        ctx.finish_prefill()
+        outs = []
+        for mode in ("parent", "both", "workers", "private"):
+            plan = FixedPlan(0 if mode == "parent" else 2, 2)
+            s = KVSession(pool, spec, pads=[0] * 3, real_lens=[P + n for n in own], cap=P + 64, planner=plan, tmax=T,
+                          prefix_source=None if mode == "private" else ctx)
+            if mode == "workers":
+                s._share = lambda seq: None
+            try:
+                start = s.layout.prefix
+                assert start == (0 if mode == "private" else 192)
+                for b, n in enumerate(own):
+                    rows = torch.cat([kst[:, :P], extra[b][:, :n]], 1)
+                    s.write_rows(0, b, rows[:, start:], rows[:, start:], start)
+                s.finish_prefill()
+                s.skip[:] = skip
+                s._plan_step(T)
+                assert s.psplit == (0 if mode == "private" else 2)
+                new = torch.stack([e[:, n:n + T] for e, n in zip(extra, own)])        # [B, Hkv, T, D]
+                s.stage_kv(new, new)
+                outs.append(s.attend(0, q, None, D ** -0.5, None).float())            # [B, T, Hq, D]
+                assert s.lengths.tolist() == [P + n + T - k for n, k in zip(own, skip)] and not s.skip.any()
+                got = s.read_rows(0, 0, P + own[0] + T - skip[0], start)[0]
+                want = torch.cat([kst[:, :P], extra[0][:, :own[0]], new[0, :, skip[0]:]], 1)[:, start:]
+                assert torch.equal(got, want)                                         # appended after the skip
+            finally:
+                s.close()
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+        tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+        for b, (n, k) in enumerate(zip(own, skip)):
+            if k == T:
+                continue                                                          # no token of b's: ignored
+            torch.testing.assert_close(outs[0][b, k:], outs[3][b, k:], **tol)
+            rows = torch.cat([kst[:, :P], extra[b][:, :n], new[b, :, k:]], 1).float()
+            L = P + n
+            ref = reference(q[b, :, k:].float(), rows, rows, L, T - k, 0, D ** -0.5, None)   # [Hq, T-k, D]
+            torch.testing.assert_close(outs[0][b, k:].transpose(0, 1), ref.to(dtype).float(), **tol)
+        ctx.close()
+    finally:
+        pool.close()

@@ -213,6 +213,13 @@ def run_unit(u, layer, T, window, nsplit, split0, start, scale, softcap, code, q
     L = lengths[b]
     sk = min(skip[b], T)
     Kt, Vt = K[layer, b, h], V[layer, b, h]
+    if sk == T:                        # none of the step's tokens is b's: a finite partial, ignored
+        for r in range(R):
+            part_m[b, h, split0 + s, r] = 0.0
+            part_l[b, h, split0 + s, r] = 1.0
+            for d in range(part_o.shape[4]):
+                part_o[b, h, split0 + s, r, d] = 0.0
+        return
     blk0, blk1, lo, hi = unit_span(L, T - sk, window, nsplit, s, start)
     for t in range(sk, T):
         if lo <= L + t - sk < hi:
