@@ -185,6 +185,15 @@ def profile(args):
     for L in (256, 1024, 4096, 16384, 65536, 262144):
         lay = SessionLayout(1, Hq, Hkv, D, whole_blocks(L + 1), 1, STORAGE_CODES[dtype])
         print(f"  context {L:7d}: {planner.plan(np.array([L]), 1, lay)}")
+    from hetero.prefetch import policy
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    rates = policy.measure(device, spec)
+    print(f"continuing a context ({rates.describe()}): the new tokens attend on the device, over KV "
+          "prefetched layer by layer, from this many on (else on the CPU workers):")
+    for L in (4096, 16384, 65536, 262144):
+        T = policy.crossover(prof, rates, spec, L, n)
+        print(f"  context {L:7d}: {'never (up to 4096)' if T is None else f'{T} new tokens'}")
     return 0
 
 
@@ -216,6 +225,8 @@ def main(argv=None):
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--workers", type=int, default=None)
     p.add_argument("--force", action="store_true", help="re-measure even if a cached profile matches")
+    p.add_argument("--device", default=None, help="the model's device for the continuation crossover "
+                                                    "(default: cuda when available, else cpu)")
     p.set_defaults(fn=profile)
     args = ap.parse_args(argv)
     return args.fn(args)

@@ -29,6 +29,9 @@ class HeteroConfig:
     share_contexts: bool = True           # generate(context=[ctx, ctx, ...]): requests continuing one Context read
                                           # its KV in place, once per step for all of them (False: each request
                                           # gets a private copy; a model with sliding windows always copies)
+    continuation: str = "auto"            # who attends a context's new tokens: "workers" (the CPU workers over
+                                          # the arena), "prefetch" (the model's device, each layer's KV copied in
+                                          # just ahead: hetero.prefetch), "auto": the faster by the measured profile
     transport: str = "auto"               # a CUDA model's decode round trip: "auto": the CUDA extension (hetero/
                                           # cuda, built with nvcc on first use) when it can be used, else host
                                           # copies (one log line says why); "cuda": the extension or an error;
@@ -50,6 +53,9 @@ class HeteroConfig:
             raise ValueError(f"HeteroConfig.profile must be 'auto' or 'off', got {self.profile!r}")
         if not isinstance(self.share_contexts, bool):
             raise ValueError(f"HeteroConfig.share_contexts must be True or False, got {self.share_contexts!r}")
+        if self.continuation not in ("auto", "workers", "prefetch"):
+            raise ValueError(f"HeteroConfig.continuation must be 'auto', 'workers' or 'prefetch', "
+                             f"got {self.continuation!r}")
         if self.transport not in ("auto", "cuda", "host"):
             raise ValueError(f"HeteroConfig.transport must be 'auto', 'cuda' or 'host', got {self.transport!r}")
         if self.worker_cores is not None:

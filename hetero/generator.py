@@ -69,6 +69,8 @@ class HeteroGenerator:
         self._contexts = {}
         self._parent_affinity = None       # (thread, its affinity) before _pin_parent (a GPU model)
         self._logits_kw = None             # {"logits_to_keep": 1} when the model's forward takes it
+        self._rates = None                 # the model's device's copy and attention rates (hetero.prefetch.policy)
+        self.last_prefetch_log = None      # the ops of the last prefetched continuation (hetero.prefetch.schedule)
         self._hooks = lora_hooks.LoraHooks(model)
         self._closed = False
         # one generate (or adapter load, or context close) at a time: the pool has one control block.
@@ -579,11 +581,7 @@ class HeteroGenerator:
                     for layer in cache.layers:
                         layer.seen = cached
                     mask = torch.ones_like(full)
-                    tmax = session.layout.tmax
-                    a = cached                               # continue in pieces of at most tmax tokens
-                    while full.shape[1] - a > tmax:
-                        self._forward(cache, full, mask, a, a + tmax)
-                        a += tmax
+                    self._continue(session, cache, full, mask, cached)
                     out = self.model.generate(full, attention_mask=mask, past_key_values=cache,
                                               generation_config=gen_config, **objects)
             except BaseException as e:
@@ -606,6 +604,47 @@ class HeteroGenerator:
         stored = int(session.lengths[0])
         ctx.token_ids, ctx.pending = seq[0, :stored].to("cpu"), seq[0, stored:].to("cpu")
         return out
+
+    def _continue(self, session, cache, full, mask, cached):
+        """Feed full[:, cached:] but what generate's first forward takes: pieces of at most tmax tokens
+        whose attention runs on the CPU workers, or, when the policy prefers it for this many new
+        tokens, on the model's device over KV prefetched layer by layer (all but the last token;
+        HeteroConfig.continuation, hetero.prefetch)."""
+        S, tmax = full.shape[1], session.layout.tmax
+        a = cached
+        if S - a > 1 and self._continuation(session, int(session.lengths[0]), min(S - a - 1, tmax)) == "prefetch":
+            from hetero.prefetch.schedule import LayerPrefetcher
+
+            pre = LayerPrefetcher(session, self.model.device)
+            try:
+                while a < S - 1:
+                    b = min(a + tmax, S - 1)
+                    session.prefetcher = pre
+                    pre.start()
+                    self._forward(cache, full, mask, a, b)
+                    a = b
+            finally:
+                session.prefetcher = None
+                pre.close()
+            self.last_prefetch_log = pre.log            # for tests and benchmarks
+            return
+        while S - a > tmax:
+            self._forward(cache, full, mask, a, a + tmax)
+            a += tmax
+
+    def _continuation(self, session, L, T):
+        """HeteroConfig.continuation for T new tokens over L cached rows ("auto": hetero.prefetch.policy)."""
+        want = self.config.continuation
+        if want != "auto":
+            return want
+        from hetero.prefetch import policy
+
+        profile = getattr(self._planner, "profile", None)
+        if profile is None:
+            return "workers"
+        if self._rates is None:
+            self._rates = policy.measure(self.model.device, self.spec)
+        return policy.choose(profile, self._rates, self.spec, L, T, self._pool.n)
 
     def _recover(self, ctx, cached):
         """A call that extends ctx failed midway: some of its rows may be cached. Without sliding

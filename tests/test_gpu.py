@@ -122,3 +122,50 @@ def test_cuda_transport_dead_worker_raises_within_2s():
         with pytest.raises(WorkerDiedError):
             gen.generate(ids, attention_mask=mask, max_new_tokens=4000, min_new_tokens=4000, pad_token_id=0)
         assert killed and time.perf_counter() - killed[0] < 2.0
+
+
+# ---- contexts on a CUDA model: layer-wise prefetch, batches sharing a context
+
+@pytest.mark.parametrize("model_type,dtype", [("llama", torch.float32), ("gemma2", torch.float32),
+                                              ("qwen3", torch.bfloat16)])
+def test_cuda_prefetched_continuation_matches_hf(model_type, dtype):
+    """continuation='prefetch' on a CUDA model: each layer's cached rows are DMA'd from the
+    page-locked arena into two rotating GPU buffers on a copy stream, the new rows go back on an
+    offload stream; the turns equal HF over the whole conversation, the ops are plan()'s, and the
+    workers' path gives the same tokens."""
+    from hetero import HeteroConfig
+    from hetero.prefetch.schedule import plan
+    from tests.test_contexts import KW, turns
+
+    model = build_model(model_type, dtype=dtype)[0].cuda()
+    doc, msg, nxt = (t.cuda() for t in turns(31, 60, 40, 9))
+    outs = {}
+    for mode in ("prefetch", "workers"):
+        cfg = HeteroConfig(cpu_workers=2, continuation=mode, profile="off")
+        with HeteroGenerator(model, config=cfg) as gen, gen.prefill(doc[None], reserve=100) as ctx:
+            a = gen.generate(msg[None], context=ctx, max_new_tokens=4, **KW)
+            b = gen.generate(nxt[None], context=ctx, max_new_tokens=4, **KW)
+            if mode == "prefetch":
+                assert gen.last_prefetch_log == plan(model.config.num_hidden_layers)
+            outs[mode] = (a, b)
+    conv = torch.cat([doc, msg])
+    ref = model.generate(conv[None], attention_mask=torch.ones_like(conv)[None], max_new_tokens=4, **KW)
+    assert torch.equal(outs["prefetch"][0].sequences, ref.sequences)
+    for x, y in zip(outs["prefetch"], outs["workers"]):
+        assert torch.equal(x.sequences, y.sequences)
+
+
+def test_cuda_batch_sharing_a_context_matches_hf():
+    """context=[ctx] * 3 on a CUDA model (host copies: the extension does not merge prefix partials)."""
+    from hetero import HeteroConfig
+    from tests.test_contexts import KW, left_pad, turns
+
+    model = build_model("llama")[0].cuda()
+    doc, *qs = turns(32, 80, 5, 11, 2)
+    ids, mask = left_pad(qs)
+    full_ids, full_mask = left_pad([torch.cat([doc, q]) for q in qs])
+    ref = model.generate(full_ids.cuda(), attention_mask=full_mask.cuda(), max_new_tokens=5, **KW)
+    with HeteroGenerator(model, config=HeteroConfig(cpu_workers=2, profile="off")) as gen, \
+            gen.prefill(doc[None].cuda()) as ctx:
+        out = gen.generate(ids.cuda(), attention_mask=mask.cuda(), context=[ctx] * 3, max_new_tokens=5, **KW)
+    assert torch.equal(out.sequences, ref.sequences)

@@ -24,3 +24,4 @@ def test_rag_example(capsys):
     assert out.count("   hits: ") == len(rag.QUESTIONS) and out.count("\nA: ") == len(rag.QUESTIONS)
     assert "subprocess." in out                      # the first question finds subprocess's documentation
     assert "first answer's tokens identical to HF generate: True" in out
+    assert "questions in one batch sharing the context" in out and "identical to one by one: True" in out

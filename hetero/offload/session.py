@@ -63,6 +63,7 @@ class KVSession:
         self._sinks = {}                              # layer -> (sinks given, their CPU rows; see _sink_rows)
         self.prefilled = False
         self.opened = False
+        self.prefetcher = None            # a LayerPrefetcher while a forward attends on the model's device
         # per layer: the cache was updated and attention has not read it yet (HeteroLayer.update
         # sets it, take_update clears it): one attention call per update, same layer, or refuse
         self.pending = [False] * spec.layers
@@ -260,12 +261,31 @@ class KVSession:
         if n <= start:
             return (torch.empty(self.spec.kv_heads, 0, self.spec.head_dim, dtype=self.spec.dtype),) * 2
         ids = torch.tensor(self._block_ids(layer, start, n - start))
-        Kb, Vb = self._blocks(layer, b)
-        Hkv, Dp, D, j0 = Kb.shape[0], self.layout.dpad, self.spec.head_dim, start % BK
-        # [Hkv, nb, Dp/P, BK, P] -> [Hkv, nb, BK, Dp/P, P] -> rows [Hkv, nb*BK, Dp]; V likewise
-        k = Kb[:, ids].transpose(2, 3).reshape(Hkv, len(ids) * BK, Dp)
-        v = Vb[:, ids].transpose(2, 3).reshape(Hkv, len(ids) * BK, Dp)
-        return k[:, j0:j0 + n - start, :D].contiguous(), v[:, j0:j0 + n - start, :D].contiguous()
+        Kl, Vl = self.kv[layer]
+        k, v = self.unblock(Kl[b][:, ids], Vl[b][:, ids], start % BK, n - start)
+        return k.contiguous(), v.contiguous()
+
+    def unblock(self, K, V, j0, n):
+        """Blocks K [Hkv, nb, Dp, BK] and V [Hkv, nb, Dp/W, BK, W] (the arena's layout, on any
+        device) -> rows j0..j0+n-1 of them, [Hkv, n, D] each (views where the layout allows)."""
+        Hkv, nb, Dp, _ = K.shape
+        P = 2 if self.layout.code == BF16 else 1      # bf16 K blocks are pair-interleaved (kernel.k_index)
+        # K [Hkv, nb, Dp/P, BK, P] -> [Hkv, nb, BK, Dp/P, P] -> rows [Hkv, nb*BK, Dp]; V likewise
+        k = K.reshape(Hkv, nb, Dp // P, BK, P).transpose(2, 3).reshape(Hkv, nb * BK, Dp)
+        v = V.transpose(2, 3).reshape(Hkv, nb * BK, Dp)
+        D = self.spec.head_dim
+        return k[:, j0:j0 + n, :D], v[:, j0:j0 + n, :D]
+
+    def append_rows(self, layer, key, value):
+        """key/value [Hkv, T, D] (any device): request 0's next T rows, after its lengths[0] cached ones
+        (the rows of a forward whose attention ran on the model's device: hetero.prefetch)."""
+        L = int(self.lengths[0])
+        start = max(L // BK * BK, self.layout.prefix)
+        if L > start:                          # the cached rows of L's block: written again with the new ones
+            k, v = self.read_rows(layer, 0, L, start)
+            key = torch.cat([k.to(key.device, key.dtype), key], 1)
+            value = torch.cat([v.to(value.device, value.dtype), value], 1)
+        self.write_rows(layer, 0, key, value, start)
 
     def finish_prefill(self):
         """Called after the last layer's prefill attention: later forwards (the rest of a chunked
@@ -298,7 +318,10 @@ class KVSession:
     def stage_kv(self, key, value):
         """key/value: [B, Hkv, T, D], the new rows of this step (workers append them)."""
         self.transport.settle(self)
-        self.transport.stage(self, key, value)
+        if self.prefetcher is not None:
+            self.prefetcher.stage(key, value)
+        else:
+            self.transport.stage(self, key, value)
 
     def sink_rows(self, layer, sinks, T):
         """sinks [Hq] (any device) -> [Hkv, G*T] f32 CPU: row g*T + t of kv head h holds sinks[h*G + g].
@@ -321,6 +344,12 @@ class KVSession:
             raise UnsupportedModelError(
                 f"layer {layer} keeps only the KV rows a sliding window of {kept} tokens sees (the model's "
                 f"configured window), but attention was called with window {window}: refusing to compute it")
+        if self.prefetcher is not None:            # attention on the model's device (hetero.prefetch)
+            out = self.prefetcher.attend(layer, query, window, scale, softcap, sinks)
+            if layer == self.spec.layers - 1:
+                self.prefetcher.finish()             # every layer's new rows are in the arena
+                self.advance(T)
+            return out
         if T != self._planned_T:
             self._plan_step(T)
         Hkv = self.spec.kv_heads

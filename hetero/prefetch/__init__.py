@@ -1,1 +1,2 @@
-"""Layer-wise KV prefetch CPU->GPU for prefills that continue a context (not built yet)."""
+"""Layer-wise KV prefetch for forwards that continue a context (schedule.py) and the policy that
+chooses it over the CPU workers (policy.py)."""

@@ -1,0 +1,97 @@
+"""Who attends a continuation's new tokens over a cached context: the CPU workers, or the model's
+device after a layer-wise prefetch (hetero.prefetch.schedule).
+
+Per layer, for T new tokens over L cached rows:
+  workers   the planner's predicted step time (its measured profile: per-block cost scaled by the
+            G*T query rows, wake-ups, bandwidth), as for any decode step of T tokens
+  prefetch  max(KV bytes of the L rows / copy_gbps, attention FLOPs / device_gflops): the copy of
+            layer i+1 overlaps layer i's attention, so the slower of the two sets the pace
+            (a CPU model always uses the workers: see choose)
+copy_gbps (host arena -> device buffer; PCIe on a GPU machine) and device_gflops (the model's
+attention at a long context) are measured once per device and shape (`measure`), in the same
+process that uses them. The crossover (the T above which the device wins) grows with nothing
+but these two figures and the profile; `hetero profile --device` prints it.
+"""
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hetero.cpu_attention import planner as P
+from hetero.prefetch.schedule import device_attention
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    device: str
+    copy_gbps: float       # host (arena) -> device buffer
+    device_gflops: float   # the model's attention on the device (sdpa, bf16/fp32 as the model)
+
+    def describe(self):
+        return (f"{self.device}: host->device copy {self.copy_gbps:.1f} GB/s, "
+                f"attention {self.device_gflops:.0f} GFLOP/s")
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(device, spec, rows=8192, T=128, reps=3):
+    """DeviceRates of `device` for the model's head shape (a few hundred ms)."""
+    Hq, Hkv, D, dt = spec.q_heads, spec.kv_heads, spec.head_dim, spec.dtype
+    host = torch.randn(Hkv, rows, D).to(dt)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    dev = torch.empty_like(host, device=device)
+    q = torch.randn(1, Hq, T, D, device=device).to(dt)
+    k = torch.randn(1, Hkv, rows + T, D, device=device).to(dt)
+    best_copy = best_attn = float("inf")
+    for _ in range(reps):
+        _sync(device)
+        t = time.perf_counter()
+        dev.copy_(host, non_blocking=True)
+        _sync(device)
+        best_copy = min(best_copy, time.perf_counter() - t)
+        t = time.perf_counter()
+        device_attention(q, k, k, 0, rows, 0, D ** -0.5)     # the path the prefetcher runs
+        _sync(device)
+        best_attn = min(best_attn, time.perf_counter() - t)
+    flops = 4.0 * Hq * T * (rows + T) * D
+    return DeviceRates(str(device), host.numel() * host.element_size() / best_copy / 1e9,
+                       flops / best_attn / 1e9)
+
+
+def prefetch_s(rates, spec, L, T):
+    """Predicted seconds per layer of the prefetch path."""
+    kv_bytes = 2 * spec.kv_heads * L * spec.head_dim * torch.finfo(spec.dtype).bits / 8
+    copy = kv_bytes / (rates.copy_gbps * 1e9)
+    attn = 4.0 * spec.q_heads * T * (L + T) * spec.head_dim / (rates.device_gflops * 1e9)
+    return max(copy, attn)
+
+
+def workers_s(profile, spec, L, T, nworkers, nsplit_max=16):
+    """Predicted seconds per layer of the workers' step of T tokens (the planner's best plan)."""
+    rows = spec.q_heads // spec.kv_heads * T
+    t = P.predict(profile, np.array([L]), T, spec.kv_heads, rows, nsplit_max)[:nworkers + 1]
+    return float(t.min())
+
+
+def choose(profile, rates, spec, L, T, nworkers):
+    """"prefetch" or "workers" for T new tokens over L cached rows. Without a profile, and on a CPU
+    model (its "device" memory is the host's: a prefetch only adds copies of what the workers read
+    in place; 1.4-2.7x slower on the 2-core VM, 16 to 1024 tokens over 8K), the workers."""
+    if profile is None or rates is None or not rates.device.startswith("cuda"):
+        return "workers"
+    return "prefetch" if prefetch_s(rates, spec, L, T) < workers_s(profile, spec, L, T, nworkers) else "workers"
+
+
+def crossover(profile, rates, spec, L, nworkers, tmax=4096):
+    """The fewest new tokens (powers of two up to tmax) for which prefetch wins over L cached rows, or None."""
+    T = 1
+    while T <= tmax:
+        if choose(profile, rates, spec, L, T, nworkers) == "prefetch":
+            return T
+        T *= 2
+    return None

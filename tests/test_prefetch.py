@@ -1,0 +1,112 @@
+"""Layer-wise KV prefetch (hetero.prefetch): a context's continuation attends on the model's device
+over each layer's cached rows, copied in one layer ahead into two rotating buffers. On a CPU model
+the schedule runs in order in the calling thread: the same ops, checked here on every machine."""
+import pytest
+import torch
+
+from hetero import HeteroConfig, HeteroGenerator
+from hetero.cpu_attention.planner import Profile
+from hetero.model_spec import ModelSpec
+from hetero.prefetch import policy
+from hetero.prefetch.schedule import LayerPrefetcher, plan
+from tests.conftest import build_model
+from tests.test_contexts import KW, hf, turns
+
+
+def test_plan_rotates_two_buffers_one_layer_ahead():
+    assert plan(3) == [("fetch", 0, 0), ("fetch", 1, 1),
+                       ("wait", 0, 0), ("attend", 0, 0), ("release", 0, 0), ("fetch", 2, 0), ("offload", 0, None),
+                       ("wait", 1, 1), ("attend", 1, 1), ("release", 1, 1), ("offload", 1, None),
+                       ("wait", 2, 0), ("attend", 2, 0), ("release", 2, 0), ("offload", 2, None),
+                       ("write", None, None)]
+    assert plan(1) == [("fetch", 0, 0), ("wait", 0, 0), ("attend", 0, 0), ("release", 0, 0), ("offload", 0, None),
+                       ("write", None, None)]
+
+
+@pytest.mark.parametrize("model_type,dtype,chunk", [("llama", torch.float32, None), ("mistral", torch.float32, 4),
+                                                    ("gemma2", torch.float32, 8), ("qwen3", torch.bfloat16, None)])
+def test_prefetched_continuations_match_hf(model_type, dtype, chunk):
+    """continuation='prefetch': every turn's new tokens (a 23-token message: pieces of 4 and 8 with
+    chunk) attend on the device over the prefetched rows (mistral: its window's ring; gemma2:
+    softcap and a window) and are appended to the arena; the turns equal HF over the whole
+    conversation (bf16: tokens, scores close), and the issued ops are plan()'s, once per forward."""
+    model, _ = build_model(model_type, dtype=dtype)
+    doc, *msgs = turns(21, 45, 23, 9)
+    config = HeteroConfig(cpu_workers=2, prefill_chunk=chunk, continuation="prefetch")
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.05)
+    with HeteroGenerator(model, config=config) as gen, gen.prefill(doc[None], reserve=100) as ctx:
+        history = doc
+        for msg in msgs:
+            conv = torch.cat([history, msg])
+            cached = ctx.length
+            out = gen.generate(msg[None], context=ctx, max_new_tokens=4, **KW)
+            ref = hf(model, conv, 4)
+            assert torch.equal(out.sequences, ref.sequences)
+            for a, b in zip(out.scores, ref.scores):
+                torch.testing.assert_close(a, b, **tol)
+            fed = len(conv) - cached - 1                                   # all but the last new token
+            pieces = -(-fed // ctx.session.layout.tmax)
+            assert gen.last_prefetch_log == plan(model.config.num_hidden_layers) * pieces
+            history = out.sequences[0]
+
+
+def test_prefetch_and_workers_agree_and_a_failed_forward_leaves_the_context():
+    """The same turn through the workers and through prefetch gives the same tokens; a forward
+    failing in its second layer leaves the context as it was (no row counted), and the next call
+    still equals HF."""
+    model, _ = build_model("llama")
+    doc, msg = turns(22, 60, 30)
+    outs = {}
+    for mode in ("workers", "prefetch"):
+        with HeteroGenerator(model, config=HeteroConfig(cpu_workers=1, continuation=mode)) as gen, \
+                gen.prefill(doc[None]) as ctx:
+            outs[mode] = gen.generate(msg[None], context=ctx, max_new_tokens=5, **KW)
+            assert (gen.last_prefetch_log is not None) == (mode == "prefetch")
+    assert torch.equal(outs["workers"].sequences, outs["prefetch"].sequences)
+
+    real = LayerPrefetcher.attend
+
+    def fail(self, layer, *a, **k):
+        if layer == 1:
+            raise RuntimeError("injected")
+        return real(self, layer, *a, **k)
+    with HeteroGenerator(model, config=HeteroConfig(cpu_workers=1, continuation="prefetch")) as gen, \
+            gen.prefill(doc[None]) as ctx:
+        LayerPrefetcher.attend = fail
+        try:
+            with pytest.raises(RuntimeError, match="injected"):
+                gen.generate(msg[None], context=ctx, max_new_tokens=3, **KW)
+        finally:
+            LayerPrefetcher.attend = real
+        assert ctx.length == 60 and ctx.session.prefetcher is None
+        out = gen.generate(msg[None], context=ctx, max_new_tokens=5, **KW)
+        assert torch.equal(out.sequences, outs["workers"].sequences)
+
+
+def _profile(block_s):
+    fp = {"group": 4}
+    return Profile(fingerprint=fp, block_s=block_s, unit_s=1e-6, dispatch_s=[0.0, 2e-5], agg_gbps=[20.0, 35.0],
+                   merge_s=1e-7, merge_fixed_s=5e-6, block_bytes=2 * 32 * 128 * 2)
+
+
+def test_policy_prefers_workers_for_few_tokens_and_the_device_for_many():
+    spec = ModelSpec(model_type="t", layers=32, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+                     max_positions=None, sliding=(False,) * 32)
+    prof = _profile(block_s=0.6e-6)
+    gpu = policy.DeviceRates("cuda:0", copy_gbps=25.0, device_gflops=300_000.0)
+    assert policy.choose(prof, policy.DeviceRates("cpu", 20.0, 150.0), spec, 65536, 4096, 15) == "workers"
+    L = 65536
+    assert policy.choose(prof, gpu, spec, L, 1, 15) == "workers"
+    assert policy.choose(prof, gpu, spec, L, 2048, 15) == "prefetch"
+    T = policy.crossover(prof, gpu, spec, L, 15)
+    assert T is not None and policy.choose(prof, gpu, spec, L, T // 2, 15) == "workers"
+    slow_bus = policy.DeviceRates("cuda:0", copy_gbps=2.5, device_gflops=300_000.0)
+    assert policy.crossover(prof, slow_bus, spec, L, 15) > T                  # a slower copy: later crossover
+    assert policy.choose(None, gpu, spec, L, 4096, 15) == "workers"           # no profile: the workers
+
+
+def test_measured_device_rates_are_positive():
+    spec = ModelSpec(model_type="t", layers=1, q_heads=4, kv_heads=2, head_dim=32, dtype=torch.float32,
+                     max_positions=None, sliding=(False,))
+    r = policy.measure(torch.device("cpu"), spec, rows=2048, T=16, reps=1)
+    assert r.copy_gbps > 0 and r.device_gflops > 0 and "GB/s" in r.describe()
