@@ -29,6 +29,8 @@ class HeteroConfig:
     share_contexts: bool = True           # generate(context=[ctx, ctx, ...]): requests continuing one Context read
                                           # its KV in place, once per step for all of them (False: each request
                                           # gets a private copy; a model with sliding windows always copies)
+    reuse_contexts: bool = True           # a generate whose prompts start with a live Context's tokens continues
+                                          # that context (read-only) instead of prefilling them again
     continuation: str = "auto"            # who attends a context's new tokens: "workers" (the CPU workers over
                                           # the arena), "prefetch" (the model's device, each layer's KV copied in
                                           # just ahead: hetero.prefetch), "auto": the faster by the measured profile
@@ -51,8 +53,9 @@ class HeteroConfig:
                 raise ValueError(f"HeteroConfig.{name} must be > 0 seconds, got {value!r}")
         if self.profile not in ("auto", "off"):
             raise ValueError(f"HeteroConfig.profile must be 'auto' or 'off', got {self.profile!r}")
-        if not isinstance(self.share_contexts, bool):
-            raise ValueError(f"HeteroConfig.share_contexts must be True or False, got {self.share_contexts!r}")
+        for name in ("share_contexts", "reuse_contexts"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"HeteroConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.continuation not in ("auto", "workers", "prefetch"):
             raise ValueError(f"HeteroConfig.continuation must be 'auto', 'workers' or 'prefetch', "
                              f"got {self.continuation!r}")

@@ -357,6 +357,16 @@ class HeteroGenerator:
                                                   gen_config, objects, lora)
             return self._generate_in_context(context, input_ids, attention_mask, max_new_tokens, gen_config,
                                              objects, lora, extend_context is not False)
+        reuse = self._reusable(input_ids, attention_mask, max_new_tokens) if lora is None else None
+        if reuse is not None:                   # the prompts start with live contexts: continue them, read-only
+            gen_config, objects = self._generation_config(max_new_tokens, kwargs)
+            ctxs, rest, rest_mask = reuse
+            if len(ctxs) == 1:
+                out = self._generate_in_context(ctxs[0], rest, rest_mask, max_new_tokens, gen_config, objects,
+                                                None, extend=False)
+            else:
+                out = self._generate_in_contexts(ctxs, rest, rest_mask, max_new_tokens, gen_config, objects, None)
+            return _left_pad(out, input_ids.shape[1] + max_new_tokens, gen_config.pad_token_id)
         chunk = self._chunk(attention_mask)
         pads, real, cap = self._plan_cache(attention_mask, max_new_tokens, tmax=chunk or 1)
         gen_config, objects = self._generation_config(max_new_tokens, kwargs)
@@ -656,6 +666,35 @@ class HeteroGenerator:
         else:
             ctx._close()
 
+    def _reusable(self, input_ids, attention_mask, max_new_tokens):
+        """Automatic prefix reuse (HeteroConfig.reuse_contexts): when every request's prompt starts
+        with the tokens of a live Context (its cached and pending ones) and goes on past them,
+        (the longest such contexts, the new tokens [B, n] left-padded, their mask); else None.
+        Continuing a context reads its exact KV, so the result is the one-shot generate's."""
+        if not self.config.reuse_contexts or not self._contexts:
+            return None
+        live = [c for c in (ref() for _, ref in self._contexts.values()) if c is not None and not c.closed]
+        if not live:
+            return None
+        tokens = [(c, c.tokens) for c in live]
+        picks, rests = [], []
+        for b in range(input_ids.shape[0]):
+            row = input_ids[b, attention_mask[b].bool()].to("cpu")
+            best = max((ct for ct in tokens if len(ct[1]) < len(row) and torch.equal(row[:len(ct[1])], ct[1])),
+                       key=lambda ct: len(ct[1]), default=None)
+            if best is None:
+                return None
+            picks.append(best[0])
+            rests.append(row[len(best[1]):])
+        if len(picks) == 1 and len(input_ids[0]) + max_new_tokens > picks[0].capacity:
+            return None                          # no room in the context's arena: an ordinary generate
+        width = max(len(r) for r in rests)
+        ids = torch.zeros(len(rests), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for b, r in enumerate(rests):
+            ids[b, width - len(r):], mask[b, width - len(r):] = r, 1
+        return picks, ids.to(input_ids.device), mask.to(input_ids.device)
+
     def _check_contexts(self, contexts):
         if not contexts:
             raise ValueError("context= got an empty list")
@@ -786,6 +825,21 @@ class HeteroGenerator:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _left_pad(out, width, pad_id):
+    """generate's output (a tensor, or a GenerateOutput) with its sequences left-padded to `width`
+    columns (a prompt padded wider than its longest row: as HF returns it)."""
+    seq = out if isinstance(out, torch.Tensor) else out.sequences
+    cols = width - seq.shape[1]
+    if cols <= 0:
+        return out
+    seq = torch.cat([torch.full((seq.shape[0], cols), pad_id if isinstance(pad_id, int) else 0,
+                                dtype=seq.dtype, device=seq.device), seq], 1)
+    if isinstance(out, torch.Tensor):
+        return seq
+    out.sequences = seq
+    return out
 
 
 @contextlib.contextmanager

@@ -442,3 +442,34 @@ def test_bf16_batch_sharing_a_context_matches_hf():
         assert torch.equal(out.sequences, ref.sequences)
         for a, b in zip(out.scores, ref.scores):
             torch.testing.assert_close(a, b, atol=0.15, rtol=0.05)
+
+
+def test_prompts_starting_with_a_live_context_reuse_it():
+    """Automatic prefix reuse: a plain generate whose prompt starts with a live context's tokens
+    continues that context read-only (no second prefill of the document) and returns HF's
+    output; a batch whose rows all start with it shares it; a prompt that does not, or
+    reuse_contexts=False, takes the ordinary path."""
+    model, _ = build_model("llama")
+    doc, q1, q2, other = turns(12, 70, 6, 3, 20)
+    calls = []
+    with HeteroGenerator(model, cpu_workers=2) as gen, gen.prefill(doc[None]) as ctx:
+        real_one, real_many = gen._generate_in_context, gen._generate_in_contexts
+        gen._generate_in_context = lambda *a, **k: calls.append("one") or real_one(*a, **k)
+        gen._generate_in_contexts = lambda *a, **k: calls.append("many") or real_many(*a, **k)
+        full = torch.cat([doc, q1])
+        out = gen.generate(full[None], max_new_tokens=5, **KW)
+        assert calls == ["one"] and torch.equal(out.sequences, hf(model, full, 5).sequences)
+        assert ctx.length == 70 and torch.equal(ctx.tokens, doc)
+        rows = [torch.cat([doc, q1]), torch.cat([doc, q2])]
+        ids, mask = left_pad(rows)
+        ids, mask = torch.cat([torch.zeros(2, 2, dtype=torch.long), ids], 1), \
+            torch.cat([torch.zeros(2, 2, dtype=torch.long), mask], 1)          # a column of pads more than needed
+        out = gen.generate(ids, attention_mask=mask, max_new_tokens=4, **KW)
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=4, **KW)
+        assert calls[-1] == "many" and torch.equal(out.sequences, ref.sequences)
+        n = len(calls)
+        gen.generate(other[None], max_new_tokens=3, **KW)
+        assert len(calls) == n                                                   # no context to reuse
+        gen.config = HeteroConfig(cpu_workers=2, reuse_contexts=False)
+        out = gen.generate(full[None], max_new_tokens=5, **KW)
+        assert len(calls) == n and torch.equal(out.sequences, hf(model, full, 5).sequences)
