@@ -25,7 +25,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from hetero import HeteroGenerator  # noqa: E402
+from hetero import HeteroConfig, HeteroGenerator  # noqa: E402
 from hetero.models import load_smollm2  # noqa: E402
 
 MODULES = ("subprocess", "argparse", "json", "pathlib", "collections", "threading", "logging", "shutil", "csv")
@@ -130,7 +130,8 @@ def main(argv=None):
     pad = tok.eos_token_id
     kw = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=pad)
     print(f"\ncontext: {len(chosen)} passages, {prefix.shape[1]} tokens")
-    with HeteroGenerator(model, cpu_workers=args.workers) as gen:
+    # reuse_contexts=False: the one-shot generate below must re-prefill (the comparison), not find the context
+    with HeteroGenerator(model, config=HeteroConfig(cpu_workers=args.workers, reuse_contexts=False)) as gen:
         t = time.perf_counter()
         ctx = gen.prefill(prefix, reserve=max(s.shape[1] for s in suffixes) + args.max_new_tokens)
         prefill_s = time.perf_counter() - t

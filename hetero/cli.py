@@ -193,7 +193,7 @@ def profile(args):
           "prefetched layer by layer, from this many on (else on the CPU workers):")
     for L in (4096, 16384, 65536, 262144):
         T = policy.crossover(prof, rates, spec, L, n)
-        print(f"  context {L:7d}: {'never (up to 4096)' if T is None else f'{T} new tokens'}")
+        print(f"  context {L:7d}: {'never (pieces of up to 256 tokens)' if T is None else f'{T} new tokens'}")
     return 0
 
 

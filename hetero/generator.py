@@ -633,9 +633,15 @@ class HeteroGenerator:
                     pre.start()
                     self._forward(cache, full, mask, a, b)
                     a = b
-            finally:
+            except BaseException:
                 session.prefetcher = None
-                pre.close()
+                try:
+                    pre.close()
+                except BaseException:
+                    pass                                 # the forward's own error is the one to raise
+                raise
+            session.prefetcher = None
+            pre.close()
             self.last_prefetch_log = pre.log            # for tests and benchmarks
             return
         while S - a > tmax:
@@ -650,8 +656,8 @@ class HeteroGenerator:
         from hetero.prefetch import policy
 
         profile = getattr(self._planner, "profile", None)
-        if profile is None:
-            return "workers"
+        if profile is None or self.model.device.type != "cuda":
+            return "workers"                             # see policy.choose
         if self._rates is None:
             self._rates = policy.measure(self.model.device, self.spec)
         return policy.choose(profile, self._rates, self.spec, L, T, self._pool.n)

@@ -131,8 +131,9 @@ def test_cuda_transport_dead_worker_raises_within_2s():
 def test_cuda_prefetched_continuation_matches_hf(model_type, dtype):
     """continuation='prefetch' on a CUDA model: each layer's cached rows are DMA'd from the
     page-locked arena into two rotating GPU buffers on a copy stream, the new rows go back on an
-    offload stream; the turns equal HF over the whole conversation, the ops are plan()'s, and the
-    workers' path gives the same tokens."""
+    offload stream; in pieces of 8 tokens (the buffers rotate across forwards, the second turn
+    reads the rows the first appended) the turns equal HF over the whole conversation, the ops
+    are plan()'s, and the workers' path gives the same tokens."""
     from hetero import HeteroConfig
     from hetero.prefetch.schedule import plan
     from tests.test_contexts import KW, turns
@@ -141,12 +142,14 @@ def test_cuda_prefetched_continuation_matches_hf(model_type, dtype):
     doc, msg, nxt = (t.cuda() for t in turns(31, 60, 40, 9))
     outs = {}
     for mode in ("prefetch", "workers"):
-        cfg = HeteroConfig(cpu_workers=2, continuation=mode, profile="off")
+        cfg = HeteroConfig(cpu_workers=2, continuation=mode, profile="off", prefill_chunk=8)
         with HeteroGenerator(model, config=cfg) as gen, gen.prefill(doc[None], reserve=100) as ctx:
-            a = gen.generate(msg[None], context=ctx, max_new_tokens=4, **KW)
-            b = gen.generate(nxt[None], context=ctx, max_new_tokens=4, **KW)
+            a = gen.generate(msg[None], context=ctx, max_new_tokens=4, **KW)     # 39 tokens fed: 5 pieces
             if mode == "prefetch":
-                assert gen.last_prefetch_log == plan(model.config.num_hidden_layers)
+                assert gen.last_prefetch_log == plan(model.config.num_hidden_layers) * 5
+            b = gen.generate(nxt[None], context=ctx, max_new_tokens=4, **KW)     # 1 pending + 9, 9 fed: 2
+            if mode == "prefetch":
+                assert gen.last_prefetch_log == plan(model.config.num_hidden_layers) * 2
             outs[mode] = (a, b)
     conv = torch.cat([doc, msg])
     ref = model.generate(conv[None], attention_mask=torch.ones_like(conv)[None], max_new_tokens=4, **KW)

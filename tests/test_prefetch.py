@@ -98,10 +98,10 @@ def test_policy_prefers_workers_for_few_tokens_and_the_device_for_many():
     L = 65536
     assert policy.choose(prof, gpu, spec, L, 1, 15) == "workers"
     assert policy.choose(prof, gpu, spec, L, 2048, 15) == "prefetch"
-    T = policy.crossover(prof, gpu, spec, L, 15)
+    T = policy.crossover(prof, gpu, spec, L, 15, tmax=4096)
     assert T is not None and policy.choose(prof, gpu, spec, L, T // 2, 15) == "workers"
     slow_bus = policy.DeviceRates("cuda:0", copy_gbps=2.5, device_gflops=300_000.0)
-    assert policy.crossover(prof, slow_bus, spec, L, 15) > T                  # a slower copy: later crossover
+    assert policy.crossover(prof, slow_bus, spec, L, 15, tmax=4096) > T                  # a slower copy: later crossover
     assert policy.choose(None, gpu, spec, L, 4096, 15) == "workers"           # no profile: the workers
 
 

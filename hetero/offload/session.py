@@ -64,6 +64,7 @@ class KVSession:
         self.prefilled = False
         self.opened = False
         self.prefetcher = None            # a LayerPrefetcher while a forward attends on the model's device
+        self._host_regs = None            # pointers of K/V page-locked for a GPU's DMAs (pin_kv), or [] if refused
         # per layer: the cache was updated and attention has not read it yet (HeteroLayer.update
         # sets it, take_update clears it): one attention call per update, same layer, or refuse
         self.pending = [False] * spec.layers
@@ -378,6 +379,33 @@ class KVSession:
         w = self.pool.words
         kernel.run_job(w, self.pool.floats, seq, C.PARENT_BUSY, self.layout.code, *self._job)
 
+    def pin_kv(self):
+        """Page-lock the arena's K/V once (cudaHostRegister, portable: every GPU's DMAs read it
+        asynchronously; hetero.prefetch). Where the driver refuses, copies stay correct through
+        pageable memory (one log line). Released at close."""
+        if self._host_regs is not None:
+            return
+        self._host_regs = []
+        cudart = torch.cuda.cudart()
+        for t in (self.K, self.V, self.Kr, self.Vr):
+            if t.numel() == 0:
+                continue
+            err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 1)   # 1: portable
+            if int(err) != 0:
+                cudart.cudaGetLastError()          # clear it: torch's next launch check would raise it
+                import logging
+                logging.getLogger("hetero").info("hetero: cudaHostRegister of the KV arena failed (%s); "
+                                                 "prefetch copies go through pageable memory", err)
+                return
+            self._host_regs.append(t.data_ptr())
+
+    def _unpin_kv(self):
+        regs, self._host_regs = self._host_regs or [], None
+        if regs:
+            cudart = torch.cuda.cudart()
+            for ptr in regs:
+                cudart.cudaHostUnregister(ptr)
+
     def close(self):
         """Unmap in the workers and unlink. Idempotent; safe after a worker died. Raises the
         pool's WorkerError (after cleaning up) when a worker died or stalled unnoticed until now
@@ -395,6 +423,10 @@ class KVSession:
                     self.pool.run(C.CMD_CLOSE)
                 except WorkerError as e:
                     failed = failed or e
+        try:
+            self._unpin_kv()              # before the unmap
+        except BaseException as e:
+            failed = failed or e
         # drop every view first: a live view pins the mapping (and an output that keeps this
         # session through its cache would pin the whole arena)
         self.q = self.knew = self.vnew = self.K = self.V = self.Kr = self.Vr = self.kv = None

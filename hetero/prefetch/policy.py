@@ -7,9 +7,10 @@ Per layer, for T new tokens over L cached rows:
   prefetch  max(KV bytes of the L rows / copy_gbps, attention FLOPs / device_gflops): the copy of
             layer i+1 overlaps layer i's attention, so the slower of the two sets the pace
             (a CPU model always uses the workers: see choose)
-copy_gbps (host arena -> device buffer; PCIe on a GPU machine) and device_gflops (the model's
-attention at a long context) are measured once per device and shape (`measure`), in the same
-process that uses them. The crossover (the T above which the device wins) grows with nothing
+copy_gbps (host arena -> device buffer, per head as the fetches copy; PCIe on a GPU machine)
+and device_gflops (device_attention's sdpa path at a long context; the eager path of soft-capped
+or sink models is slower, and the unblocking, the concatenation and the host's append are not
+counted) are measured once per device and shape (`measure`), in the same process that uses them. The crossover (the T above which the device wins) grows with nothing
 but these two figures and the profile; `hetero profile --device` prints it.
 """
 import time
@@ -51,7 +52,8 @@ def measure(device, spec, rows=8192, T=128, reps=3):
     for _ in range(reps):
         _sync(device)
         t = time.perf_counter()
-        dev.copy_(host, non_blocking=True)
+        for h in range(Hkv):                                 # per head, as LayerPrefetcher's fetches
+            dev[h].copy_(host[h], non_blocking=True)
         _sync(device)
         best_copy = min(best_copy, time.perf_counter() - t)
         t = time.perf_counter()
@@ -87,8 +89,9 @@ def choose(profile, rates, spec, L, T, nworkers):
     return "prefetch" if prefetch_s(rates, spec, L, T) < workers_s(profile, spec, L, T, nworkers) else "workers"
 
 
-def crossover(profile, rates, spec, L, nworkers, tmax=4096):
-    """The fewest new tokens (powers of two up to tmax) for which prefetch wins over L cached rows, or None."""
+def crossover(profile, rates, spec, L, nworkers, tmax=256):
+    """The fewest new tokens (powers of two up to tmax: a continuation's pieces, CONTINUE_CHUNK or
+    HeteroConfig.prefill_chunk) for which prefetch wins over L cached rows, or None."""
     T = 1
     while T <= tmax:
         if choose(profile, rates, spec, L, T, nworkers) == "prefetch":

@@ -61,10 +61,11 @@ def plan(layers):
 
 
 class _Streams:
-    """CUDA streams and events for the schedule; on a CPU device, nothing (every op is in order)."""
+    """CUDA streams and events on the model's device for the schedule; on a CPU device, nothing
+    (every op runs in order)."""
 
     def __init__(self, device):
-        self.cuda = device.type == "cuda"
+        self.cuda, self.device = device.type == "cuda", device
         if self.cuda:
             self.copy = torch.cuda.Stream(device)
             self.offload = torch.cuda.Stream(device)
@@ -75,13 +76,20 @@ class _Streams:
     def on(self, stream):
         return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
 
+    def on_device(self):
+        """The model's device current (events and streams default to it, whatever the caller's)."""
+        return torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext()
+
+    def compute(self):
+        return torch.cuda.current_stream(self.device)
+
     def record(self, event, stream=None):
         if self.cuda:
-            event.record(stream if stream is not None else torch.cuda.current_stream())
+            event.record(stream if stream is not None else self.compute())
 
     def wait(self, event, stream=None):
         if self.cuda:
-            (stream if stream is not None else torch.cuda.current_stream()).wait_event(event)
+            (stream if stream is not None else self.compute()).wait_event(event)
 
 
 class LayerPrefetcher:
@@ -107,34 +115,13 @@ class LayerPrefetcher:
         self.spans = [None, None]                      # per buffer: (first row, rows) it holds
         self.new = None                                # this layer's new rows (stage)
         self.offloaded = []                            # per layer: (host k, host v, event)
-        self._pinned = []                              # host ranges page-locked for the DMAs (close)
         if self.streams.cuda:
-            self._pin(session)
-
-    def _pin(self, session):
-        """Page-lock the arena's K/V (cudaHostRegister) so the fetches are asynchronous DMAs; where
-        that fails the copies stay correct, staged through pageable memory (one log line)."""
-        cudart = torch.cuda.cudart()
-        for t in (session.K, session.V, session.Kr, session.Vr):
-            if t.numel() == 0:
-                continue
-            ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
-            err = cudart.cudaHostRegister(ptr, nbytes, 0)
-            if int(err) != 0:
-                import logging
-                logging.getLogger("hetero").info("hetero: cudaHostRegister of the KV arena failed (%s); "
-                                                 "prefetch copies go through pageable memory", err)
-                return
-            self._pinned.append(ptr)
+            session.pin_kv()                           # once per session: the fetches become async DMAs
 
     def close(self):
-        """Wait for the copies and release the page locks. Idempotent."""
+        """Wait for this prefetcher's copies (its buffers are freed after). Idempotent."""
         if self.streams.cuda:
             torch.cuda.synchronize(self.device)
-            cudart = torch.cuda.cudart()
-            for ptr in self._pinned:
-                cudart.cudaHostUnregister(ptr)
-        self._pinned = []
 
     # ---- the schedule's ops
     def _fetch(self, layer, buf):
@@ -149,16 +136,22 @@ class LayerPrefetcher:
         ids = s._block_ids(layer, first, L - first)                     # stored block of each logical block
         Kb, Vb = s.kv[layer][0][0], s.kv[layer][1][0]                  # request 0: [Hkv, nblk, ...]
         kd, vd = self.bufs[buf]
-        self.streams.wait(self.used[buf], self.streams.copy if self.streams.cuda else None)
-        with self.streams.on(self.streams.copy if self.streams.cuda else None):
+        copy = self.streams.copy if self.streams.cuda else None
+        self.streams.wait(self.used[buf], copy)                         # layer - 2 has read this buffer
+        with self.streams.on(copy):
             i = 0
             for start, n in _runs(ids, Kb.shape[1]):                    # a ring wraps at most once
-                kd[:, i:i + n].copy_(Kb[:, start:start + n], non_blocking=True)
-                vd[:, i:i + n].copy_(Vb[:, start:start + n], non_blocking=True)
+                for h in range(Kb.shape[0]):                            # per head: contiguous on both sides
+                    kd[h, i:i + n].copy_(Kb[h, start:start + n], non_blocking=True)
+                    vd[h, i:i + n].copy_(Vb[h, start:start + n], non_blocking=True)
                 i += n
-            self.streams.record(self.copied[buf], self.streams.copy if self.streams.cuda else None)
+            self.streams.record(self.copied[buf], copy)
 
     def start(self):
+        """Before a forward: the first two fetches (the copy stream first waits for the compute
+        stream, which allocated the buffers and may still read them from the last forward)."""
+        if self.streams.cuda:
+            self.streams.copy.wait_stream(self.streams.compute())
         for op, layer, buf in plan(self.s.spec.layers):
             if op != "fetch":
                 break
@@ -171,7 +164,11 @@ class LayerPrefetcher:
     def attend(self, layer, query, window, scale, softcap, sinks):
         """query [1, Hq, T, D] -> [1, T, Hq, D]: attention over the layer's prefetched rows and its new
         rows, on the model's device; then the buffer goes to layer + 2 and the new rows to the host."""
-        s, buf, T = self.s, layer % 2, query.shape[2]
+        with self.streams.on_device():
+            return self._attend(layer, query, window, scale, softcap, sinks)
+
+    def _attend(self, layer, query, window, scale, softcap, sinks):
+        s, buf = self.s, layer % 2
         self.log.append(("wait", layer, buf))
         self.streams.wait(self.copied[buf])
         self.log.append(("attend", layer, buf))
@@ -196,9 +193,8 @@ class LayerPrefetcher:
         if not self.streams.cuda:
             self.offloaded.append((key[0], value[0], None))
             return
-        ev, done = self.streams.event(), self.streams.event()
-        done.record()                                                   # the layer's new rows exist
-        self.streams.offload.wait_event(done)
+        ev = self.streams.event()
+        self.streams.offload.wait_stream(self.streams.compute())       # the layer's new rows exist
         with torch.cuda.stream(self.streams.offload):
             hk = torch.empty(key.shape[1:], dtype=key.dtype, pin_memory=True)
             hv = torch.empty(value.shape[1:], dtype=value.dtype, pin_memory=True)
