@@ -277,18 +277,17 @@ class HeteroGenerator:
         return C if attention_mask.shape[1] > first else None
 
     def prefill_chunks(self, cache, input_ids, attention_mask, chunk, to_end=False):
-        """Run all but the last chunk of a prompt through the model into `cache` (to_end: all of
-        it): the first forward (pads + one chunk) with the model's own attention, each later
-        chunk of `chunk` tokens with its attention on the CPU workers over the cached KV (q_len =
-        chunk). The last chunk (at most `chunk` tokens) is otherwise left to generate's first
+        """Run a prompt through the model into `cache` in chunks: the first forward (pads + one
+        chunk) with the model's own attention, each later chunk of `chunk` tokens attending to the
+        cached KV (on the CPU workers, or on the model's device after a layer-wise prefetch: see
+        _feed). to_end: all of it; else the rest (at most one chunk) is left to generate's first
         forward, which continues the cache."""
         S = input_ids.shape[1]
-        a, b = 0, S - int(attention_mask.sum(1).min()) + chunk     # the longest left pad + one chunk
-        while b < S:
-            self._forward(cache, input_ids, attention_mask, a, b)
-            a, b = b, b + chunk
-        if to_end:
-            self._forward(cache, input_ids, attention_mask, a, S)
+        first = min(S, S - int(attention_mask.sum(1).min()) + chunk)      # the longest left pad + one chunk
+        if first == S and not to_end:
+            return
+        self._forward(cache, input_ids, attention_mask, 0, first)
+        self._feed(cache, input_ids, attention_mask, first, S, whole=to_end)
 
     def _plan_cache(self, attention_mask, max_new_tokens, tmax=1, prefix=0):
         real = attention_mask.sum(1).cpu()
@@ -616,37 +615,44 @@ class HeteroGenerator:
         return out
 
     def _continue(self, session, cache, full, mask, cached):
-        """Feed full[:, cached:] but what generate's first forward takes: pieces of at most tmax tokens
-        whose attention runs on the CPU workers, or, when the policy prefers it for this many new
-        tokens, on the model's device over KV prefetched layer by layer (all but the last token;
-        HeteroConfig.continuation, hetero.prefetch)."""
-        S, tmax = full.shape[1], session.layout.tmax
-        a = cached
-        if S - a > 1 and self._continuation(session, int(session.lengths[0]), min(S - a - 1, tmax)) == "prefetch":
-            from hetero.prefetch.schedule import LayerPrefetcher
+        """Feed full[:, cached:] into a prefilled session, but what generate's first forward takes."""
+        self._feed(cache, full, mask, cached, full.shape[1])
 
-            pre = LayerPrefetcher(session, self.model.device)
-            try:
-                while a < S - 1:
-                    b = min(a + tmax, S - 1)
-                    session.prefetcher = pre
-                    pre.start()
-                    self._forward(cache, full, mask, a, b)
-                    a = b
-            except BaseException:
-                session.prefetcher = None
-                try:
-                    pre.close()
-                except BaseException:
-                    pass                                 # the forward's own error is the one to raise
-                raise
-            session.prefetcher = None
-            pre.close()
-            self.last_prefetch_log = pre.log            # for tests and benchmarks
+    def _feed(self, cache, ids, mask, a, end, whole=False):
+        """Forward positions [a, end) of ids into a prefilled session's cache in pieces of at most
+        its tmax tokens, each attending to the cached KV: on the CPU workers (generate's first
+        forward then takes the last piece), or, when HeteroConfig.continuation / the policy
+        prefers it for this many tokens, on the model's device over KV prefetched layer by layer
+        (hetero.prefetch; generate's first forward takes the last token). whole: feed everything."""
+        session = cache.session
+        tmax = session.layout.tmax
+        n = end - a
+        if n <= 0:
             return
-        while S - a > tmax:
-            self._forward(cache, full, mask, a, a + tmax)
-            a += tmax
+        prefetch = session.batch == 1 and self._continuation(session, int(session.lengths[0]), min(n, tmax)) == "prefetch"
+        stop = end if whole else end - (1 if prefetch else (n - 1) % tmax + 1)
+        if not prefetch:
+            for p in range(a, stop, tmax):
+                self._forward(cache, ids, mask, p, min(p + tmax, stop))
+            return
+        from hetero.prefetch.schedule import LayerPrefetcher
+
+        pre = LayerPrefetcher(session, self.model.device)
+        try:
+            for p in range(a, stop, tmax):
+                session.prefetcher = pre
+                pre.start()
+                self._forward(cache, ids, mask, p, min(p + tmax, stop))
+        except BaseException:
+            session.prefetcher = None
+            try:
+                pre.close()
+            except BaseException:
+                pass                                     # the forward's own error is the one to raise
+            raise
+        session.prefetcher = None
+        pre.close()
+        self.last_prefetch_log = pre.log                # for tests and benchmarks
 
     def _continuation(self, session, L, T):
         """HeteroConfig.continuation for T new tokens over L cached rows ("auto": hetero.prefetch.policy)."""

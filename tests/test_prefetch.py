@@ -110,3 +110,25 @@ def test_measured_device_rates_are_positive():
                      max_positions=None, sliding=(False,))
     r = policy.measure(torch.device("cpu"), spec, rows=2048, T=16, reps=1)
     assert r.copy_gbps > 0 and r.device_gflops > 0 and "GB/s" in r.describe()
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_chunked_prefill_prefetches_the_cached_chunks(model_type):
+    """A chunked prefill (one-shot generate, and prefill() of a context) with
+    continuation='prefetch': chunk c attends on the device to chunks 0..c-1 prefetched layer by
+    layer from the arena; tokens and scores equal HF's, and the ops are plan()'s per chunk."""
+    model, _ = build_model(model_type)
+    doc, msg = turns(23, 50, 6)
+    config = HeteroConfig(cpu_workers=1, prefill_chunk=8, continuation="prefetch")
+    layers = model.config.num_hidden_layers
+    with HeteroGenerator(model, config=config) as gen:
+        out = gen.generate(doc[None], max_new_tokens=4, **KW)
+        ref = hf(model, doc, 4)
+        assert torch.equal(out.sequences, ref.sequences)
+        for a, b in zip(out.scores, ref.scores):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        assert gen.last_prefetch_log == plan(layers) * 6                # 50 = 8 + 6 chunks of <= 8 (the last token
+        with gen.prefill(doc[None]) as ctx:                              # left to generate), pieces [8, 49)
+            assert gen.last_prefetch_log == plan(layers) * 6             # prefill(): all 42 after the first 8
+            out = gen.generate(msg[None], context=ctx, max_new_tokens=4, **KW)
+            assert torch.equal(out.sequences, hf(model, torch.cat([doc, msg]), 4).sequences)
