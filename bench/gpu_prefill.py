@@ -1,0 +1,263 @@
+"""Prefill with the model on a GPU: hetero (KV offloaded to the CPU arena layer by layer; chunked,
+each chunk attending to the earlier ones over KV prefetched layer by layer) beside HF with the
+KV on the GPU and HF's offloaded cache; then a 512-token continuation over a cached context.
+Needs CUDA (--device cpu --shape tiny: a dry run of the script on any machine).
+
+Random-weight bf16 Llama-3-8B shape (all 32 layers), random prompts. Prefill systems, one fresh
+process per (system, prompt length):
+  hf              HF forward over the prompt, DynamicCache on the GPU (OOM marked)
+  offloaded       HF forward, DynamicCache(offloading=True)
+  hetero          gen.prefill(prompt): one pass, each layer's KV offloaded to the arena
+  hetero_chunked  gen.prefill(prompt) with prefill_chunk (default 8192) and continuation="prefetch"
+Continuation (--continue-context, default 64K cached tokens, --new 512 new tokens):
+  prefetch / workers   gen.generate(new, context=ctx, extend_context=False, max_new_tokens=1)
+  reprefill            HF forward over context + new tokens on the GPU (OOM marked)
+Reported: tokens/s, seconds, peak GPU memory (torch.cuda.max_memory_allocated). Targets (#14):
+hetero prefill >= 0.9x HF's GPU prefill where HF fits; the longest prompt hetero runs >= 4x
+HF's; hetero_chunked's peak GPU memory flat in prompt length (longest / shortest <= 1.25).
+
+    python bench/gpu_prefill.py [--contexts 8192 32768 65536 131072] [--copy-to DIR]
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import machine, write_json  # noqa: E402
+
+SHAPES = {  # hidden, intermediate, layers, q heads, kv heads, vocab
+    "llama3-8b": (4096, 14336, 32, 32, 8, 128256),
+    "tiny": (256, 512, 2, 4, 2, 1000),
+}
+PREFILL = ("hf", "offloaded", "hetero", "hetero_chunked")
+CONTINUE = ("prefetch", "workers", "reprefill")
+TARGETS = {"vs_hf_prefill": 0.9, "longest_vs_hf": 4.0, "chunked_peak_growth": 1.25}
+
+
+def build(shape, device):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    h, inter, layers, hq, hkv, vocab = SHAPES[shape]
+    cfg = LlamaConfig(hidden_size=h, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=hq,
+                      num_key_value_heads=hkv, vocab_size=vocab, max_position_embeddings=262144)
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def _sync(device):
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _peak(device):
+    import torch
+
+    return torch.cuda.max_memory_allocated() if device == "cuda" else None
+
+
+def _reset(device):
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _ids(model, n, seed):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, model.config.vocab_size, (1, n), generator=g).to(model.device)
+
+
+def hf_forward(model, ids, offloaded):
+    """Seconds of one HF forward over ids into a fresh DynamicCache (logits of the last token only)."""
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config, offloading=offloaded)
+    t = time.perf_counter()
+    with torch.inference_mode():
+        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    _sync(str(model.device.type))
+    return time.perf_counter() - t
+
+
+def hetero_gen(model, args, chunked):
+    from hetero import HeteroConfig, HeteroGenerator
+
+    cfg = HeteroConfig(prefill_chunk=args.chunk if chunked else None,
+                       continuation="prefetch" if chunked else "auto")
+    return HeteroGenerator(model, config=cfg)
+
+
+def one(args):
+    """Child process: one system at one length; prints a JSON line."""
+    import torch
+
+    dev = args.device
+    model = build(args.shape, dev)
+    out = {}
+    try:
+        if args.one in PREFILL:
+            ids = _ids(model, args.context, 1)
+            if args.one.startswith("hetero"):
+                with hetero_gen(model, args, args.one == "hetero_chunked") as gen:
+                    gen.prefill(_ids(model, 512, 2)).close()              # workers, profile, kernels warm
+                    _reset(dev)
+                    t = time.perf_counter()
+                    ctx = gen.prefill(ids, reserve=1)
+                    _sync(dev)
+                    out["s"] = time.perf_counter() - t
+                    out["peak_gpu_bytes"] = _peak(dev)
+                    ctx.close()
+            else:
+                hf_forward(model, _ids(model, 512, 2), args.one == "offloaded")   # warm
+                _reset(dev)
+                out["s"] = hf_forward(model, ids, args.one == "offloaded")
+                out["peak_gpu_bytes"] = _peak(dev)
+        else:
+            L, new = args.context, _ids(model, args.new, 3)
+            if args.one == "reprefill":
+                hf_forward(model, _ids(model, 512, 2), False)
+                _reset(dev)
+                out["s"] = hf_forward(model, torch.cat([_ids(model, L, 1), new], 1), False)
+                out["peak_gpu_bytes"] = _peak(dev)
+            else:
+                with hetero_gen(model, args, True) as gen:
+                    gen.config = replace(gen.config, continuation=args.one)
+                    with gen.prefill(_ids(model, L, 1), reserve=args.new + 8) as ctx:
+                        kw = dict(context=ctx, extend_context=False, max_new_tokens=1, do_sample=False, pad_token_id=0)
+                        gen.generate(new[:, :16], **kw)                   # warm
+                        _reset(dev)
+                        t = time.perf_counter()
+                        gen.generate(new, **kw)
+                        _sync(dev)
+                        out["s"] = time.perf_counter() - t
+                        out["peak_gpu_bytes"] = _peak(dev)
+    except torch.cuda.OutOfMemoryError:
+        out["oom"] = True
+    print("RESULT " + json.dumps(out))
+
+
+def spawn(args, system, L):
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", system, "--context", str(L), "--shape", args.shape,
+           "--device", args.device, "--chunk", str(args.chunk), "--new", str(args.new)]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"over {args.timeout} s"}
+    line = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")]
+    if res.returncode or not line:
+        return {"error": res.stderr[-2000:]}
+    return json.loads(line[-1][7:])
+
+
+def _show(name, r, n):
+    if "s" in r:
+        peak = r.get("peak_gpu_bytes")
+        return (f"{name:15s} {r['s']:8.3f} s  {n / r['s']:9.0f} tokens/s"
+                + (f"  peak GPU {peak / 2**30:6.2f} GiB" if peak is not None else ""))
+    return f"{name:15s} " + ("OOM" if r.get("oom") else "failed: " + r.get("error", "")[-300:])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="llama3-8b", choices=list(SHAPES))
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 65536, 131072])
+    ap.add_argument("--systems", nargs="+", default=list(PREFILL), choices=PREFILL)
+    ap.add_argument("--chunk", type=int, default=8192, help="hetero_chunked's prefill_chunk")
+    ap.add_argument("--continue-context", type=int, default=65536, help="cached tokens the continuation extends (0: skip)")
+    ap.add_argument("--new", type=int, default=512, help="the continuation's new tokens")
+    ap.add_argument("--timeout", type=int, default=1200, help="seconds per cell")
+    ap.add_argument("--out", default="gpu_prefill")
+    ap.add_argument("--copy-to", default=None, help="also copy the JSON here after every row (a device's $OUT)")
+    ap.add_argument("--one", choices=PREFILL + CONTINUE, help=argparse.SUPPRESS)
+    ap.add_argument("--context", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        return one(args)
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench/gpu_prefill.py needs CUDA (or --device cpu --shape tiny for a dry run)")
+    res = {"prefill": [], "continuation": None}
+    for L in args.contexts:
+        row = {"context": L}
+        for s in args.systems:
+            row[s] = spawn(args, s, L)
+            print(f"L={L:7d} " + _show(s, row[s], L), flush=True)
+        res["prefill"].append(row)
+        save(args, res, {})                                    # partial results survive a time limit
+    if args.continue_context:
+        row = {"context": args.continue_context, "new": args.new}
+        for s in CONTINUE:
+            row[s] = spawn(args, s, args.continue_context)
+            print(f"continue {args.new} over {args.continue_context}: " + _show(s, row[s], args.new), flush=True)
+        res["continuation"] = row
+    summary = summarize(res, args.systems)
+    for k, (v, met) in summary.items():
+        print(f"  {'    ' if met is None else 'MET ' if met else 'MISS'} {k}: {v}")
+    print("wrote", save(args, res, summary))
+
+
+def summarize(res, systems):
+    summary = {}
+    for r in res["prefill"]:
+        if "s" in r.get("hetero", {}) and "s" in r.get("hf", {}):
+            x = r["hf"]["s"] / r["hetero"]["s"]
+            summary[f"{r['context'] // 1024}K: hetero prefill speed / HF GPU"] = (round(x, 2), x >= TARGETS["vs_hf_prefill"])
+    def longest(name):
+        return max((r["context"] for r in res["prefill"] if "s" in r.get(name, {})), default=0)
+    if "hf" in systems:
+        hf, het = longest("hf"), max(longest("hetero"), longest("hetero_chunked"))
+        if hf and het:
+            fits_all = hf == max(r["context"] for r in res["prefill"])
+            summary["longest prompt, hetero / HF (HF ran every length: a lower bound)" if fits_all else
+                    "longest prompt, hetero / HF"] = (round(het / hf, 2), None if fits_all else het / hf >= TARGETS["longest_vs_hf"])
+    peaks = [r["hetero_chunked"]["peak_gpu_bytes"] for r in res["prefill"]
+             if (r.get("hetero_chunked") or {}).get("peak_gpu_bytes")]
+    if len(peaks) > 1:
+        x = max(peaks) / min(peaks)
+        summary["hetero_chunked peak GPU memory, longest / shortest prompt"] = (round(x, 3), x <= TARGETS["chunked_peak_growth"])
+    c = res["continuation"]
+    if c and "s" in c.get("reprefill", {}):
+        for s in ("prefetch", "workers"):
+            if "s" in c.get(s, {}):
+                summary[f"continuation: re-prefill / {s}"] = (round(c["reprefill"]["s"] / c[s]["s"], 2), None)
+    return summary
+
+
+def save(args, res, summary):
+    import shutil
+
+    import torch
+
+    path = write_json(f"{args.out}.json", {
+        "bench": "gpu_prefill", "machine": machine(), "cores": len(os.sched_getaffinity(0)),
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "shape": args.shape,
+        "chunk": args.chunk, "targets": TARGETS, "results": res, "summary": summary,
+        "note": "one fresh process per cell, after a 512-token warm-up in it; seconds of one prefill (wall, synchronized)"})
+    if args.copy_to:
+        shutil.copy(path, args.copy_to)
+    return path
+
+
+if __name__ == "__main__":
+    main()
