@@ -172,3 +172,35 @@ def test_cuda_batch_sharing_a_context_matches_hf():
             gen.prefill(doc[None].cuda()) as ctx:
         out = gen.generate(ids.cuda(), attention_mask=mask.cuda(), context=[ctx] * 3, max_new_tokens=5, **KW)
     assert torch.equal(out.sequences, ref.sequences)
+
+
+def test_cuda_prefill_offloads_layer_by_layer():
+    """A 32K-token prefill of a 12-layer model: each layer's KV leaves the GPU on the offload stream
+    while the next layers compute (the compute stream waits only for layer - 2's offload), so the
+    peak GPU memory stays below HF's (which keeps every layer's KV) by at least 8 layers of KV;
+    the arena then holds HF's KV rows exactly."""
+    from transformers import DynamicCache
+
+    model = build_model("llama", num_hidden_layers=12, max_position_embeddings=40000)[0].cuda()
+    cfg = model.config
+    S = 32768
+    ids = torch.randint(3, cfg.vocab_size, (1, S), generator=torch.Generator().manual_seed(0)).cuda()
+    D = cfg.hidden_size // cfg.num_attention_heads
+    layer_kv = 2 * cfg.num_key_value_heads * D * S * 4
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    cache = DynamicCache(config=cfg)
+    with torch.inference_mode():
+        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    peak_hf = torch.cuda.max_memory_allocated()
+    ref = {layer: (cache.layers[layer].keys[0].cpu(), cache.layers[layer].values[0].cpu()) for layer in (0, 11)}
+    del cache                                  # the peaks below count what is allocated when they start
+    with HeteroGenerator(model, cpu_workers=2) as gen:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        with gen.prefill(ids, reserve=8) as ctx:
+            peak = torch.cuda.max_memory_allocated()
+            for layer in (0, 11):
+                k, v = ctx.session.read_rows(layer, 0, S)
+                assert torch.equal(k, ref[layer][0]) and torch.equal(v, ref[layer][1])
+    assert peak <= peak_hf - 8 * layer_kv, (peak, peak_hf, layer_kv)

@@ -10,6 +10,7 @@ Heads are stored padded to the layout's dpad (q/k/v go into the first head_dim
 columns; the rest stay zero) and outputs are sliced back. Sliding-window layers
 keep a ring of the rows their window can still see (arena.ring_plan).
 """
+import contextlib
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -65,6 +66,7 @@ class KVSession:
         self.opened = False
         self.prefetcher = None            # a LayerPrefetcher while a forward attends on the model's device
         self._host_regs = None            # pointers of K/V page-locked for a GPU's DMAs (pin_kv), or [] if refused
+        self._offload = None              # a GPU prefill's (offload stream, {layer: event}) (store_prefill)
         # per layer: the cache was updated and attention has not read it yet (HeteroLayer.update
         # sets it, take_update clears it): one attention call per update, same layer, or refuse
         self.pending = [False] * spec.layers
@@ -200,22 +202,46 @@ class KVSession:
     # ---- prefill: the model's own attention runs; we offload its KV layer by layer
     def store_prefill(self, layer, key, value):
         """key/value: [B, Hkv, S, D] on the model's device (S includes left pads). A ring layer
-        stores only the rows its window can still see at the first decode step."""
+        stores only the rows its window can still see at the first decode step. On a GPU the
+        layer's KV goes to the arena on an offload stream (asynchronous DMAs into the page-locked
+        arena) while the next layers compute; the compute stream waits only for the offload of
+        layer - 2 (so GPU memory holds the blocked copies of at most two layers), and
+        finish_prefill waits once for the last."""
         window = self.ring_window[layer]
         self._prefill_rows = [key.shape[2] - pad for pad in self.pads]
-        for b, pad in enumerate(self.pads):
-            n = key.shape[2] - pad
-            start = max(0, n - window + 1) // BK * BK if window else 0     # whole blocks
-            self.write_rows(layer, b, key[b, :, pad + start:], value[b, :, pad + start:], start)
+        with self._offloading(layer, key, value):
+            for b, pad in enumerate(self.pads):
+                n = key.shape[2] - pad
+                start = max(0, n - window + 1) // BK * BK if window else 0     # whole blocks
+                self.write_rows(layer, b, key[b, :, pad + start:], value[b, :, pad + start:], start)
 
-    def _blocks(self, layer, b):
-        """Request b's K blocks as [Hkv, nblk, Dp/P, BK, P] (P = 2 for bf16: pair-interleaved, see
-        kernel.k_index, else 1: plain [Dp, BK] blocks) and V blocks [Hkv, nblk, Dp/W, BK, W]."""
-        Kl, Vl = self.kv[layer]
-        Kb = Kl[b]                                  # [Hkv, nblk, Dp, BK]
-        P = 2 if self.layout.code == BF16 else 1
-        Hkv, nblk, Dp, _ = Kb.shape
-        return Kb.view(Hkv, nblk, Dp // P, BK, P), Vl[b]
+    @contextlib.contextmanager
+    def _offloading(self, layer, key, value):
+        """store_prefill's copies on the offload stream of a GPU model (nothing on a CPU one)."""
+        if not key.is_cuda:
+            yield
+            return
+        if self._offload is None:
+            self.pin_kv()
+            self._offload = (torch.cuda.Stream(key.device), {})      # the stream, layer -> its event
+        stream, events = self._offload
+        compute = torch.cuda.current_stream(key.device)
+        if layer - 2 in events:
+            compute.wait_event(events.pop(layer - 2))               # at most two layers in flight
+        stream.wait_stream(compute)                                 # the layer's key/value exist
+        with torch.cuda.stream(stream):
+            yield
+            ev = torch.cuda.Event()
+            ev.record(stream)
+        events[layer] = ev
+        key.record_stream(stream)                                   # not reused before the copies ran
+        value.record_stream(stream)
+
+    def _offloaded(self):
+        """Wait for a GPU prefill's offloads (before the workers read the arena)."""
+        if self._offload is not None:
+            self._offload[0].synchronize()
+            self._offload = None
 
     def _block_ids(self, layer, start, n):
         """Where rows [start, start + n) live: the stored block of each logical block they touch."""
@@ -228,7 +254,10 @@ class KVSession:
 
     def write_rows(self, layer, b, key, value, start=0):
         """Rows start..start+n-1 of request b: key/value [Hkv, n, D] (any device) into the blocked
-        layout; start is a multiple of BK. Row j goes to block (j // BK) % nblk (a ring wraps)."""
+        layout; start is a multiple of BK. Row j goes to block (j // BK) % nblk (a ring wraps). The
+        blocks are built whole on key's device (the rows after the last one zero: no row past it
+        is read before it is written) and copied per head, contiguous on both sides: from a GPU,
+        on the current stream, asynchronous DMAs into a page-locked arena (pin_kv)."""
         Hkv, n, D = key.shape
         if start % BK or start < self.layout.prefix:
             raise ValueError(f"start row {start} is not a multiple of {BK} at or past the shared prefix "
@@ -236,25 +265,24 @@ class KVSession:
         if n == 0:
             return
         Dp = self.layout.dpad
-        if D != Dp:                         # zero columns D..Dp-1 (SessionLayout.dpad)
-            key, value = F.pad(key, (0, Dp - D)), F.pad(value, (0, Dp - D))
         ids = self._block_ids(layer, start, n)
-        Kb, Vb = self._blocks(layer, b)
-        P = Kb.shape[-1]
+        nb = len(ids)
+        # zero columns D..Dp-1 (SessionLayout.dpad) and rows n..nb*BK-1: [Hkv, nb*BK, Dp]
+        key, value = F.pad(key, (0, Dp - D, 0, nb * BK - n)), F.pad(value, (0, Dp - D, 0, nb * BK - n))
+        P = 2 if self.layout.code == BF16 else 1          # bf16 K blocks are pair-interleaved (kernel.k_index)
+        # rows [Hkv, nb*BK, Dp] -> [Hkv, nb, BK, Dp/P, P] -> K blocks [Hkv, nb, Dp/P, BK, P] = [Hkv, nb, Dp, BK]
+        kb = key.reshape(Hkv, nb, BK, Dp // P, P).transpose(2, 3).reshape(Hkv, nb, Dp, BK)
+        # rows -> [Hkv, nb, BK, Dp/W, W] -> V blocks [Hkv, nb, Dp/W, BK, W]
+        vb = value.reshape(Hkv, nb, BK, Dp // W, W).transpose(2, 3).contiguous()
+        Kl, Vl = self.kv[layer]
+        Kb, Vb = Kl[b], Vl[b]                             # [Hkv, nblk, Dp, BK], [Hkv, nblk, Dp/W, BK, W]
         # a ring wraps at most once: stored blocks ids[0].. then 0..; each run is contiguous
-        runs = [(0, ids[0], min(len(ids), Kb.shape[1] - ids[0]))]
-        if runs[0][2] < len(ids):
-            runs.append((runs[0][2], 0, len(ids) - runs[0][2]))
-        for i, p, nb in runs:               # logical blocks i..i+nb-1 of these rows -> stored p..p+nb-1
-            k, v = key[:, i * BK:(i + nb) * BK], value[:, i * BK:(i + nb) * BK]
-            full, rem = divmod(k.shape[1], BK)
-            # [Hkv, full*BK, Dp] -> [Hkv, full, BK, Dp/P, P] -> K [Hkv, full, Dp/P, BK, P]
-            Kb[:, p:p + full].copy_(k[:, :full * BK].reshape(Hkv, full, BK, Dp // P, P).transpose(2, 3))
-            # [Hkv, full*BK, Dp] -> [Hkv, full, BK, Dp/W, W] -> V [Hkv, full, Dp/W, BK, W]
-            Vb[:, p:p + full].copy_(v[:, :full * BK].reshape(Hkv, full, BK, Dp // W, W).transpose(2, 3))
-            if rem:
-                Kb[:, p + full, :, :rem].copy_(k[:, full * BK:].reshape(Hkv, rem, Dp // P, P).transpose(1, 2))
-                Vb[:, p + full, :, :rem].copy_(v[:, full * BK:].reshape(Hkv, rem, Dp // W, W).transpose(1, 2))
+        first = min(nb, Kb.shape[1] - ids[0])
+        for i, p, cnt in ((0, ids[0], first), (first, 0, nb - first)):
+            for h in range(Hkv):
+                if cnt:
+                    Kb[h, p:p + cnt].copy_(kb[h, i:i + cnt], non_blocking=True)
+                    Vb[h, p:p + cnt].copy_(vb[h, i:i + cnt], non_blocking=True)
 
     def read_rows(self, layer, b, n, start=0):
         """Inverse of write_rows: [Hkv, n - start, D] copies of request b's rows start..n-1 (a ring
@@ -292,6 +320,7 @@ class KVSession:
         """Called after the last layer's prefill attention: later forwards (the rest of a chunked
         prompt, then the decode steps) go to the workers. Without a prefill forward (benchmarks
         writing rows themselves), the lengths are the real_lens given."""
+        self._offloaded()
         # a chunked prefill's first forward stores only its own rows; the later chunks are steps
         self.lengths[:] = self._real_lens if self._prefill_rows is None else self._prefill_rows
         self._plan_step(1)
@@ -424,6 +453,7 @@ class KVSession:
                 except WorkerError as e:
                     failed = failed or e
         try:
+            self._offloaded()             # no DMA may still write the arena
             self._unpin_kv()              # before the unmap
         except BaseException as e:
             failed = failed or e
