@@ -64,18 +64,25 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _peak(device):
+def _peak(device, base):
+    """(peak bytes allocated net of `base`, peak bytes reserved by the caching allocator)."""
     import torch
 
-    return torch.cuda.max_memory_allocated() if device == "cuda" else None
+    if device != "cuda":
+        return None, None
+    return torch.cuda.max_memory_allocated() - base, torch.cuda.max_memory_reserved()
 
 
 def _reset(device):
+    """Start a peak measurement; returns the bytes allocated now (the weights), which the peak
+    reported (max_memory_allocated: it starts from them) is taken net of."""
     import torch
 
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+    if device != "cuda":
+        return 0
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
 
 
 def _ids(model, n, seed):
@@ -99,6 +106,8 @@ def hf_forward(model, ids, offloaded):
 
 
 def hetero_gen(model, args, chunked):
+    """chunked: prefill_chunk=args.chunk, each chunk after the first attending on the GPU over KV
+    prefetched layer by layer (continuation="prefetch"); else one pass."""
     from hetero import HeteroConfig, HeteroGenerator
 
     cfg = HeteroConfig(prefill_chunk=args.chunk if chunked else None,
@@ -118,38 +127,41 @@ def one(args):
             ids = _ids(model, args.context, 1)
             if args.one.startswith("hetero"):
                 with hetero_gen(model, args, args.one == "hetero_chunked") as gen:
-                    gen.prefill(_ids(model, 512, 2)).close()              # workers, profile, kernels warm
-                    _reset(dev)
+                    gen.prefill(_ids(model, args.chunk + 512, 2)).close()   # workers, profile, kernels, prefetch warm
+                    base = _reset(dev)
                     t = time.perf_counter()
                     ctx = gen.prefill(ids, reserve=1)
                     _sync(dev)
                     out["s"] = time.perf_counter() - t
-                    out["peak_gpu_bytes"] = _peak(dev)
+                    out["peak_gpu_bytes"], out["peak_reserved_bytes"] = _peak(dev, base)
+                    out["pin_s"] = ctx.session.pin_s                 # page-locking the arena, inside "s"
                     ctx.close()
             else:
                 hf_forward(model, _ids(model, 512, 2), args.one == "offloaded")   # warm
-                _reset(dev)
+                base = _reset(dev)
                 out["s"] = hf_forward(model, ids, args.one == "offloaded")
-                out["peak_gpu_bytes"] = _peak(dev)
+                out["peak_gpu_bytes"], out["peak_reserved_bytes"] = _peak(dev, base)
         else:
             L, new = args.context, _ids(model, args.new, 3)
             if args.one == "reprefill":
                 hf_forward(model, _ids(model, 512, 2), False)
-                _reset(dev)
+                base = _reset(dev)
                 out["s"] = hf_forward(model, torch.cat([_ids(model, L, 1), new], 1), False)
-                out["peak_gpu_bytes"] = _peak(dev)
+                out["peak_gpu_bytes"], out["peak_reserved_bytes"] = _peak(dev, base)
             else:
+                # the context is prefilled chunked with prefetch (fast on the GPU: a workers-only
+                # prefill of 64K would take many minutes), then the timed call uses `args.one`
                 with hetero_gen(model, args, True) as gen:
-                    gen.config = replace(gen.config, continuation=args.one)
                     with gen.prefill(_ids(model, L, 1), reserve=args.new + 8) as ctx:
+                        gen.config = replace(gen.config, continuation=args.one)
                         kw = dict(context=ctx, extend_context=False, max_new_tokens=1, do_sample=False, pad_token_id=0)
                         gen.generate(new[:, :16], **kw)                   # warm
-                        _reset(dev)
+                        base = _reset(dev)
                         t = time.perf_counter()
                         gen.generate(new, **kw)
                         _sync(dev)
                         out["s"] = time.perf_counter() - t
-                        out["peak_gpu_bytes"] = _peak(dev)
+                        out["peak_gpu_bytes"], out["peak_reserved_bytes"] = _peak(dev, base)
     except torch.cuda.OutOfMemoryError:
         out["oom"] = True
     print("RESULT " + json.dumps(out))
@@ -170,9 +182,10 @@ def spawn(args, system, L):
 
 def _show(name, r, n):
     if "s" in r:
-        peak = r.get("peak_gpu_bytes")
+        peak, res = r.get("peak_gpu_bytes"), r.get("peak_reserved_bytes")
         return (f"{name:15s} {r['s']:8.3f} s  {n / r['s']:9.0f} tokens/s"
-                + (f"  peak GPU {peak / 2**30:6.2f} GiB" if peak is not None else ""))
+                + (f"  peak GPU +{peak / 2**30:6.2f} GiB over the weights (reserved {res / 2**30:6.2f} GiB)"
+                   if peak is not None else "") + (f"  arena pinned in {r['pin_s']:.2f} s" if r.get("pin_s") else ""))
     return f"{name:15s} " + ("OOM" if r.get("oom") else "failed: " + r.get("error", "")[-300:])
 
 
@@ -180,12 +193,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="llama3-8b", choices=list(SHAPES))
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 65536, 131072])
+    ap.add_argument("--contexts", type=int, nargs="*", default=[8192, 32768, 65536, 131072],
+                    help="prompt lengths (none: only the continuation)")
     ap.add_argument("--systems", nargs="+", default=list(PREFILL), choices=PREFILL)
-    ap.add_argument("--chunk", type=int, default=8192, help="hetero_chunked's prefill_chunk")
+    ap.add_argument("--chunk", type=int, default=4096, help="hetero_chunked's prefill_chunk")
     ap.add_argument("--continue-context", type=int, default=65536, help="cached tokens the continuation extends (0: skip)")
     ap.add_argument("--new", type=int, default=512, help="the continuation's new tokens")
-    ap.add_argument("--timeout", type=int, default=1200, help="seconds per cell")
+    ap.add_argument("--timeout", type=int, default=540, help="seconds per cell (a device call has 600)")
     ap.add_argument("--out", default="gpu_prefill")
     ap.add_argument("--copy-to", default=None, help="also copy the JSON here after every row (a device's $OUT)")
     ap.add_argument("--one", choices=PREFILL + CONTINUE, help=argparse.SUPPRESS)
@@ -200,17 +214,17 @@ def main():
     res = {"prefill": [], "continuation": None}
     for L in args.contexts:
         row = {"context": L}
+        res["prefill"].append(row)
         for s in args.systems:
             row[s] = spawn(args, s, L)
             print(f"L={L:7d} " + _show(s, row[s], L), flush=True)
-        res["prefill"].append(row)
-        save(args, res, {})                                    # partial results survive a time limit
+            save(args, res, {})                                # partial results survive a time limit
     if args.continue_context:
-        row = {"context": args.continue_context, "new": args.new}
+        row = res["continuation"] = {"context": args.continue_context, "new": args.new}
         for s in CONTINUE:
             row[s] = spawn(args, s, args.continue_context)
             print(f"continue {args.new} over {args.continue_context}: " + _show(s, row[s], args.new), flush=True)
-        res["continuation"] = row
+            save(args, res, {})
     summary = summarize(res, args.systems)
     for k, (v, met) in summary.items():
         print(f"  {'    ' if met is None else 'MET ' if met else 'MISS'} {k}: {v}")
@@ -253,7 +267,8 @@ def save(args, res, summary):
         "bench": "gpu_prefill", "machine": machine(), "cores": len(os.sched_getaffinity(0)),
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "shape": args.shape,
         "chunk": args.chunk, "targets": TARGETS, "results": res, "summary": summary,
-        "note": "one fresh process per cell, after a 512-token warm-up in it; seconds of one prefill (wall, synchronized)"})
+        "note": "one fresh process per cell, after a warm-up in it; seconds of one prefill (wall, synchronized); "
+                "peak_gpu_bytes: max_memory_allocated net of what was allocated at its reset (the weights)"})
     if args.copy_to:
         shutil.copy(path, args.copy_to)
     return path

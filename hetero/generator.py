@@ -629,8 +629,12 @@ class HeteroGenerator:
         n = end - a
         if n <= 0:
             return
+        if not whole and n == 1:
+            return                                       # generate's first forward takes it
         prefetch = session.batch == 1 and self._continuation(session, int(session.lengths[0]), min(n, tmax)) == "prefetch"
         stop = end if whole else end - (1 if prefetch else (n - 1) % tmax + 1)
+        if stop <= a:
+            return
         if not prefetch:
             for p in range(a, stop, tmax):
                 self._forward(cache, ids, mask, p, min(p + tmax, stop))

@@ -263,3 +263,35 @@ def test_session_attend_with_sinks(pool):
             torch.testing.assert_close(out[b].transpose(0, 1), ref, atol=2e-5, rtol=1e-4)
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [24, 64])
+def test_whole_block_writes_equal_strided_writes(pool, dtype, D):
+    """write_rows' two paths (whole blocks built on the source's device and copied per head, as
+    from a GPU; strided copies, as from host memory) store the same rows, bit for bit: a full
+    layer's arena is identical (blocks from any start, a partial tail), and a ring wrapping
+    around reads back the same rows (the whole-block path also zeroes the expired rows after
+    the tail, which the strided one leaves as they were)."""
+    Hkv = 2
+    spec = ModelSpec(model_type="t", layers=2, q_heads=4, kv_heads=Hkv, head_dim=D, dtype=dtype,
+                     max_positions=None, sliding=(False, True), windows=(0, 20))
+    g = torch.Generator().manual_seed(9)
+    rows = [(0, 0, 45), (0, 64, 7), (1, 96, 40), (1, 160, 33)]          # (layer, start, n)
+    data = [(torch.randn(Hkv, n, D, generator=g).to(dtype), torch.randn(Hkv, n, D, generator=g).to(dtype))
+            for _, _, n in rows]
+    arenas = []
+    for whole in (False, True):
+        s = KVSession(pool, spec, pads=[0], real_lens=[200], cap=256, tmax=4)
+        try:
+            assert s.layout.ring_layers == 1
+            for (layer, start, n), (k, v) in zip(rows, data):
+                s.write_rows(layer, 0, k, v, start, whole_blocks=whole)
+                kk, vv = s.read_rows(layer, 0, start + n, start)
+                assert torch.equal(kk, k) and torch.equal(vv, v)
+            arenas.append([t.clone() for t in (s.K, s.V)])
+        finally:
+            s.close()
+    for a, b in zip(*arenas):
+        assert torch.equal(a.view(torch.uint8) if a.dtype != torch.float32 else a,
+                           b.view(torch.uint8) if b.dtype != torch.float32 else b)

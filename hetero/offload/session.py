@@ -11,6 +11,7 @@ columns; the rest stay zero) and outputs are sliced back. Sliding-window layers
 keep a ring of the rows their window can still see (arena.ring_plan).
 """
 import contextlib
+import time
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -67,6 +68,7 @@ class KVSession:
         self.prefetcher = None            # a LayerPrefetcher while a forward attends on the model's device
         self._host_regs = None            # pointers of K/V page-locked for a GPU's DMAs (pin_kv), or [] if refused
         self._offload = None              # a GPU prefill's (offload stream, {layer: event}) (store_prefill)
+        self.pin_s = None                 # seconds pin_kv took
         # per layer: the cache was updated and attention has not read it yet (HeteroLayer.update
         # sets it, take_update clears it): one attention call per update, same layer, or refuse
         self.pending = [False] * spec.layers
@@ -222,20 +224,23 @@ class KVSession:
             yield
             return
         if self._offload is None:
-            self.pin_kv()
+            with torch.cuda.device(key.device):
+                self.pin_kv()
             self._offload = (torch.cuda.Stream(key.device), {})      # the stream, layer -> its event
         stream, events = self._offload
-        compute = torch.cuda.current_stream(key.device)
         if layer - 2 in events:
-            compute.wait_event(events.pop(layer - 2))               # at most two layers in flight
-        stream.wait_stream(compute)                                 # the layer's key/value exist
+            # the host waits for layer - 2's offload (long done, normally: it is two layers behind):
+            # a wait on the GPU alone would let the host enqueue every layer, each freed key/value
+            # held by the allocator until its copy ran, so GPU memory would grow toward HF's
+            events.pop(layer - 2).synchronize()
+        stream.wait_stream(torch.cuda.current_stream(key.device))   # the layer's key/value exist
+        key.record_stream(stream)                                   # not reused before the copies ran
+        value.record_stream(stream)
         with torch.cuda.stream(stream):
             yield
             ev = torch.cuda.Event()
             ev.record(stream)
         events[layer] = ev
-        key.record_stream(stream)                                   # not reused before the copies ran
-        value.record_stream(stream)
 
     def _offloaded(self):
         """Wait for a GPU prefill's offloads (before the workers read the arena)."""
@@ -252,37 +257,53 @@ class KVSession:
                              f"keeps {nphys} (a sliding window's ring keeps only the rows it can still see)")
         return [blk % nphys for blk in range(first, last + 1)]
 
-    def write_rows(self, layer, b, key, value, start=0):
+    def write_rows(self, layer, b, key, value, start=0, whole_blocks=None):
         """Rows start..start+n-1 of request b: key/value [Hkv, n, D] (any device) into the blocked
-        layout; start is a multiple of BK. Row j goes to block (j // BK) % nblk (a ring wraps). The
-        blocks are built whole on key's device (the rows after the last one zero: no row past it
-        is read before it is written) and copied per head, contiguous on both sides: from a GPU,
-        on the current stream, asynchronous DMAs into a page-locked arena (pin_kv)."""
+        layout; start is a multiple of BK. Row j goes to block (j // BK) % nblk (a ring wraps).
+        From a GPU (whole_blocks: None = key.is_cuda) the blocks are built whole on the GPU (the
+        rows after the last one zero: no row past it is read before it is written) and copied per
+        head, contiguous on both sides: on the current stream, asynchronous DMAs into a
+        page-locked arena (pin_kv). From host memory, one strided copy per run (3-5x faster there)."""
         Hkv, n, D = key.shape
         if start % BK or start < self.layout.prefix:
             raise ValueError(f"start row {start} is not a multiple of {BK} at or past the shared prefix "
                              f"({self.layout.prefix} rows)")
         if n == 0:
             return
-        Dp = self.layout.dpad
         ids = self._block_ids(layer, start, n)
-        nb = len(ids)
-        # zero columns D..Dp-1 (SessionLayout.dpad) and rows n..nb*BK-1: [Hkv, nb*BK, Dp]
-        key, value = F.pad(key, (0, Dp - D, 0, nb * BK - n)), F.pad(value, (0, Dp - D, 0, nb * BK - n))
-        P = 2 if self.layout.code == BF16 else 1          # bf16 K blocks are pair-interleaved (kernel.k_index)
-        # rows [Hkv, nb*BK, Dp] -> [Hkv, nb, BK, Dp/P, P] -> K blocks [Hkv, nb, Dp/P, BK, P] = [Hkv, nb, Dp, BK]
-        kb = key.reshape(Hkv, nb, BK, Dp // P, P).transpose(2, 3).reshape(Hkv, nb, Dp, BK)
-        # rows -> [Hkv, nb, BK, Dp/W, W] -> V blocks [Hkv, nb, Dp/W, BK, W]
-        vb = value.reshape(Hkv, nb, BK, Dp // W, W).transpose(2, 3).contiguous()
         Kl, Vl = self.kv[layer]
         Kb, Vb = Kl[b], Vl[b]                             # [Hkv, nblk, Dp, BK], [Hkv, nblk, Dp/W, BK, W]
         # a ring wraps at most once: stored blocks ids[0].. then 0..; each run is contiguous
-        first = min(nb, Kb.shape[1] - ids[0])
-        for i, p, cnt in ((0, ids[0], first), (first, 0, nb - first)):
-            for h in range(Hkv):
-                if cnt:
+        first = min(len(ids), Kb.shape[1] - ids[0])
+        runs = [(0, ids[0], first)] + ([(first, 0, len(ids) - first)] if first < len(ids) else [])
+        Dp = self.layout.dpad
+        P = 2 if self.layout.code == BF16 else 1          # bf16 K blocks are pair-interleaved (kernel.k_index)
+        if whole_blocks if whole_blocks is not None else key.is_cuda:
+            nb = len(ids)
+            # zero columns D..Dp-1 (SessionLayout.dpad) and rows n..nb*BK-1: [Hkv, nb*BK, Dp]
+            key, value = F.pad(key, (0, Dp - D, 0, nb * BK - n)), F.pad(value, (0, Dp - D, 0, nb * BK - n))
+            # rows -> [Hkv, nb, BK, Dp/P, P] -> K blocks [Hkv, nb, Dp/P, BK, P] = [Hkv, nb, Dp, BK]
+            kb = key.reshape(Hkv, nb, BK, Dp // P, P).transpose(2, 3).reshape(Hkv, nb, Dp, BK)
+            # rows -> [Hkv, nb, BK, Dp/W, W] -> V blocks [Hkv, nb, Dp/W, BK, W]
+            vb = value.reshape(Hkv, nb, BK, Dp // W, W).transpose(2, 3).contiguous()
+            for i, p, cnt in runs:
+                for h in range(Hkv):
                     Kb[h, p:p + cnt].copy_(kb[h, i:i + cnt], non_blocking=True)
                     Vb[h, p:p + cnt].copy_(vb[h, i:i + cnt], non_blocking=True)
+            return
+        if D != Dp:                                       # zero columns D..Dp-1
+            key, value = F.pad(key, (0, Dp - D)), F.pad(value, (0, Dp - D))
+        Kp = Kb.view(Hkv, Kb.shape[1], Dp // P, BK, P)
+        for i, p, nb in runs:               # logical blocks i..i+nb-1 of these rows -> stored p..p+nb-1
+            k, v = key[:, i * BK:(i + nb) * BK], value[:, i * BK:(i + nb) * BK]
+            full, rem = divmod(k.shape[1], BK)
+            # [Hkv, full*BK, Dp] -> [Hkv, full, BK, Dp/P, P] -> K [Hkv, full, Dp/P, BK, P]
+            Kp[:, p:p + full].copy_(k[:, :full * BK].reshape(Hkv, full, BK, Dp // P, P).transpose(2, 3))
+            # [Hkv, full*BK, Dp] -> [Hkv, full, BK, Dp/W, W] -> V [Hkv, full, Dp/W, BK, W]
+            Vb[:, p:p + full].copy_(v[:, :full * BK].reshape(Hkv, full, BK, Dp // W, W).transpose(2, 3))
+            if rem:
+                Kp[:, p + full, :, :rem].copy_(k[:, full * BK:].reshape(Hkv, rem, Dp // P, P).transpose(1, 2))
+                Vb[:, p + full, :, :rem].copy_(v[:, full * BK:].reshape(Hkv, rem, Dp // W, W).transpose(1, 2))
 
     def read_rows(self, layer, b, n, start=0):
         """Inverse of write_rows: [Hkv, n - start, D] copies of request b's rows start..n-1 (a ring
@@ -415,6 +436,7 @@ class KVSession:
         if self._host_regs is not None:
             return
         self._host_regs = []
+        t0 = time.perf_counter()
         cudart = torch.cuda.cudart()
         for t in (self.K, self.V, self.Kr, self.Vr):
             if t.numel() == 0:
@@ -427,6 +449,7 @@ class KVSession:
                                                  "prefetch copies go through pageable memory", err)
                 return
             self._host_regs.append(t.data_ptr())
+        self.pin_s = time.perf_counter() - t0           # reported by bench/gpu_prefill.py
 
     def _unpin_kv(self):
         regs, self._host_regs = self._host_regs or [], None

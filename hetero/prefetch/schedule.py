@@ -116,7 +116,8 @@ class LayerPrefetcher:
         self.new = None                                # this layer's new rows (stage)
         self.offloaded = []                            # per layer: (host k, host v, event)
         if self.streams.cuda:
-            session.pin_kv()                           # once per session: the fetches become async DMAs
+            with self.streams.on_device():
+                session.pin_kv()                       # once per session: the fetches become async DMAs
 
     def close(self):
         """Wait for this prefetcher's copies (its buffers are freed after). Idempotent."""
