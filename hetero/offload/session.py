@@ -443,7 +443,7 @@ class KVSession:
                 continue
             err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 1)   # 1: portable
             if int(err) != 0:
-                cudart.cudaGetLastError()          # clear it: torch's next launch check would raise it
+                _clear_cuda_error()                # else torch's next launch check would raise it
                 import logging
                 logging.getLogger("hetero").info("hetero: cudaHostRegister of the KV arena failed (%s); "
                                                  "prefetch copies go through pageable memory", err)
@@ -489,3 +489,16 @@ class KVSession:
         self.seg.close()
         if failed is not None:
             raise failed
+
+
+def _clear_cuda_error():
+    """Reset the CUDA runtime's last error (torch's cudart bindings lack cudaGetLastError): through
+    the process's already loaded libcudart."""
+    import ctypes
+
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"):
+        try:
+            ctypes.CDLL(name).cudaGetLastError()
+            return
+        except (OSError, AttributeError):
+            continue
