@@ -22,8 +22,11 @@ class HeteroConfig:
                                           # or stuck worker); progress = a unit taken or a worker finished
     profile: str = "auto"                 # "auto": plan decode steps from a measured profile (cached on disk,
                                           # measured on first use); "off": every worker, a fixed split rule
-    context_memory: int | None = None     # bytes the open contexts' arenas may hold together (None: no budget);
-                                          # over it (after unreferenced ones are closed) a new context raises CapacityError
+    context_memory: int | None = None     # bytes the open contexts' arenas may hold together. None: no budget, and a
+                                          # context nobody references is closed at the next prefill. With a budget,
+                                          # unreferenced contexts stay as a prefix cache (reuse_contexts finds them)
+                                          # and are evicted least recently used when a new context needs the room;
+                                          # when only referenced ones are left, a new context raises CapacityError
     prefill_chunk: int | None = None      # prompt tokens per forward after the first (None: one pass): each later
                                           # chunk attends to the cached KV on the CPU workers
     share_contexts: bool = True           # generate(context=[ctx, ctx, ...]): requests continuing one Context read

@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import weakref
 from dataclasses import replace
 
@@ -507,29 +508,44 @@ class HeteroGenerator:
                 raise
 
     def _keep(self, ctx):
-        self._contexts[id(ctx.session)] = (ctx.session, weakref.ref(ctx))
+        self._contexts[id(ctx.session)] = _Kept(ctx)
         return ctx
 
     def _forget(self, ctx):
         self._contexts.pop(id(ctx.session), None)
 
+    def _used(self, ctx):
+        """A call read or extended ctx: its registry entry's tokens and last use."""
+        kept = self._contexts.get(id(ctx.session))
+        if kept is not None:
+            kept.note(ctx)
+
     def _sweep(self):
-        """Close the contexts nobody references any more (nobody can continue them)."""
-        for key, (session, ref) in list(self._contexts.items()):
-            if ref() is None:
+        """Without a context_memory budget: close the contexts nobody references any more. With one,
+        they stay as a prefix cache (_reusable finds them) until _check_budget needs their room."""
+        if self.config.context_memory is not None:
+            return
+        for key, kept in list(self._contexts.items()):
+            if kept.ref() is None:
                 del self._contexts[key]
-                session.close()
+                kept.session.close()
 
     def _check_budget(self, nbytes):
-        """Before a new context of `nbytes` (after _sweep closed the unreferenced ones): within
-        HeteroConfig.context_memory, or CapacityError naming what the open contexts hold."""
+        """Before a new context of `nbytes`: within HeteroConfig.context_memory, closing unreferenced
+        contexts least recently used first, or CapacityError naming what the open contexts hold."""
         budget = self.config.context_memory
-        used = sum(s.layout.nbytes for s, _ in self._contexts.values())
-        if budget is not None and used + nbytes > budget:
-            held = [f"{s.layout.nbytes / 2**20:.1f} MiB ({int(s.lengths[0])} tokens)" for s, _ in self._contexts.values()]
-            raise CapacityError(f"a new context needs {nbytes / 2**20:.1f} MiB, but the open contexts {held} hold "
-                                f"{used / 2**20:.1f} MiB of HeteroConfig.context_memory="
-                                f"{budget / 2**20:.1f} MiB and are all still referenced; close some")
+        if budget is None:
+            return
+        while sum(k.session.layout.nbytes for k in self._contexts.values()) + nbytes > budget:
+            idle = [(k.used, key) for key, k in self._contexts.items() if k.ref() is None]
+            if not idle:
+                held = [f"{k.session.layout.nbytes / 2**20:.1f} MiB ({int(k.session.lengths[0])} tokens)"
+                        for k in self._contexts.values()]
+                used = sum(k.session.layout.nbytes for k in self._contexts.values())
+                raise CapacityError(f"a new context needs {nbytes / 2**20:.1f} MiB, but the open contexts {held} "
+                                    f"hold {used / 2**20:.1f} MiB of HeteroConfig.context_memory="
+                                    f"{budget / 2**20:.1f} MiB and are all still referenced; close some")
+            self._contexts.pop(min(idle)[1]).session.close()
 
     def load_context(self, path, reserve=None):
         """A Context saved by Context.save, copied into a new arena (no prefill). The file must
@@ -608,10 +624,12 @@ class HeteroGenerator:
             if err is not None:
                 raise err
         if not extend:
+            self._used(ctx)
             return out
         seq = out if isinstance(out, torch.Tensor) else out.sequences
         stored = int(session.lengths[0])
         ctx.token_ids, ctx.pending = seq[0, :stored].to("cpu"), seq[0, stored:].to("cpu")
+        self._used(ctx)
         return out
 
     def _continue(self, session, cache, full, mask, cached):
@@ -689,18 +707,16 @@ class HeteroGenerator:
         Continuing a context reads its exact KV, so the result is the one-shot generate's."""
         if not self.config.reuse_contexts or not self._contexts:
             return None
-        live = [c for c in (ref() for _, ref in self._contexts.values()) if c is not None and not c.closed]
-        if not live:
-            return None
-        tokens = [(c, c.tokens) for c in live]
+        cached = self.config.context_memory is not None     # unreferenced contexts are a cache (see _sweep)
+        tokens = [(k, k.tokens) for k in self._contexts.values() if cached or k.ref() is not None]
         picks, rests = [], []
         for b in range(input_ids.shape[0]):
             row = input_ids[b, attention_mask[b].bool()].to("cpu")
-            best = max((ct for ct in tokens if len(ct[1]) < len(row) and torch.equal(row[:len(ct[1])], ct[1])),
-                       key=lambda ct: len(ct[1]), default=None)
+            best = max((kt for kt in tokens if len(kt[1]) < len(row) and torch.equal(row[:len(kt[1])], kt[1])),
+                       key=lambda kt: len(kt[1]), default=None)
             if best is None:
                 return None
-            picks.append(best[0])
+            picks.append(best[0].context(self))
             rests.append(row[len(best[1]):])
         if len(picks) == 1 and len(input_ids[0]) + max_new_tokens > picks[0].capacity:
             return None                          # no room in the context's arena: an ordinary generate
@@ -754,6 +770,8 @@ class HeteroGenerator:
             pads, _, cap = self._plan_cache(mask, max_new_tokens, tmax=tmax,
                                             prefix=cached[0] // BK * BK if share else 0)
             full, mask = full.to(self.model.device), mask.to(self.model.device)
+            for c in contexts:
+                self._used(c)
             with self._call_session(pads, cached, cap, lora is not None, tmax, source) as cache, \
                     torch.inference_mode(), _active(lora):
                 session = cache.session
@@ -816,10 +834,10 @@ class HeteroGenerator:
 
     def _close(self):
         self._closed = True
-        for session, ref in list(self._contexts.values()):
-            ctx = ref()
+        for kept in list(self._contexts.values()):
+            ctx = kept.ref()
             try:
-                ctx._close() if ctx is not None else session.close()
+                ctx._close() if ctx is not None else kept.session.close()
             except WorkerError:
                 pass
         self._contexts.clear()
@@ -841,6 +859,33 @@ class HeteroGenerator:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class _Kept:
+    """A context's registry entry: its arena, a weak reference to its Context, and its tokens and
+    last use kept here too, so a context nobody references any more can be found and continued
+    again (a prefix cache under HeteroConfig.context_memory) until it is evicted."""
+
+    def __init__(self, ctx):
+        self.session = ctx.session
+        self.ref = weakref.ref(ctx)
+        self.note(ctx)
+
+    def note(self, ctx):
+        self.token_ids, self.pending, self.used = ctx.token_ids, ctx.pending, time.monotonic()
+
+    @property
+    def tokens(self):
+        return torch.cat([self.token_ids, self.pending])
+
+    def context(self, generator):
+        """The Context (a new one over the same arena when nobody references the old any more)."""
+        ctx = self.ref()
+        if ctx is None:
+            ctx = Context(generator, self.session, self.token_ids)
+            ctx.pending = self.pending
+            self.ref = weakref.ref(ctx)
+        return ctx
 
 
 def _left_pad(out, width, pad_id):

@@ -473,3 +473,55 @@ def test_prompts_starting_with_a_live_context_reuse_it():
         gen.config = HeteroConfig(cpu_workers=2, reuse_contexts=False)
         out = gen.generate(full[None], max_new_tokens=5, **KW)
         assert len(calls) == n and torch.equal(out.sequences, hf(model, full, 5).sequences)
+
+
+def test_unreferenced_contexts_are_a_prefix_cache_under_a_budget(llama):
+    """With HeteroConfig.context_memory, a context nobody references stays as a prefix cache: a
+    later prompt starting with its tokens continues it (HF's output, no new prefill), and when
+    a new context needs room the least recently used unreferenced one is evicted first."""
+    import gc
+
+    docs = turns(13, 40, 40, 40, 40)
+    q = turns(14, 5)[0]
+    with HeteroGenerator(llama, config=HeteroConfig(cpu_workers=1)) as probe:
+        with probe.prefill(docs[0][None], reserve=30) as c:
+            size = c.session.layout.nbytes
+    with HeteroGenerator(llama, config=HeteroConfig(cpu_workers=1, context_memory=3 * size)) as gen:
+        sessions = [gen.prefill(d[None], reserve=30).session for d in docs[:3]]   # A, B, C: none kept
+        gc.collect()
+        assert all(s.lengths is not None for s in sessions)                      # still open: cached
+        full = torch.cat([docs[0], q])
+        made = []
+        real = KVSessionSpy.install(made)
+        try:
+            out = gen.generate(full[None], max_new_tokens=4, **KW)                # reuses A, read-only
+        finally:
+            KVSessionSpy.remove(real)
+        assert not made and torch.equal(out.sequences, hf(llama, full, 4).sequences)
+        gc.collect()
+        d = gen.prefill(docs[3][None], reserve=30)                                # room for D: B goes
+        assert sessions[1].lengths is None
+        assert sessions[0].lengths is not None and sessions[2].lengths is not None
+        assert not d.closed
+
+
+class KVSessionSpy:
+    """Records every KVSession created while installed (a reused context creates none)."""
+
+    @staticmethod
+    def install(made):
+        from hetero.offload.session import KVSession
+
+        real = KVSession.__init__
+
+        def spy(self, *a, **k):
+            made.append(self)
+            real(self, *a, **k)
+        KVSession.__init__ = spy
+        return real
+
+    @staticmethod
+    def remove(real):
+        from hetero.offload.session import KVSession
+
+        KVSession.__init__ = real
