@@ -139,7 +139,7 @@ def kv_bytes(gen, context, question, n, batch):
     spec, tmax = gen.spec, min(CONTINUE_CHUNK, question)
     ctx = KVSession.layout_for(spec, 1, whole_blocks(context + question + n + 8), CONTINUE_CHUNK)
     cap = whole_blocks(context + question + 1 + n)
-    shared = KVSession.layout_for(spec, batch, cap, tmax, prefix=context // 32 * 32)
+    shared = KVSession.layout_for(spec, batch, cap, tmax, private=cap - context // 32 * 32, groups=1)
     private = KVSession.layout_for(spec, batch, cap, tmax)
     return {"context": ctx.kv_bytes, "shared_batch": shared.kv_bytes, "shared": ctx.kv_bytes + shared.kv_bytes,
             "private": private.kv_bytes,

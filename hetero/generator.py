@@ -23,6 +23,7 @@ from hetero.ipc.pool import WorkerPool
 from hetero.ipc.transport import CudaTransport
 from hetero.model_spec import inspect_model
 from hetero.cpu_attention.planner import ProfiledPlanner, StaticPlanner
+from hetero.cpu_attention import kernel
 from hetero.cpu_attention.simd import BK
 from hetero.offload.arena import whole_blocks
 from hetero.offload.cache import HeteroCache
@@ -290,7 +291,7 @@ class HeteroGenerator:
         self._forward(cache, input_ids, attention_mask, 0, first)
         self._feed(cache, input_ids, attention_mask, first, S, whole=to_end)
 
-    def _plan_cache(self, attention_mask, max_new_tokens, tmax=1, prefix=0):
+    def _plan_cache(self, attention_mask, max_new_tokens, tmax=1, private=0, groups=0):
         real = attention_mask.sum(1).cpu()
         rows = int(real.max()) + max_new_tokens
         cap = whole_blocks(rows)
@@ -299,7 +300,7 @@ class HeteroGenerator:
             raise CapacityError(f"a request needs {rows} KV rows (prompt {int(real.max())} + {max_new_tokens} new) "
                                 f"but the cache capacity is max_cache_tokens={limit}")
         s = self.spec
-        layout = KVSession.layout_for(s, len(real), cap, tmax, prefix)   # sliding layers: a ring of their window
+        layout = KVSession.layout_for(s, len(real), cap, tmax, private, groups)   # sliding layers: a ring of their window
         rings = f"; {layout.ring_layers} sliding layers keep {layout.ring} rows" if layout.ring_layers else ""
         what = (f"the KV cache for this batch needs {layout.nbytes / 2**30:.2f} GiB ({len(real)} requests x {cap} rows "
                 f"x {s.layers} layers x 2 x {s.kv_heads} heads x {s.head_dim} x {s.dtype}{rings})")
@@ -387,23 +388,23 @@ class HeteroGenerator:
         return gen_config, objects
 
     @contextlib.contextmanager
-    def kv_context(self, pads, real_lens, cap, host_jobs=False, tmax=1, prefix_source=None):
+    def kv_context(self, pads, real_lens, cap, host_jobs=False, tmax=1, prefix_groups=()):
         """Open a KV session (shared arena mapped in the workers) for len(pads) requests of `cap` rows,
         route the model's attention to it and yield its HeteroCache (`cache.session`). On exit the
         session is closed and the model's attention implementation restored, whatever happened.
         host_jobs: the host also posts jobs during decode (LoRA deltas): a CUDA model then uses host
         copies, not the CUDA transport (whose jobs the GPU posts). tmax: query tokens per step after
-        the first forward (a chunked prefill's chunk). prefix_source: a Context's session whose
-        first rows every request shares (KVSession)."""
-        with self._exclusive(), self._call_session(pads, real_lens, cap, host_jobs, tmax, prefix_source) as cache:
+        the first forward (a chunked prefill's chunk). prefix_groups: [(a Context's session, the
+        requests sharing its first blocks)] (KVSession)."""
+        with self._exclusive(), self._call_session(pads, real_lens, cap, host_jobs, tmax, prefix_groups) as cache:
             yield cache
 
     @contextlib.contextmanager
-    def _call_session(self, pads, real_lens, cap, host_jobs, tmax, prefix_source=None):
+    def _call_session(self, pads, real_lens, cap, host_jobs, tmax, prefix_groups=()):
         """kv_context's body, under the generator's lock."""
         pool = self._ensure_pool()
         session = KVSession(pool, self.spec, pads, real_lens, cap, planner=self._ensure_planner(pool), tmax=tmax,
-                            prefix_source=prefix_source)
+                            prefix_groups=prefix_groups)
         try:
             with self._routed(session, host_jobs) as cache:
                 yield cache
@@ -736,11 +737,13 @@ class HeteroGenerator:
 
     def _generate_in_contexts(self, contexts, input_ids, attention_mask, max_new_tokens, gen_config, objects, lora):
         """generate() for a batch whose request b continues contexts[b] (read, not changed): the
-        call's own session holds each request's rows from `prefix` on, copied from its context
-        (the rows before it are read in place when every request continues one context; else
-        prefix is 0 and each context is copied whole). Request b's sequence is [its context's
-        tokens (pending ones too), its new tokens], left-padded to the longest; the steps that
-        feed them count, per request, the tokens that are not its own (session.skip)."""
+        requests continuing one context form a shared-prefix group that reads the context's
+        whole blocks in place (KVSession prefix_groups; not a context with sliding-window rings,
+        nor with share_contexts=False, nor for the CUDA extension); the call's own session holds
+        each request's rows past them (pstart), copied from its context (all of them for a
+        request in no group). Request b's sequence is [its context's tokens (pending ones too),
+        its new tokens], left-padded to the longest; the steps that feed them count, per
+        request, the tokens that are not its own (session.skip)."""
         B = input_ids.shape[0]
         if len(contexts) != B:
             raise ValueError(f"context= has {len(contexts)} contexts for a batch of {B} requests")
@@ -761,25 +764,33 @@ class HeteroGenerator:
             uncached = [len(q) - n for q, n in zip(seqs, cached)]
             U = max(uncached)
             rows = S + max_new_tokens           # no window can hide a row from a query below it
-            share = (self.config.share_contexts and all(c is contexts[0] for c in contexts) and cached[0] >= BK
-                     and contexts[0].session.layout.ring_layers == 0
-                     and all(w == 0 or w >= rows for w in self.spec.windows or ())
+            share = (self.config.share_contexts and all(w == 0 or w >= rows for w in self.spec.windows or ())
                      and not (self.model.device.type == "cuda" and self.config.transport == "cuda"))
-            source = contexts[0].session if share else None
+            groups = {}                                          # id(context) -> (its session, members)
+            for b, c in enumerate(contexts):
+                if share and cached[b] >= BK and c.session.layout.ring_layers == 0:
+                    groups.setdefault(id(c), (c.session, []))[1].append(b)
+            # at most MAX_GROUPS read in place, the largest; the other requests copy their contexts
+            groups = sorted(groups.values(), key=lambda g: -len(g[1]))[:kernel.MAX_GROUPS]
+            pstart = [0] * B
+            for src, members in groups:
+                for b in members:
+                    pstart[b] = int(src.lengths[0]) // BK * BK
             tmax = min(self.config.prefill_chunk or CONTINUE_CHUNK, U)     # the staging holds one step's tokens
             pads, _, cap = self._plan_cache(mask, max_new_tokens, tmax=tmax,
-                                            prefix=cached[0] // BK * BK if share else 0)
+                                            private=whole_blocks(rows) - min(pstart) if groups else 0,
+                                            groups=len(groups))
             full, mask = full.to(self.model.device), mask.to(self.model.device)
             for c in contexts:
                 self._used(c)
-            with self._call_session(pads, cached, cap, lora is not None, tmax, source) as cache, \
+            with self._call_session(pads, cached, cap, lora is not None, tmax, groups) as cache, \
                     torch.inference_mode(), _active(lora):
                 session = cache.session
                 for b, c in enumerate(contexts):                    # rows past the shared prefix
                     src = c.session
                     for layer in range(self.spec.layers):
                         window = session.ring_window[layer]
-                        start = max(0, cached[b] - window + 1) // BK * BK if window else session.layout.prefix
+                        start = max(0, cached[b] - window + 1) // BK * BK if window else pstart[b]
                         k, v = src.read_rows(layer, 0, cached[b], start)
                         session.write_rows(layer, b, k, v, start)
                 session.finish_prefill()                           # lengths = cached
@@ -810,7 +821,7 @@ class HeteroGenerator:
         want = self.config.transport
         if self.model.device.type != "cuda" or want == "host":
             return
-        if session.layout.prefix:           # transport='cuda' copies the context per request instead
+        if session.layout.groups:           # transport='cuda' copies the context per request instead
             log.info("hetero: a batch sharing a context uses host copies (the CUDA extension does not merge "
                      "shared-prefix partials yet)")
             return

@@ -340,7 +340,7 @@ def test_batch_of_questions_over_one_context(model_type, chunk, share, overrides
 
     def spy(self, T):
         real_plan(self, T)
-        plans.append((self.layout.prefix, self.psplit))
+        plans.append((int(self.pstart.min()), self.psplit))
     doc, *qs = turns(7, 70, 5, 19, 1)
     config = HeteroConfig(cpu_workers=2, prefill_chunk=chunk, share_contexts=share)
     with HeteroGenerator(model, config=config) as gen, gen.prefill(doc[None], reserve=60) as ctx:
@@ -382,27 +382,39 @@ def test_shared_prefix_is_read_in_place():
         finally:
             KVSession.__init__ = real_init
         lay = seen["layout"]
-        assert lay.prefix == 96 and lay.cap == 128 and lay.nparts == 2 * lay.nsplit_max
+        assert lay.groups == 1 and lay.private == 32 and lay.cap == 128 and lay.nparts == 2 * lay.nsplit_max
         assert lay.kv_bytes * 3 < ctx.session.layout.kv_bytes      # 2 requests x 32 rows vs the document's 1152
         ref = hf_batch(model, [torch.cat([doc, q1]), torch.cat([doc, q2])], 4)
         assert torch.equal(out.sequences, ref.sequences)
 
 
 def test_batch_of_different_contexts():
-    """context=[a, b, a]: different documents (a with a pending token from a turn before) are
-    copied per request; equal to HF over [each request's conversation, its question]."""
+    """context=[a, b, a, c]: two shared-prefix groups in one batch (a: requests 0 and 2, with a
+    pending token from a turn before; b: request 1), each reading its context in place, and c
+    (shorter than a block) copied; equal to HF over [each request's conversation, its
+    question]. share_contexts=False copies each."""
     model, _ = build_model("qwen3")
-    a_doc, b_doc, a_msg, q0, q1, q2 = turns(9, 40, 33, 5, 3, 8, 2)
+    a_doc, b_doc, c_doc, a_msg, q0, q1, q2, q3 = turns(9, 40, 70, 20, 5, 3, 8, 2, 6)
     with HeteroGenerator(model, cpu_workers=2) as gen, gen.prefill(a_doc[None]) as a, \
-            gen.prefill(b_doc[None]) as b:
+            gen.prefill(b_doc[None]) as b, gen.prefill(c_doc[None]) as c:
         gen.generate(a_msg[None], context=a, max_new_tokens=3, **KW)
         assert len(a.pending) == 1
-        ids, mask = left_pad([q0, q1, q2])
-        out = gen.generate(ids, attention_mask=mask, context=[a, b, a], max_new_tokens=4, **KW)
-        ref = hf_batch(model, [torch.cat([a.tokens, q0]), torch.cat([b_doc, q1]), torch.cat([a.tokens, q2])], 4)
-        assert torch.equal(out.sequences, ref.sequences)
-        for x, y in zip(out.scores, ref.scores):
-            torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
+        ids, mask = left_pad([q0, q1, q2, q3])
+        ref = hf_batch(model, [torch.cat([a.tokens, q0]), torch.cat([b_doc, q1]), torch.cat([a.tokens, q2]),
+                               torch.cat([c_doc, q3])], 4)
+        made = []
+        for share in (True, False):
+            gen.config = HeteroConfig(cpu_workers=2, share_contexts=share)
+            real = KVSessionSpy.install(made)
+            try:
+                out = gen.generate(ids, attention_mask=mask, context=[a, b, a, c], max_new_tokens=4, **KW)
+            finally:
+                KVSessionSpy.remove(real)
+            assert made[-1].layout.groups == (2 if share else 0)
+            assert made[-1].layout.private == (made[-1].layout.cap if share else 0)    # c's request: no prefix
+            assert torch.equal(out.sequences, ref.sequences)
+            for x, y in zip(out.scores, ref.scores):
+                torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
 
 
 def test_batch_of_contexts_bad_input(llama):
@@ -525,3 +537,25 @@ class KVSessionSpy:
         from hetero.offload.session import KVSession
 
         KVSession.__init__ = real
+
+
+def test_more_contexts_than_groups_copy_the_rest():
+    """Five different contexts in one batch: the largest MAX_GROUPS groups are read in place,
+    the fifth context is copied; equal to HF."""
+    from hetero.cpu_attention.kernel import MAX_GROUPS
+
+    model, _ = build_model("llama")
+    docs = turns(15, 40, 36, 50, 33, 45)
+    qs = turns(16, 3, 5, 2, 4, 6)
+    made = []
+    with HeteroGenerator(model, cpu_workers=2) as gen:
+        ctxs = [gen.prefill(d[None]) for d in docs]
+        ids, mask = left_pad(qs)
+        real = KVSessionSpy.install(made)
+        try:
+            out = gen.generate(ids, attention_mask=mask, context=ctxs, max_new_tokens=3, **KW)
+        finally:
+            KVSessionSpy.remove(real)
+        assert made[-1].layout.groups == MAX_GROUPS == 4
+        ref = hf_batch(model, [torch.cat([d, q]) for d, q in zip(docs, qs)], 3)
+        assert torch.equal(out.sequences, ref.sequences)

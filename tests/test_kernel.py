@@ -308,7 +308,7 @@ def test_workers_share_units_deterministically(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_shared_prefix_units_through_the_workers(dtype):
-    """A batch sharing a context's first blocks (KVSession(prefix_source=...)): the workers alone,
+    """A batch sharing a context's first blocks (KVSession(prefix_groups=...)): the workers alone,
     the parent alone and both give bit-identical outputs (the workers map the context's segment
     themselves), equal to private copies of the context per request up to rounding, and to the
     reference; one request sits out the step entirely (skip = T) and the others' rows land after
@@ -335,11 +335,11 @@ def test_shared_prefix_units_through_the_workers(dtype):
         for mode in ("parent", "both", "workers", "private"):
             plan = FixedPlan(0 if mode == "parent" else 2, 2)
             s = KVSession(pool, spec, pads=[0] * 3, real_lens=[P + n for n in own], cap=P + 64, planner=plan, tmax=T,
-                          prefix_source=None if mode == "private" else ctx)
+                          prefix_groups=() if mode == "private" else [(ctx, [0, 1, 2])])
             if mode == "workers":
                 s._share = lambda seq: None
             try:
-                start = s.layout.prefix
+                start = int(s.pstart.max())
                 assert start == (0 if mode == "private" else 192)
                 for b, n in enumerate(own):
                     rows = torch.cat([kst[:, :P], extra[b][:, :n]], 1)

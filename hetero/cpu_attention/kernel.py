@@ -191,11 +191,11 @@ def _bf16_exact(qbits, b, h0, G, T):
 
 
 @njit(cache=True)
-def run_unit(u, layer, T, window, nsplit, split0, start, scale, softcap, code, q, knew, vnew, K, V, lengths,
-             order, skip, part_o, part_m, part_l, qs, qp, S):
+def run_unit(u, layer, T, window, nsplit, split0, scale, softcap, code, q, knew, vnew, K, V, lengths,
+             order, skip, pstart, part_o, part_m, part_l, qs, qp, S):
     """Unit u = (request order[u // (nsplit*Hkv)], kv head, split u % nsplit) of one layer's step,
-    over the request's rows from `start` on (0, or a shared prefix's end: see run_prefix_unit);
-    its partial goes to split slot split0 + s. Split s of (b, h) covers whole blocks; before
+    over the request's rows from pstart[b] on (0, or its shared prefix's end: see
+    run_prefix_unit); its partial goes to split slot split0 + s. Split s of (b, h) covers whole blocks; before
     reading, it appends those of the step's new rows (staged in knew/vnew) that fall in its
     blocks, so no unit reads a row another unit is writing. Request b's first skip[b] tokens
     of the step are not its own (a shorter continuation in a batch): not appended, and their
@@ -220,7 +220,7 @@ def run_unit(u, layer, T, window, nsplit, split0, start, scale, softcap, code, q
             for d in range(part_o.shape[4]):
                 part_o[b, h, split0 + s, r, d] = 0.0
         return
-    blk0, blk1, lo, hi = unit_span(L, T - sk, window, nsplit, s, start)
+    blk0, blk1, lo, hi = unit_span(L, T - sk, window, nsplit, s, pstart[b])
     for t in range(sk, T):
         if lo <= L + t - sk < hi:
             put_row(Kt, Vt, L + t - sk, knew[b, h, t], vnew[b, h, t], code)
@@ -234,44 +234,53 @@ def run_unit(u, layer, T, window, nsplit, split0, start, scale, softcap, code, q
 
 
 @njit(cache=True)
-def run_prefix_unit(u, layer, T, nsplit, pblocks, scale, softcap, code, q, PK, PV, part_o, part_m, part_l,
-                    pqs, pqp, pS, po, pm, pl):
-    """Unit u = (kv head u // nsplit, split u % nsplit) of a shared prefix: its first pblocks
-    blocks (PK/PV: [layers, 1, Hkv, nblk, ...], a Context's arena, read only) attended by every
-    request's queries at once (rows (b*G + g)*T + t), so each block is read once per step
-    for the whole batch. Every query of the step sits past the prefix: no mask. The partial of
-    request b goes to split slot s of part_*[b, h] (its rows g*T + t, as run_unit's).
+def run_prefix_unit(u, group, layer, T, nsplit, pblocks, pgroup, scale, softcap, code, q, PK, PV, part_o,
+                    part_m, part_l, pqs, pqp, pS, po, pm, pl):
+    """Unit u = (kv head u // nsplit, split u % nsplit) of shared-prefix group `group`: the first
+    pblocks blocks of its source (PK/PV: [layers, 1, Hkv, nblk, ...], a Context's arena, read
+    only) attended by all its members' queries at once (the requests b with pgroup[b] == group,
+    in order, m-th member's rows (m*G + g)*T + t), so each block is read once per step for
+    them all. Every query of the step sits past the prefix: no mask. Member b's partial goes
+    to split slot s of part_*[b, h] (its rows g*T + t, as run_unit's).
     pqs/pqp/pS/po/pm/pl: scratch for B*G*T rows."""
     B, Hq = q.shape[0], q.shape[1]
     Hkv = PK.shape[2]
     G = Hq // Hkv
-    R = B * G * T
     qbits = q.view(np.uint32)
     s, h = u % nsplit, u // nsplit
     blk0, blk1 = s * pblocks // nsplit, (s + 1) * pblocks // nsplit
     exact = code == BF16 and simd.HAS_DPBF16
+    nm = 0
     for b in range(B):
-        exact = exact and _bf16_exact(qbits, b, h * G, G, T)
+        if pgroup[b] == group:
+            exact = exact and _bf16_exact(qbits, b, h * G, G, T)
+            nm += 1
+    m = 0
     for b in range(B):
-        for g in range(G):
-            for t in range(T):
-                _stage_query(q, b, h * G + g, t, (b * G + g) * T + t, scale, exact, pqs, pqp, qbits)
+        if pgroup[b] == group:
+            for g in range(G):
+                for t in range(T):
+                    _stage_query(q, b, h * G + g, t, (m * G + g) * T + t, scale, exact, pqs, pqp, qbits)
+            m += 1
     dp = scale if exact else np.float32(0.0)
     # L = the prefix's end and T = 1: every row sits there and sees all of [blk0 * BK, blk1 * BK)
-    attend_unit(pqs, pqp, dp, R, 1, PK[layer, 0, h], PV[layer, 0, h], blk0, blk1, blk0 * BK, blk1 * BK,
-                pblocks * BK, 0, softcap, code, po, pm, pl, pS, 0)
+    attend_unit(pqs, pqp, dp, nm * G * T, 1, PK[layer, 0, h], PV[layer, 0, h], blk0, blk1, blk0 * BK,
+                blk1 * BK, pblocks * BK, 0, softcap, code, po, pm, pl, pS, 0)
     rows = G * T
+    m = 0
     for b in range(B):
-        for r in range(rows):
-            part_m[b, h, s, r] = pm[b * rows + r]
-            part_l[b, h, s, r] = pl[b * rows + r]
-            for d in range(po.shape[1]):
-                part_o[b, h, s, r, d] = po[b * rows + r, d]
+        if pgroup[b] == group:
+            for r in range(rows):
+                part_m[b, h, s, r] = pm[m * rows + r]
+                part_l[b, h, s, r] = pl[m * rows + r]
+                for d in range(po.shape[1]):
+                    part_o[b, h, s, r, d] = po[m * rows + r, d]
+            m += 1
 
 
 @njit(cache=True)
-def run_job(ctrl, fctrl, seq, busy, code, q, knew, vnew, K, V, Kr, Vr, slots, lengths, order, skip,
-            part_o, part_m, part_l, qs, qp, S, PK, PV, pblocks, pscratch):
+def run_job(ctrl, fctrl, seq, busy, code, q, knew, vnew, K, V, Kr, Vr, slots, lengths, order, skip, pstart,
+            pgroup, gblocks, ngroups, part_o, part_m, part_l, qs, qp, S, PKs, PVs, pscratch):
     """One taker's part of attention job `seq` (a worker's, or the parent's: it takes units too).
 
     Units are taken one at a time from the job's tagged ticket (ctrl[TICKET], atomics.claim),
@@ -281,10 +290,11 @@ def run_job(ctrl, fctrl, seq, busy, code, q, knew, vnew, K, V, Kr, Vr, slots, le
     fctrl F_SCALE, F_SOFTCAP) are read only after a successful claim: until this unit is
     finished (FIN fetch-added) the parent cannot start the next job. Any permutation gives the
     same result; the order only shortens the tail. Returns the number of units taken.
-    With a shared prefix (pblocks > 0 blocks of PK/PV), units 0..Hkv*PSPLIT-1 are its
-    (run_prefix_unit, longest first), the rest are the requests' own rows from the prefix's
-    end on (run_unit, split slots PSPLIT..).
-    q [B,Hq,Tmax,D] f32; knew/vnew [B,Hkv,Tmax,D]; lengths/order/skip [B]; K/V [layers,B,Hkv,nblk,
+    With ngroups shared-prefix groups (group g: the first gblocks[g] blocks of PKs[g]/PVs[g],
+    tuples of MAX_GROUPS arrays,
+    members pgroup[b] == g), units 0..ngroups*Hkv*PSPLIT-1 are theirs (run_prefix_unit, longest
+    first), the rest are the requests' own rows from pstart[b] on (run_unit, split slots PSPLIT..).
+    q [B,Hq,Tmax,D] f32; knew/vnew [B,Hkv,Tmax,D]; lengths/order/skip/pstart/pgroup [B]; K/V [layers,B,Hkv,nblk,
     D,BK] and [layers,B,Hkv,nblk,D/W,BK,W], Kr/Vr likewise for ring layers; slots [layers]: layer i's
     KV is K[slots[i]] when >= 0, Kr[-slots[i] - 1] when < 0; part_o [B,Hkv,NS,rows,D];
     part_m/l [B,Hkv,NS,rows]; qs [rows, D] f32, qp [rows, D/2] u32 and S (score_scratch(rows))
@@ -303,20 +313,23 @@ def run_job(ctrl, fctrl, seq, busy, code, q, knew, vnew, K, V, Kr, Vr, slots, le
         layer = ctrl[C.LAYER]
         slot = slots[layer]
         T, nsplit = ctrl[C.QLEN], ctrl[C.NSPLIT]
-        psplit = ctrl[C.PSPLIT] if pblocks > 0 else 0
+        psplit = ctrl[C.PSPLIT] if ngroups > 0 else 0
         scale, softcap = np.float32(fctrl[C.F_SCALE]), np.float32(fctrl[C.F_SOFTCAP])
         u = ctrl[C.UNITS] - left
-        if u < Hkv * psplit:
+        per_group = Hkv * psplit
+        if u < ngroups * per_group:
+            g = u // per_group
             pqs, pqp, pS, po, pm, pl = pscratch
-            run_prefix_unit(u, slot, T, psplit, pblocks, scale, softcap, code, q, PK, PV, part_o, part_m,
-                            part_l, pqs, pqp, pS, po, pm, pl)
+            run_prefix_unit(u % per_group, g, slot, T, psplit, gblocks[g], pgroup, scale, softcap, code, q,
+                            PKs[g], PVs[g], part_o, part_m, part_l, pqs, pqp, pS, po, pm, pl)
         else:
-            args = (T, ctrl[C.WINDOW], nsplit, psplit, pblocks * BK, scale, softcap, code, q, knew, vnew)
-            u -= Hkv * psplit
+            args = (T, ctrl[C.WINDOW], nsplit, psplit, scale, softcap, code, q, knew, vnew)
+            u -= ngroups * per_group
             if slot >= 0:
-                run_unit(u, slot, *args, K, V, lengths, order, skip, part_o, part_m, part_l, qs, qp, S)
+                run_unit(u, slot, *args, K, V, lengths, order, skip, pstart, part_o, part_m, part_l, qs, qp, S)
             else:
-                run_unit(u, -slot - 1, *args, Kr, Vr, lengths, order, skip, part_o, part_m, part_l, qs, qp, S)
+                run_unit(u, -slot - 1, *args, Kr, Vr, lengths, order, skip, pstart, part_o, part_m, part_l,
+                         qs, qp, S)
         atomics.fetch_add(ctrl, C.FIN, 1)
         taken += 1
 
@@ -328,9 +341,17 @@ def prefix_scratch(rows, dpad):
             np.zeros((rows, dpad), np.float32), np.zeros(rows, np.float32), np.zeros(rows, np.float32))
 
 
-def no_prefix(K, V):
-    """(PK, PV) placeholders for a session without a shared prefix (same dtypes and ranks as K/V)."""
-    return np.zeros((1,) * K.ndim, K.dtype), np.zeros((1,) * V.ndim, V.dtype)
+MAX_GROUPS = 4          # shared-prefix groups a session can read in place (more contexts are copied)
+
+
+def prefix_sources(Ks, Vs, K, V):
+    """run_job's PKs/PVs: tuples of MAX_GROUPS source K/V arrays (the groups', then placeholders of
+    K/V's dtype and rank): one fixed signature, indexed by group at run time."""
+    if len(Ks) > MAX_GROUPS:
+        raise ValueError(f"{len(Ks)} shared-prefix groups; at most {MAX_GROUPS}")
+    pad = MAX_GROUPS - len(Ks)
+    return (tuple(Ks) + (np.zeros((1,) * K.ndim, K.dtype),) * pad,
+            tuple(Vs) + (np.zeros((1,) * V.ndim, V.dtype),) * pad)
 
 
 def run_alone(layer, T, window, nsplit, scale, softcap, code, q, knew, vnew, K, V, lengths, order,
@@ -344,9 +365,10 @@ def run_alone(layer, T, window, nsplit, scale, softcap, code, q, knew, vnew, K, 
     fctrl[C.F_SCALE], fctrl[C.F_SOFTCAP] = scale, softcap
     ctrl[C.TICKET] = C.ticket(1, units)
     slots = np.arange(K.shape[0], dtype=np.int64)
-    PK, PV = no_prefix(K, V)
+    PKs, PVs = prefix_sources([], [], K, V)
+    zeros = np.zeros_like(lengths)
     taken = run_job(ctrl, fctrl, 1, C.PARENT_BUSY, code, q, knew, vnew, K, V, K, V, slots, lengths, order,
-                    np.zeros_like(lengths), part_o, part_m, part_l, qs, qp, S, PK, PV, 0,
+                    zeros, zeros, zeros - 1, zeros[:1], 0, part_o, part_m, part_l, qs, qp, S, PKs, PVs,
                     prefix_scratch(1, q.shape[3]))
     if taken != units or ctrl[C.FIN] != units:
         raise RuntimeError(f"run_job took {taken} of {units} units")

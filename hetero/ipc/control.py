@@ -4,11 +4,10 @@
   CMD.. main, before SEQ  workers     the job: command and its integer params
   F_*   main, before SEQ  workers     float params (a float64 view of line 2)
   PSPLIT main, before SEQ workers    a shared-prefix session's prefix splits this job (word 14)
-  S_*   main, before OPEN workers     session shape (see hetero.offload.arena); S_PREFIX/S_PCAP/
-                                      S_PTMAX: its shared prefix's rows and source layout (21-23)
+  S_*   main, before OPEN workers     session shape (see hetero.offload.arena); S_GROUPS/S_PRIVATE:
+                                      shared-prefix groups and private rows (21-22)
   ARG*  main, before SEQ  workers     LoRA commands: slot / staging dims
-  NAME  main, before OPEN workers     segment name (KV session, adapter or staging), NUL-padded bytes;
-                                      a second one (slot 1): the shared prefix's segment (a Context's)
+  NAME  main, before OPEN workers     segment name (KV session, adapter or staging), NUL-padded bytes
   TICKET main (before GO), workers   attention units left, tagged with the job number:
          then workers and main         job << 32 | units left (ticket()). Whoever takes a unit
          (compare-and-swap)            (atomics.claim) reads the job's params only after, so a
@@ -38,11 +37,11 @@ CMD, LAYER, QLEN, WINDOW, NSPLIT, UNITS, PSPLIT = 8, 9, 10, 11, 12, 13, 14
 F_SCALE, F_SOFTCAP = 16, 17                     # float64 words
 S_BATCH, S_HQ, S_HKV, S_HDIM, S_CAP, S_LAYERS, S_CODE, S_TMAX = range(24, 32)
 S_NSPLIT_MAX = 32
-S_PREFIX, S_PCAP, S_PTMAX = 21, 22, 23          # shared prefix rows; its source's cap and tmax
+S_GROUPS, S_PRIVATE = 21, 22                    # shared-prefix groups; rows K/V hold per request
 S_RING, S_RING_LAYERS = 35, 36                   # ring rows and ring layers (sliding windows, arena.ring_plan)
 ARG0, ARG1 = 33, 34
 AWAKE = 37
-NAME_WORD, NAME_BYTES = 40, 64                  # lines 5 (slot 0) and 6 (slot 1)
+NAME_WORD, NAME_BYTES = 40, 128                 # lines 5-6
 TICKET = 56                                     # line 7, alone: every taker hits it
 FIN = 64                                        # line 8, alone
 PARENT_BUSY = 65                                # the parent's BUSY word (it takes units too)
@@ -107,20 +106,15 @@ CMD_PING, CMD_OPEN, CMD_CLOSE, CMD_ATTN, CMD_EXIT = 1, 2, 3, 4, 5
 CMD_LORA_OPEN, CMD_ADAPTER_MAP, CMD_ADAPTER_DROP, CMD_LORA = 6, 7, 8, 9
 
 
-def _name_words(words, slot):
-    at = NAME_WORD + slot * NAME_BYTES // 8
-    return words[at:at + NAME_BYTES // 8].view(np.uint8)
-
-
-def write_name(words, name, slot=0):
+def write_name(words, name):
     raw = name.encode()
     if len(raw) >= NAME_BYTES:
         raise ValueError(f"segment name too long: {name!r}")
-    buf = _name_words(words, slot)
+    buf = words[NAME_WORD:NAME_WORD + NAME_BYTES // 8].view(np.uint8)
     buf[:] = 0
     buf[:len(raw)] = np.frombuffer(raw, np.uint8)
 
 
-def read_name(words, slot=0):
-    buf = _name_words(words, slot)
+def read_name(words):
+    buf = words[NAME_WORD:NAME_WORD + NAME_BYTES // 8].view(np.uint8)
     return bytes(buf).rstrip(b"\0").decode()

@@ -21,7 +21,6 @@ import numpy as np
 from hetero.adapters import layout as lora
 from hetero.cpu_attention import kernel
 from hetero.ipc import atomics, control as C, shm
-from hetero.cpu_attention.simd import BK
 from hetero.offload.arena import SessionLayout, slots_of
 
 # Idle: spin `spin` polls on the GO word (a job due within microseconds starts at once), then
@@ -40,7 +39,7 @@ class Worker:
         self.floats = self.words.view(np.float64)
         self.session_name = None
         self.v = None  # session views (name -> numpy array)
-        self.pseg = None  # a shared prefix's segment (a Context's), mapped beside the session's
+        self.psegs = []   # shared-prefix groups' segments (Contexts'), mapped beside the session's
         self.lora_seg, self.lora_v = None, None   # LoRA staging segment and its views
         self.adapters = {}                        # slot -> {site: (A, BT, scaling)} views
         self.adapter_segs = {}                    # slot -> its segment
@@ -51,7 +50,8 @@ class Worker:
         lay = SessionLayout(batch=int(w[C.S_BATCH]), q_heads=int(w[C.S_HQ]), kv_heads=int(w[C.S_HKV]),
                             head_dim=int(w[C.S_HDIM]), cap=int(w[C.S_CAP]), layers=int(w[C.S_LAYERS]),
                             code=int(w[C.S_CODE]), tmax=int(w[C.S_TMAX]), nsplit_max=int(w[C.S_NSPLIT_MAX]),
-                            ring=int(w[C.S_RING]), ring_layers=int(w[C.S_RING_LAYERS]), prefix=int(w[C.S_PREFIX]))
+                            ring=int(w[C.S_RING]), ring_layers=int(w[C.S_RING_LAYERS]), private=int(w[C.S_PRIVATE]),
+                            groups=int(w[C.S_GROUPS]))
         self.session_name = C.read_name(w)
         self.seg = shm.Segment(self.session_name)
         v = self.v = lay.views(self.seg)
@@ -61,24 +61,21 @@ class Worker:
         self.qs = np.zeros((rows, lay.dpad), np.float32)        # private scratch: scaled queries
         self.qp = np.zeros((rows, lay.dpad // 2), np.uint32)    # private scratch: bf16 query pairs
         self.S = kernel.score_scratch(rows)                     # private scratch: scores
-        prefix = int(w[C.S_PREFIX])
-        if prefix:           # a batch sharing a Context's first rows: map its segment (read only)
-            src = replace(lay, batch=1, cap=int(w[C.S_PCAP]), tmax=int(w[C.S_PTMAX]), prefix=0)
-            self.pseg = shm.Segment(C.read_name(w, 1))
-            pv = src.views(self.pseg)
-            self.PK, self.PV, self.pblocks = pv["K"], pv["V"], prefix // BK
-            self.pscratch = kernel.prefix_scratch(lay.batch * rows, lay.dpad)
-        else:
-            self.PK, self.PV = kernel.no_prefix(v["K"], v["V"])
-            self.pblocks, self.pscratch = 0, kernel.prefix_scratch(1, lay.dpad)
+        srcs = []            # shared-prefix groups: map each source's segment (a Context's; read only)
+        for g in range(lay.groups):
+            src = replace(lay, batch=1, cap=int(v["psrc"][g, 0]), tmax=int(v["psrc"][g, 1]), private=0, groups=0)
+            self.psegs.append(shm.Segment(bytes(v["pnames"][g]).rstrip(b"\0").decode()))
+            srcs.append(src.views(self.psegs[-1]))
+        self.PKs, self.PVs = kernel.prefix_sources([x["K"] for x in srcs], [x["V"] for x in srcs], v["K"], v["V"])
+        self.pscratch = kernel.prefix_scratch(lay.batch * rows if srcs else 1, lay.dpad)
 
     def close_session(self):
         if self.v is not None:
-            self.v = self.PK = self.PV = None
+            self.v = self.PKs = self.PVs = None
             self.seg.close()
-            if self.pseg is not None:
-                self.pseg.close()
-                self.pseg = None
+            for seg in self.psegs:
+                seg.close()
+            self.psegs = []
         self.session_name = None
 
     def open_lora(self):
@@ -105,14 +102,14 @@ class Worker:
         v = self.v
         kernel.run_job(self.words, self.floats, seq, C.busy_word(self.rank), self.code, v["q"], v["knew"],
                        v["vnew"], v["K"], v["V"], v["Kr"], v["Vr"], self.slots, v["lengths"], v["order"],
-                       v["skip"], v["part_o"], v["part_m"], v["part_l"], self.qs, self.qp, self.S,
-                       self.PK, self.PV, self.pblocks, self.pscratch)
+                       v["skip"], v["pstart"], v["pgroup"], v["gblocks"], len(self.psegs), v["part_o"],
+                       v["part_m"], v["part_l"], self.qs, self.qp, self.S, self.PKs, self.PVs, self.pscratch)
 
     def orphaned(self):
         if os.getppid() == self.parent_pid:
             return False
         if self.rank == 0:  # the parent cannot clean up any more: do it for it
-            for name in [self.session_name, self.pseg and self.pseg.name, self.lora_seg and self.lora_seg.name,
+            for name in [self.session_name, *(seg.name for seg in self.psegs), self.lora_seg and self.lora_seg.name,
                          *(seg.name for seg in self.adapter_segs.values())]:
                 if name:
                     shm.unlink(name)

@@ -9,6 +9,11 @@ the parent drops).
   array    shape                               dtype    written by              read by
   lengths  [B]                                 int64    main (after each step)  workers
   skip     [B]                                 int64    main (after each step)  workers: step tokens not a request's own
+  pstart   [B]                                 int64    main (before OPEN)      workers: first row stored here (shared before)
+  pgroup   [B]                                 int64    main (before OPEN)      workers: shared-prefix group, -1: none
+  gblocks  [NG]                                int64    main (before OPEN)      workers: a group's shared blocks
+  psrc     [NG, 2]                             int64    main (before OPEN)      workers: its source's (cap, tmax)
+  pnames   [NG, 64]                            uint8    main (before OPEN)      workers: its source's segment name
   order    [B]                                 int64    main (after each step)  workers: requests, longest first
   ringed   [layers]                            int64    main (before OPEN)      workers: 1 = layer kept in Kr/Vr
   q        [B, Hq, Tmax, Dp]                   f32      main (each layer)       workers
@@ -29,10 +34,11 @@ window keeps only the rows it can still see, in a ring: row j lives in block
 block count, which is the identity for K/V). Layers keep their order inside K/V and
 inside Kr/Vr (`layer_slots`).
 
-A batch continuing one Context shares its KV (`prefix` > 0): rows [0, prefix) of every
-request are the Context's first prefix / BK blocks, read from its own segment (the workers
-map it beside this one); K/V here then hold each request's rows from `prefix` on, in
-cap - prefix rows (row j in block (j // BK) % nblk, as a ring that never wraps).
+A batch continuing Contexts shares their KV (`groups` > 0): the requests continuing one
+Context form a group, whose rows [0, pstart[b]) are that Context's first whole blocks, read
+from its own segment (the workers map each group's source beside this one). K/V here hold
+each request's rows from pstart[b] on, in `private` rows (row j in block (j // BK) % nblk, a
+ring that never wraps: private >= cap - pstart[b] for every request).
 """
 from dataclasses import dataclass
 
@@ -101,15 +107,18 @@ class SessionLayout:
     nsplit_max: int = 16
     ring: int = 0           # KV rows per request of a ring layer (see ring_plan), a multiple of BK
     ring_layers: int = 0    # layers kept as rings (Kr/Vr); the other layers keep cap rows (K/V)
-    prefix: int = 0         # rows every request shares from a Context's arena (a multiple of BK, < cap)
+    private: int = 0        # rows K/V hold per request (0: cap); less with shared prefixes (a multiple of BK)
+    groups: int = 0         # shared-prefix groups (Contexts read in place), NG
 
     def __post_init__(self):
         if self.cap % BK or self.ring % BK:
             raise ValueError(f"cap and ring must be multiples of {BK}, got {self.cap}, {self.ring}")
         if not 0 <= self.ring_layers <= self.layers or (self.ring_layers > 0) != (self.ring > 0):
             raise ValueError(f"{self.ring_layers} ring layers of {self.ring} rows in {self.layers} layers")
-        if self.prefix % BK or not 0 <= self.prefix < self.cap or (self.prefix and self.ring_layers):
-            raise ValueError(f"a shared prefix of {self.prefix} rows (cap {self.cap}, {self.ring_layers} ring layers)")
+        if self.private % BK or not 0 <= self.private <= self.cap or (self.groups and self.ring_layers) or \
+                not 0 <= self.groups <= self.batch:
+            raise ValueError(f"{self.groups} shared-prefix groups, {self.private} private rows (cap {self.cap}, "
+                             f"{self.ring_layers} ring layers, batch {self.batch})")
 
     @property
     def dpad(self):
@@ -119,16 +128,26 @@ class SessionLayout:
     @property
     def nparts(self):
         """Partial slots per (request, kv head): the splits of its own rows, and of a shared prefix."""
-        return self.nsplit_max * (2 if self.prefix else 1)
+        return self.nsplit_max * (2 if self.groups else 1)
+
+    @property
+    def nblk(self):
+        """Blocks K/V hold per request (and layer, kv head)."""
+        return (self.private or self.cap) // BK
 
     def arrays(self):
         B, Hq, Hkv, D, T, NS = self.batch, self.q_heads, self.kv_heads, self.dpad, self.tmax, self.nparts
         rows = (Hq // Hkv) * T
         st = NP_STORAGE[self.code]
-        full, nring, nblk = self.layers - self.ring_layers, self.ring // BK, (self.cap - self.prefix) // BK
+        full, nring, nblk, NG = self.layers - self.ring_layers, self.ring // BK, self.nblk, max(self.groups, 1)
         return [
             ("lengths", (B,), np.int64),
             ("skip", (B,), np.int64),
+            ("pstart", (B,), np.int64),
+            ("pgroup", (B,), np.int64),
+            ("gblocks", (NG,), np.int64),
+            ("psrc", (NG, 2), np.int64),
+            ("pnames", (NG, 64), np.uint8),
             ("order", (B,), np.int64),
             ("ringed", (self.layers,), np.int64),
             ("q", (B, Hq, T, D), np.float32),
@@ -152,7 +171,7 @@ class SessionLayout:
 
     @property
     def kv_bytes(self):
-        rows = (self.layers - self.ring_layers) * (self.cap - self.prefix) + self.ring_layers * self.ring
+        rows = (self.layers - self.ring_layers) * self.nblk * BK + self.ring_layers * self.ring
         return 2 * self.batch * self.kv_heads * rows * self.dpad * np.dtype(NP_STORAGE[self.code]).itemsize
 
     def views(self, segment):

@@ -40,24 +40,30 @@ class Job(NamedTuple):
     softcap: float    # 0.0: none
     workers: int      # workers posted besides the parent (the planner's choice)
     units: int        # Hkv * psplit + B * Hkv * nsplit
-    psplit: int = 0   # splits of a shared prefix (their partials come first: slots 0..psplit-1)
+    psplit: int = 0   # splits of each shared-prefix group (their partials come first: slots 0..psplit-1)
 
 
 class KVSession:
-    def __init__(self, pool, spec, pads, real_lens, cap, planner=None, tmax=1, prefix_source=None):
+    def __init__(self, pool, spec, pads, real_lens, cap, planner=None, tmax=1, prefix_groups=()):
         """tmax: query tokens per step after the first forward (chunked prefill: the chunk size).
-        prefix_source: a batch-1 session (a Context's, without sliding windows) whose first
-        whole blocks every request shares, read in place: its rows [0, prefix) are not copied
-        and decode attends each of its blocks once for the whole batch (kernel.run_prefix_unit).
-        The caller copies each request's rows from `prefix` on (write_rows) before the steps."""
+        prefix_groups: [(source, members)]: a batch-1 session (a Context's, without rings) whose
+        first whole blocks the requests `members` share, read in place: their rows before
+        pstart[b] are not copied and decode attends each shared block once for all the members
+        (kernel.run_prefix_unit). The caller copies each request's rows from pstart[b] on
+        (write_rows) before the steps."""
         self.pool, self.spec = pool, spec
-        self.prefix_source = prefix_source
-        prefix = int(prefix_source.lengths[0]) // BK * BK if prefix_source is not None else 0
+        self.prefix_groups = [(src, list(members)) for src, members in prefix_groups]
+        pstart = np.zeros(len(pads), np.int64)
+        pgroup = np.full(len(pads), -1, np.int64)
+        for g, (src, members) in enumerate(self.prefix_groups):
+            pstart[members] = int(src.lengths[0]) // BK * BK
+            pgroup[members] = g
+        private = whole_blocks(cap) - int(pstart.min()) if self.prefix_groups else 0
         self.transport = CpuTransport()               # use_transport() may replace it (a CUDA model)
         self.planner = planner or StaticPlanner(pool.n)
         self.batch = len(pads)
         self.pads = [int(p) for p in pads]            # left pads per request
-        self.layout = self.layout_for(spec, self.batch, cap, tmax, prefix)
+        self.layout = self.layout_for(spec, self.batch, cap, tmax, private, len(self.prefix_groups))
         windows = spec.windows or (0,) * spec.layers
         _, ringed = ring_plan(windows, self.layout.cap, self.layout.tmax)
         # per layer: the window its ring was sized for (0: the layer keeps every row)
@@ -79,6 +85,16 @@ class KVSession:
             self.lengths = v["lengths"]                 # numpy, real rows per request
             self.skip = v["skip"]                       # numpy, per request: tokens of the next step(s) not its own
             self.skip[:] = 0
+            self.pstart = v["pstart"]                   # numpy, per request: the first row stored here
+            self.pstart[:], v["pgroup"][:] = pstart, pgroup
+            for g, (src, _) in enumerate(self.prefix_groups):       # read by the workers at CMD_OPEN
+                if src.layout.nsplit_max != self.layout.nsplit_max:  # they rebuild its layout from this one
+                    raise ValueError(f"a shared prefix's session has nsplit_max {src.layout.nsplit_max}")
+                v["gblocks"][g] = int(src.lengths[0]) // BK
+                v["psrc"][g] = src.layout.cap, src.layout.tmax
+                name = src.seg.name.encode()
+                v["pnames"][g, :] = 0
+                v["pnames"][g, :len(name)] = np.frombuffer(name, np.uint8)
             self.q = torch.from_numpy(v["q"])           # [B, Hq, Tmax, Dp] f32
             self.knew, self.vnew = self._storage(v["knew"]), self._storage(v["vnew"])
             self.K = self._storage(v["K"])              # [Lfull, B, Hkv, nblk, Dp, BK]
@@ -96,29 +112,29 @@ class KVSession:
             self._prefill_rows = None                   # rows the prefill forward stored per request
             # the parent takes attention units too (kernel.run_job): the arena's arrays, and scratch of its own
             rows = spec.q_heads // spec.kv_heads * self.layout.tmax
-            if prefix:                                  # the source's arena, read in place
-                pv = prefix_source.layout.views(prefix_source.seg)
-                shared = (pv["K"], pv["V"], prefix // BK, kernel.prefix_scratch(self.batch * rows, self.layout.dpad))
-            else:
-                shared = (*kernel.no_prefix(v["K"], v["V"]), 0, kernel.prefix_scratch(1, self.layout.dpad))
+            srcs = [src.layout.views(src.seg) for src, _ in self.prefix_groups]     # read in place
+            PKs, PVs = kernel.prefix_sources([x["K"] for x in srcs], [x["V"] for x in srcs], v["K"], v["V"])
+            pscratch = kernel.prefix_scratch(self.batch * rows if srcs else 1, self.layout.dpad)
             self._job = (v["q"], v["knew"], v["vnew"], v["K"], v["V"], v["Kr"], v["Vr"], slots_of(ringed),
-                         v["lengths"], v["order"], v["skip"], v["part_o"], v["part_m"], v["part_l"],
+                         v["lengths"], v["order"], v["skip"], v["pstart"], v["pgroup"], v["gblocks"],
+                         len(srcs), v["part_o"], v["part_m"], v["part_l"],
                          np.zeros((rows, self.layout.dpad), np.float32),
-                         np.zeros((rows, self.layout.dpad // 2), np.uint32), kernel.score_scratch(rows), *shared)
+                         np.zeros((rows, self.layout.dpad // 2), np.uint32), kernel.score_scratch(rows),
+                         PKs, PVs, pscratch)
             self._open()
         except BaseException:
             self.close()
             raise
 
     @staticmethod
-    def layout_for(spec, batch, cap, tmax=1, prefix=0):
+    def layout_for(spec, batch, cap, tmax=1, private=0, groups=0):
         """The SessionLayout a session for `batch` requests of `cap` rows uses (memory checks);
-        prefix: rows shared from a Context's arena (a multiple of BK)."""
+        private: rows stored per request when shared-prefix groups hold the others (0: cap)."""
         cap = whole_blocks(cap)
         ring, ringed = ring_plan(spec.windows or (0,) * spec.layers, cap, tmax)
         return SessionLayout(batch=batch, q_heads=spec.q_heads, kv_heads=spec.kv_heads, head_dim=spec.head_dim,
                              cap=cap, layers=spec.layers, code=STORAGE_CODES[spec.dtype], tmax=tmax,
-                             ring=ring, ring_layers=sum(ringed), prefix=prefix)
+                             ring=ring, ring_layers=sum(ringed), private=private, groups=groups)
 
     def _storage(self, arr):
         t = torch.from_numpy(arr)
@@ -135,14 +151,8 @@ class KVSession:
         w[C.S_CAP], w[C.S_LAYERS], w[C.S_CODE], w[C.S_TMAX], w[C.S_NSPLIT_MAX] = (
             lay.cap, lay.layers, lay.code, lay.tmax, lay.nsplit_max)
         w[C.S_RING], w[C.S_RING_LAYERS] = lay.ring, lay.ring_layers
-        w[C.S_PREFIX] = lay.prefix
+        w[C.S_GROUPS], w[C.S_PRIVATE] = lay.groups, lay.private
         C.write_name(w, self.seg.name)
-        if lay.prefix:
-            src = self.prefix_source.layout
-            if src.nsplit_max != lay.nsplit_max:          # the workers rebuild the source's layout from this one's
-                raise ValueError(f"a shared prefix's session has nsplit_max {src.nsplit_max}, not {lay.nsplit_max}")
-            w[C.S_PCAP], w[C.S_PTMAX] = src.cap, src.tmax
-            C.write_name(w, self.prefix_source.seg.name, 1)
         self.pool.run(C.CMD_OPEN)
         self.opened = True
         self.pool.session = self
@@ -265,9 +275,9 @@ class KVSession:
         head, contiguous on both sides: on the current stream, asynchronous DMAs into a
         page-locked arena (pin_kv). From host memory, one strided copy per run (3-5x faster there)."""
         Hkv, n, D = key.shape
-        if start % BK or start < self.layout.prefix:
-            raise ValueError(f"start row {start} is not a multiple of {BK} at or past the shared prefix "
-                             f"({self.layout.prefix} rows)")
+        if start % BK or start < self.pstart[b]:
+            raise ValueError(f"start row {start} is not a multiple of {BK} at or past request {b}'s shared prefix "
+                             f"({self.pstart[b]} rows)")
         if n == 0:
             return
         ids = self._block_ids(layer, start, n)
@@ -330,7 +340,7 @@ class KVSession:
         """key/value [Hkv, T, D] (any device): request 0's next T rows, after its lengths[0] cached ones
         (the rows of a forward whose attention ran on the model's device: hetero.prefetch)."""
         L = int(self.lengths[0])
-        start = max(L // BK * BK, self.layout.prefix)
+        start = max(L // BK * BK, int(self.pstart[0]))
         if L > start:                          # the cached rows of L's block: written again with the new ones
             k, v = self.read_rows(layer, 0, L, start)
             key = torch.cat([k.to(key.device, key.dtype), key], 1)
@@ -351,12 +361,13 @@ class KVSession:
         """Workers (besides the parent, which takes units too), split count and request order
         (longest first: the longest units are taken first) for the next decode step: lengths
         change once per step, not per layer."""
-        P = self.layout.prefix
-        self.nactive, self.nsplit = self.planner.plan(self.lengths - P, T, self.layout)   # rows past the prefix
+        self.nactive, self.nsplit = self.planner.plan(self.lengths - self.pstart, T, self.layout)   # own rows
         self.psplit = 0
-        if P:      # the prefix's units: one "request" of P rows with every request's B*T query tokens
-            n, self.psplit = self.planner.plan(np.array([max(P - self.batch * T, 0)]), self.batch * T,
-                                               replace(self.layout, batch=1))
+        if self.prefix_groups:   # a group's units: one "request" of P rows with its members' m*T query tokens
+            P = int(self.pstart.max())
+            m = max(len(members) for _, members in self.prefix_groups)
+            n, self.psplit = self.planner.plan(np.array([max(P - m * T, 0)]), m * T,
+                                               replace(self.layout, batch=1, groups=0, private=0))
             self.nactive = max(self.nactive, n)
         self.order[:] = np.argsort(-self.lengths, kind="stable")
         self._planned_T = T
@@ -405,7 +416,7 @@ class KVSession:
             self._plan_step(T)
         Hkv = self.spec.kv_heads
         job = Job(layer, window or 0, self.nsplit, scale, softcap or 0.0, self.nactive,
-                  Hkv * self.psplit + B * Hkv * self.nsplit, self.psplit)
+                  len(self.prefix_groups) * Hkv * self.psplit + B * Hkv * self.nsplit, self.psplit)
         out = self.transport.attention(self, job, query, sinks)    # [B, T, Hq, D]
         if layer == self.spec.layers - 1:
             self.transport.step_done(self, T)
@@ -484,8 +495,8 @@ class KVSession:
         # session through its cache would pin the whole arena)
         self.q = self.knew = self.vnew = self.K = self.V = self.Kr = self.Vr = self.kv = None
         self._sinks, self._job = {}, None
-        self.part_o = self.part_m = self.part_l = self.lengths = self.order = self.skip = None
-        self.prefix_source = None                 # a Context's session: it stays open
+        self.part_o = self.part_m = self.part_l = self.lengths = self.order = self.skip = self.pstart = None
+        self.prefix_groups = []                   # Contexts' sessions: they stay open
         self.seg.close()
         if failed is not None:
             raise failed
