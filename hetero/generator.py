@@ -769,7 +769,7 @@ class HeteroGenerator:
             groups = {}                                          # id(context) -> (its session, members)
             for b, c in enumerate(contexts):
                 if share and cached[b] >= BK and c.session.layout.ring_layers == 0:
-                    groups.setdefault(id(c), (c.session, []))[1].append(b)
+                    groups.setdefault(id(c.session), (c.session, []))[1].append(b)
             # at most MAX_GROUPS read in place, the largest; the other requests copy their contexts
             groups = sorted(groups.values(), key=lambda g: -len(g[1]))[:kernel.MAX_GROUPS]
             pstart = [0] * B

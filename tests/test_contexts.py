@@ -559,3 +559,32 @@ def test_more_contexts_than_groups_copy_the_rest():
         assert made[-1].layout.groups == MAX_GROUPS == 4
         ref = hf_batch(model, [torch.cat([d, q]) for d, q in zip(docs, qs)], 3)
         assert torch.equal(out.sequences, ref.sequences)
+
+
+def test_a_request_outside_every_group_never_merges_stale_prefix_slots():
+    """context=[a, c]: a (560 tokens) is a group, c (20 tokens, shorter than a block) is copied.
+    The continuation's 40-token steps plan fewer prefix splits than the decode steps after them,
+    so c's request must not merge slots it wrote itself a step before: equal to HF."""
+    from hetero.offload.session import KVSession
+
+    model, _ = build_model("qwen3", max_position_embeddings=1024)
+    a_doc, c_doc, q0, q1 = turns(3, 560, 20, 40, 40)
+    plans = []
+    real = KVSession._plan_step
+
+    def spy(self, T):
+        real(self, T)
+        plans.append((T, self.psplit))
+    cfg = HeteroConfig(cpu_workers=2, profile="off", prefill_chunk=40)
+    with HeteroGenerator(model, config=cfg) as gen, gen.prefill(a_doc[None]) as a, gen.prefill(c_doc[None]) as c:
+        ids, mask = left_pad([q0, q1])
+        KVSession._plan_step = spy
+        try:
+            out = gen.generate(ids, attention_mask=mask, context=[a, c], max_new_tokens=6, **KW)
+        finally:
+            KVSession._plan_step = real
+    assert len({p for T, p in plans if p}) > 1                    # psplit changes between steps
+    ref = hf_batch(model, [torch.cat([a_doc, q0]), torch.cat([c_doc, q1])], 6)
+    assert torch.equal(out.sequences, ref.sequences)
+    for x, y in zip(out.scores, ref.scores):
+        torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)

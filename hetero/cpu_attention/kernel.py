@@ -192,14 +192,16 @@ def _bf16_exact(qbits, b, h0, G, T):
 
 @njit(cache=True)
 def run_unit(u, layer, T, window, nsplit, split0, scale, softcap, code, q, knew, vnew, K, V, lengths,
-             order, skip, pstart, part_o, part_m, part_l, qs, qp, S):
+             order, skip, pstart, pgroup, part_o, part_m, part_l, qs, qp, S):
     """Unit u = (request order[u // (nsplit*Hkv)], kv head, split u % nsplit) of one layer's step,
     over the request's rows from pstart[b] on (0, or its shared prefix's end: see
     run_prefix_unit); its partial goes to split slot split0 + s. Split s of (b, h) covers whole blocks; before
     reading, it appends those of the step's new rows (staged in knew/vnew) that fall in its
     blocks, so no unit reads a row another unit is writing. Request b's first skip[b] tokens
     of the step are not its own (a shorter continuation in a batch): not appended, and their
-    rows of the output are ignored; its other tokens t go to rows L+t-skip[b].
+    rows of the output are ignored; its other tokens t go to rows L+t-skip[b]. A request in no
+    shared-prefix group (pgroup[b] < 0) has no prefix partials: split 0 writes its slots
+    0..split0-1 empty (m = -inf, l = 0), so the merge never reads a stale one.
     Shapes: see run_job; K/V are the arrays holding this layer's KV (the arena's K/V, or Kr/Vr
     for a ring layer), `layer` indexes them."""
     Hq = q.shape[1]
@@ -213,6 +215,13 @@ def run_unit(u, layer, T, window, nsplit, split0, scale, softcap, code, q, knew,
     L = lengths[b]
     sk = min(skip[b], T)
     Kt, Vt = K[layer, b, h], V[layer, b, h]
+    if s == 0 and pgroup[b] < 0:
+        for slot in range(split0):
+            for r in range(R):
+                part_m[b, h, slot, r] = -np.inf
+                part_l[b, h, slot, r] = 0.0
+                for d in range(part_o.shape[4]):
+                    part_o[b, h, slot, r, d] = 0.0
     if sk == T:                        # none of the step's tokens is b's: a finite partial, ignored
         for r in range(R):
             part_m[b, h, split0 + s, r] = 0.0
@@ -326,10 +335,11 @@ def run_job(ctrl, fctrl, seq, busy, code, q, knew, vnew, K, V, Kr, Vr, slots, le
             args = (T, ctrl[C.WINDOW], nsplit, psplit, scale, softcap, code, q, knew, vnew)
             u -= ngroups * per_group
             if slot >= 0:
-                run_unit(u, slot, *args, K, V, lengths, order, skip, pstart, part_o, part_m, part_l, qs, qp, S)
-            else:
-                run_unit(u, -slot - 1, *args, Kr, Vr, lengths, order, skip, pstart, part_o, part_m, part_l,
+                run_unit(u, slot, *args, K, V, lengths, order, skip, pstart, pgroup, part_o, part_m, part_l,
                          qs, qp, S)
+            else:
+                run_unit(u, -slot - 1, *args, Kr, Vr, lengths, order, skip, pstart, pgroup, part_o, part_m,
+                         part_l, qs, qp, S)
         atomics.fetch_add(ctrl, C.FIN, 1)
         taken += 1
 

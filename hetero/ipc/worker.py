@@ -62,12 +62,18 @@ class Worker:
         self.qp = np.zeros((rows, lay.dpad // 2), np.uint32)    # private scratch: bf16 query pairs
         self.S = kernel.score_scratch(rows)                     # private scratch: scores
         srcs = []            # shared-prefix groups: map each source's segment (a Context's; read only)
-        for g in range(lay.groups):
-            src = replace(lay, batch=1, cap=int(v["psrc"][g, 0]), tmax=int(v["psrc"][g, 1]), private=0, groups=0)
-            self.psegs.append(shm.Segment(bytes(v["pnames"][g]).rstrip(b"\0").decode()))
-            srcs.append(src.views(self.psegs[-1]))
+        try:
+            for g in range(lay.groups):
+                src = replace(lay, batch=1, cap=int(v["psrc"][g, 0]), tmax=int(v["psrc"][g, 1]), private=0, groups=0)
+                self.psegs.append(shm.Segment(bytes(v["pnames"][g]).rstrip(b"\0").decode()))
+                srcs.append(src.views(self.psegs[-1]))
+        except BaseException:
+            srcs = None
+            self.close_session()             # nothing half-mapped; the job reports the error
+            raise
         self.PKs, self.PVs = kernel.prefix_sources([x["K"] for x in srcs], [x["V"] for x in srcs], v["K"], v["V"])
         self.pscratch = kernel.prefix_scratch(lay.batch * rows if srcs else 1, lay.dpad)
+        self.ngroups = lay.groups
 
     def close_session(self):
         if self.v is not None:
@@ -102,7 +108,7 @@ class Worker:
         v = self.v
         kernel.run_job(self.words, self.floats, seq, C.busy_word(self.rank), self.code, v["q"], v["knew"],
                        v["vnew"], v["K"], v["V"], v["Kr"], v["Vr"], self.slots, v["lengths"], v["order"],
-                       v["skip"], v["pstart"], v["pgroup"], v["gblocks"], len(self.psegs), v["part_o"],
+                       v["skip"], v["pstart"], v["pgroup"], v["gblocks"], self.ngroups, v["part_o"],
                        v["part_m"], v["part_l"], self.qs, self.qp, self.S, self.PKs, self.PVs, self.pscratch)
 
     def orphaned(self):

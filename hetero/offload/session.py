@@ -318,6 +318,8 @@ class KVSession:
     def read_rows(self, layer, b, n, start=0):
         """Inverse of write_rows: [Hkv, n - start, D] copies of request b's rows start..n-1 (a ring
         layer holds only the last rows its window sees)."""
+        if start < self.pstart[b]:
+            raise ValueError(f"rows from {start}: request {b}'s rows before {self.pstart[b]} are its shared prefix's")
         if n <= start:
             return (torch.empty(self.spec.kv_heads, 0, self.spec.head_dim, dtype=self.spec.dtype),) * 2
         ids = torch.tensor(self._block_ids(layer, start, n - start))
