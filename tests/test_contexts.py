@@ -364,24 +364,17 @@ def test_batch_of_questions_over_one_context(model_type, chunk, share, overrides
 def test_shared_prefix_is_read_in_place():
     """The batch's arena holds only the rows past the shared blocks: its K/V are (cap - prefix)
     rows per request, and the workers map the context's segment beside it (prefix units)."""
-    from hetero.offload.session import KVSession
-
     model, _ = build_model("llama")
     doc, q1, q2 = turns(8, 100, 4, 6)
-    seen = {}
-    real_init = KVSession.__init__
-
-    def spy(self, *a, **k):
-        real_init(self, *a, **k)
-        seen["layout"] = self.layout
+    made = []
     with HeteroGenerator(model, cpu_workers=2) as gen, gen.prefill(doc[None]) as ctx:
         ids, mask = left_pad([q1, q2])
-        KVSession.__init__ = spy
+        real = KVSessionSpy.install(made)
         try:
             out = gen.generate(ids, attention_mask=mask, context=[ctx, ctx], max_new_tokens=4, **KW)
         finally:
-            KVSession.__init__ = real_init
-        lay = seen["layout"]
+            KVSessionSpy.remove(real)
+        lay = made[-1].layout
         assert lay.groups == 1 and lay.private == 32 and lay.cap == 128 and lay.nparts == 2 * lay.nsplit_max
         assert lay.kv_bytes * 3 < ctx.session.layout.kv_bytes      # 2 requests x 32 rows vs the document's 1152
         ref = hf_batch(model, [torch.cat([doc, q1]), torch.cat([doc, q2])], 4)
@@ -561,7 +554,7 @@ def test_more_contexts_than_groups_copy_the_rest():
         assert torch.equal(out.sequences, ref.sequences)
 
 
-def test_a_request_outside_every_group_never_merges_stale_prefix_slots():
+def test_a_request_outside_every_group_never_merges_stale_prefix_slots(monkeypatch):
     """context=[a, c]: a (560 tokens) is a group, c (20 tokens, shorter than a block) is copied.
     The continuation's 40-token steps plan fewer prefix splits than the decode steps after them,
     so c's request must not merge slots it wrote itself a step before: equal to HF."""
@@ -571,18 +564,11 @@ def test_a_request_outside_every_group_never_merges_stale_prefix_slots():
     a_doc, c_doc, q0, q1 = turns(3, 560, 20, 40, 40)
     plans = []
     real = KVSession._plan_step
-
-    def spy(self, T):
-        real(self, T)
-        plans.append((T, self.psplit))
+    monkeypatch.setattr(KVSession, "_plan_step", lambda self, T: real(self, T) or plans.append((T, self.psplit)))
     cfg = HeteroConfig(cpu_workers=2, profile="off", prefill_chunk=40)
     with HeteroGenerator(model, config=cfg) as gen, gen.prefill(a_doc[None]) as a, gen.prefill(c_doc[None]) as c:
         ids, mask = left_pad([q0, q1])
-        KVSession._plan_step = spy
-        try:
-            out = gen.generate(ids, attention_mask=mask, context=[a, c], max_new_tokens=6, **KW)
-        finally:
-            KVSession._plan_step = real
+        out = gen.generate(ids, attention_mask=mask, context=[a, c], max_new_tokens=6, **KW)
     assert len({p for T, p in plans if p}) > 1                    # psplit changes between steps
     ref = hf_batch(model, [torch.cat([a_doc, q0]), torch.cat([c_doc, q1])], 6)
     assert torch.equal(out.sequences, ref.sequences)
