@@ -2,6 +2,7 @@
 import json
 import os
 import platform
+import shutil
 import subprocess
 import time
 
@@ -82,12 +83,29 @@ def stream_read_all_gbps(threads, nbytes=1 << 30, repeats=5):
         numba.set_num_threads(previous)
 
 
-def write_json(name, payload):
+def write_json(name, payload, copy_to=None):
+    """payload as bench/results/<name> (an absolute name: there); also copied into copy_to (a
+    device's $OUT) when given."""
     os.makedirs(RESULTS, exist_ok=True)
     path = os.path.join(RESULTS, name)
     with open(path, "w") as f:
         json.dump(payload, f, indent=1)
+    if copy_to:
+        shutil.copy(path, copy_to)
     return path
+
+
+def run_child(cmd, timeout):
+    """Run a benchmark cell in a fresh process; the dict its last `RESULT <json>` line holds, or
+    {"error": ...} (a crash, no result, or over `timeout` seconds)."""
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"over {timeout} s"}
+    line = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")]
+    if res.returncode or not line:
+        return {"error": res.stderr[-2000:]}
+    return json.loads(line[-1][7:])
 
 
 def padded_batch(lengths, vocab, seed=1):

@@ -19,12 +19,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import machine, stream_read_all_gbps, write_json  # noqa: E402
+from bench.common import machine, run_child, stream_read_all_gbps, write_json  # noqa: E402
 
 SHAPES = {  # hidden, intermediate, layers, q heads, kv heads, vocab
     "llama3-8b": (4096, 14336, 32, 32, 8, 128256),
@@ -139,13 +138,8 @@ def one(args):
 
 
 def spawn(args, system, L):
-    cmd = [sys.executable, os.path.abspath(__file__), "--one", system, "--context", str(L), "--shape", args.shape,
-           "--steps", str(args.steps)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    line = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")]
-    if res.returncode or not line:
-        return {"error": res.stderr[-2000:]}
-    return json.loads(line[-1][7:])
+    return run_child([sys.executable, os.path.abspath(__file__), "--one", system, "--context", str(L),
+                      "--shape", args.shape, "--steps", str(args.steps)], timeout=1800)
 
 
 def pcie_gbps(nbytes=1 << 30):
@@ -234,19 +228,14 @@ def main():
 
 
 def save(args, cores, host_gbps, pcie, results, summary):
-    import shutil
-
     import torch
 
-    path = write_json(f"{args.out}.json", {
+    return write_json(f"{args.out}.json", {
         "bench": "gpu_decode", "machine": machine(), "gpu": torch.cuda.get_device_name(), "cores": cores,
         "host_read_gbps": host_gbps, "pcie_gbps": pcie, "steps": args.steps, "targets": TARGETS,
         "results": results, "summary": summary,
         "note": "ms = median per-token time after 2 warm-up steps, one fresh process per cell; bound = KV bytes / "
-                "all-core host read bandwidth + the base layers' time (HF at 256 tokens)"})
-    if args.copy_to:
-        shutil.copy(path, args.copy_to)
-    return path
+                "all-core host read bandwidth + the base layers' time (HF at 256 tokens)"}, args.copy_to)
 
 
 if __name__ == "__main__":

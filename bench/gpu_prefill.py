@@ -21,13 +21,12 @@ HF's; hetero_chunked's peak GPU memory flat in prompt length (longest / shortest
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import machine, write_json  # noqa: E402
+from bench.common import machine, run_child, write_json  # noqa: E402
 
 SHAPES = {  # hidden, intermediate, layers, q heads, kv heads, vocab
     "llama3-8b": (4096, 14336, 32, 32, 8, 128256),
@@ -168,16 +167,9 @@ def one(args):
 
 
 def spawn(args, system, L):
-    cmd = [sys.executable, os.path.abspath(__file__), "--one", system, "--context", str(L), "--shape", args.shape,
-           "--device", args.device, "--chunk", str(args.chunk), "--new", str(args.new)]
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"over {args.timeout} s"}
-    line = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")]
-    if res.returncode or not line:
-        return {"error": res.stderr[-2000:]}
-    return json.loads(line[-1][7:])
+    return run_child([sys.executable, os.path.abspath(__file__), "--one", system, "--context", str(L),
+                      "--shape", args.shape, "--device", args.device, "--chunk", str(args.chunk), "--new",
+                      str(args.new)], timeout=args.timeout)
 
 
 def _show(name, r, n):
@@ -259,19 +251,15 @@ def summarize(res, systems):
 
 
 def save(args, res, summary):
-    import shutil
-
     import torch
 
-    path = write_json(f"{args.out}.json", {
+    return write_json(f"{args.out}.json", {
         "bench": "gpu_prefill", "machine": machine(), "cores": len(os.sched_getaffinity(0)),
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "shape": args.shape,
         "chunk": args.chunk, "targets": TARGETS, "results": res, "summary": summary,
         "note": "one fresh process per cell, after a warm-up in it; seconds of one prefill (wall, synchronized); "
-                "peak_gpu_bytes: max_memory_allocated net of what was allocated at its reset (the weights)"})
-    if args.copy_to:
-        shutil.copy(path, args.copy_to)
-    return path
+                "peak_gpu_bytes: max_memory_allocated net of what was allocated at its reset (the weights)"},
+        args.copy_to)
 
 
 if __name__ == "__main__":

@@ -607,7 +607,7 @@ class HeteroGenerator:
                     for layer in cache.layers:
                         layer.seen = cached
                     mask = torch.ones_like(full)
-                    self._continue(session, cache, full, mask, cached)
+                    self._feed(cache, full, mask, cached, full.shape[1])     # generate's first forward: the rest
                     out = self.model.generate(full, attention_mask=mask, past_key_values=cache,
                                               generation_config=gen_config, **objects)
             except BaseException as e:
@@ -632,10 +632,6 @@ class HeteroGenerator:
         ctx.token_ids, ctx.pending = seq[0, :stored].to("cpu"), seq[0, stored:].to("cpu")
         self._used(ctx)
         return out
-
-    def _continue(self, session, cache, full, mask, cached):
-        """Feed full[:, cached:] into a prefilled session, but what generate's first forward takes."""
-        self._feed(cache, full, mask, cached, full.shape[1])
 
     def _feed(self, cache, ids, mask, a, end, whole=False):
         """Forward positions [a, end) of ids into a prefilled session's cache in pieces of at most

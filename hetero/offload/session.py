@@ -11,6 +11,7 @@ columns; the rest stay zero) and outputs are sliced back. Sliding-window layers
 keep a ring of the rows their window can still see (arena.ring_plan).
 """
 import contextlib
+import logging
 import time
 from dataclasses import replace
 from typing import NamedTuple
@@ -28,6 +29,7 @@ from hetero.ipc import control as C, shm
 from hetero.ipc.transport import CpuTransport, merge_partials  # noqa: F401 (merge_partials: re-exported)
 from hetero.offload.arena import SessionLayout, layer_slots, ring_plan, slots_of, whole_blocks
 
+log = logging.getLogger("hetero")
 STORAGE_CODES = {torch.float32: F32, torch.bfloat16: BF16, torch.float16: F16}
 
 
@@ -39,7 +41,7 @@ class Job(NamedTuple):
     scale: float
     softcap: float    # 0.0: none
     workers: int      # workers posted besides the parent (the planner's choice)
-    units: int        # Hkv * psplit + B * Hkv * nsplit
+    units: int        # groups * Hkv * psplit + B * Hkv * nsplit
     psplit: int = 0   # splits of each shared-prefix group (their partials come first: slots 0..psplit-1)
 
 
@@ -64,6 +66,7 @@ class KVSession:
         self.batch = len(pads)
         self.pads = [int(p) for p in pads]            # left pads per request
         self.layout = self.layout_for(spec, self.batch, cap, tmax, private, len(self.prefix_groups))
+        self._prefix_layout = replace(self.layout, batch=1, groups=0, private=0)   # planning a group's units
         windows = spec.windows or (0,) * spec.layers
         _, ringed = ring_plan(windows, self.layout.cap, self.layout.tmax)
         # per layer: the window its ring was sized for (0: the layer keeps every row)
@@ -368,8 +371,7 @@ class KVSession:
         if self.prefix_groups:   # a group's units: one "request" of P rows with its members' m*T query tokens
             P = int(self.pstart.max())
             m = max(len(members) for _, members in self.prefix_groups)
-            n, self.psplit = self.planner.plan(np.array([max(P - m * T, 0)]), m * T,
-                                               replace(self.layout, batch=1, groups=0, private=0))
+            n, self.psplit = self.planner.plan(np.array([max(P - m * T, 0)]), m * T, self._prefix_layout)
             self.nactive = max(self.nactive, n)
         self.order[:] = np.argsort(-self.lengths, kind="stable")
         self._planned_T = T
@@ -457,8 +459,7 @@ class KVSession:
             err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 1)   # 1: portable
             if int(err) != 0:
                 _clear_cuda_error()                # else torch's next launch check would raise it
-                import logging
-                logging.getLogger("hetero").info("hetero: cudaHostRegister of the KV arena failed (%s); "
+                log.info("hetero: cudaHostRegister of the KV arena failed (%s); "
                                                  "prefetch copies go through pageable memory", err)
                 return
             self._host_regs.append(t.data_ptr())
