@@ -624,13 +624,12 @@ class HeteroGenerator:
                 self._pool.close()                           # the context stays; the next call maps it again
             if err is not None:
                 raise err
-        if not extend:
+            # still under the lock: a close() waiting in another thread must find the call complete
+            if extend:
+                seq = out if isinstance(out, torch.Tensor) else out.sequences
+                stored = int(session.lengths[0])
+                ctx.token_ids, ctx.pending = seq[0, :stored].to("cpu"), seq[0, stored:].to("cpu")
             self._used(ctx)
-            return out
-        seq = out if isinstance(out, torch.Tensor) else out.sequences
-        stored = int(session.lengths[0])
-        ctx.token_ids, ctx.pending = seq[0, :stored].to("cpu"), seq[0, stored:].to("cpu")
-        self._used(ctx)
         return out
 
     def _feed(self, cache, ids, mask, a, end, whole=False):
