@@ -148,9 +148,9 @@ def one(args):
                 out["s"] = hf_forward(model, torch.cat([_ids(model, L, 1), new], 1), False)
                 out["peak_gpu_bytes"], out["peak_reserved_bytes"] = _peak(dev, base)
             else:
-                # the context is prefilled chunked with prefetch (fast on the GPU: a workers-only
-                # prefill of 64K would take many minutes), then the timed call uses `args.one`
-                with hetero_gen(model, args, True) as gen:
+                # the context is prefilled in one pass on the GPU, then the timed call continues
+                # it with `args.one` (in pieces of CONTINUE_CHUNK tokens)
+                with hetero_gen(model, args, False) as gen:
                     with gen.prefill(_ids(model, L, 1), reserve=args.new + 8) as ctx:
                         gen.config = replace(gen.config, continuation=args.one)
                         kw = dict(context=ctx, extend_context=False, max_new_tokens=1, do_sample=False, pad_token_id=0)

@@ -341,17 +341,6 @@ class KVSession:
         D = self.spec.head_dim
         return k[:, j0:j0 + n, :D], v[:, j0:j0 + n, :D]
 
-    def append_rows(self, layer, key, value):
-        """key/value [Hkv, T, D] (any device): request 0's next T rows, after its lengths[0] cached ones
-        (the rows of a forward whose attention ran on the model's device: hetero.prefetch)."""
-        L = int(self.lengths[0])
-        start = max(L // BK * BK, int(self.pstart[0]))
-        if L > start:                          # the cached rows of L's block: written again with the new ones
-            k, v = self.read_rows(layer, 0, L, start)
-            key = torch.cat([k.to(key.device, key.dtype), key], 1)
-            value = torch.cat([v.to(value.device, value.dtype), value], 1)
-        self.write_rows(layer, 0, key, value, start)
-
     def finish_prefill(self):
         """Called after the last layer's prefill attention: later forwards (the rest of a chunked
         prompt, then the decode steps) go to the workers. Without a prefill forward (benchmarks
