@@ -123,6 +123,64 @@ def contexts_table():
     return "\n".join(out)
 
 
+def gpu_decode_table():
+    """bench/results/gpu_decode*.json (one run per file): ms/token per system and context. The
+    bound is recomputed with HF's static cache at the shortest context as the base layers' time
+    (the files before that change used HF's dynamic cache, bound by kernel launches)."""
+    runs = [r for r in (_load(n) for n in ("gpu_decode.json", "gpu_decode_long.json")) if r]
+    if not runs:
+        return ""
+    systems = ("hetero", "hetero_host", "hf", "offloaded", "static")
+    rows = [(run, row) for run in runs for shape in run["results"].values() for row in shape["rows"]]
+    base = min(row["static"]["ms"] for _, row in rows if "ms" in row.get("static", {}))
+    run0 = runs[0]
+    out = [f"{run0['gpu']}, {run0['cores']} host cores, Llama-3-8B shape (bf16, random weights), batch 1, "
+           f"median of {run0['steps'] - 2} steps; bound = KV bytes / the all-core host read bandwidth "
+           f"measured in the same run + {base:.1f} ms (HF static cache at the shortest context):", "",
+           "| context | hetero (CUDA transport) | hetero (host copies) | HF dynamic | HF offloaded | HF static "
+           "| host read GB/s | bound | hetero / bound | offloaded / hetero | peak GPU GiB hetero / HF |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for run, row in sorted(rows, key=lambda x: x[1]["context"]):
+        ms = {k: row[k]["ms"] if "ms" in row.get(k, {}) else None for k in systems}
+        bound = row["kv_bytes"] / (run["host_read_gbps"] * 1e9) * 1e3 + base
+        cell = [f"{ms[k]:.1f}" if ms[k] else "OOM" for k in systems]
+        het = ms["hetero"]
+        out.append(f"| {row['context'] // 1024}K | " + " | ".join(cell) + f" | {run['host_read_gbps']:.0f} | "
+                   f"{bound:.1f} | {het / bound:.2f} | {ms['offloaded'] / het:.2f}x | "
+                   f"{row['hetero']['peak_gpu_bytes'] / 2**30:.1f} / {row['hf']['peak_gpu_bytes'] / 2**30:.1f} |")
+    return "\n".join(out)
+
+
+def gpu_prefill_table():
+    """bench/results/gpu_prefill_*.json: seconds and peak GPU memory over the weights per system."""
+    runs = [r for r in (_load(os.path.basename(p)) for p in sorted(glob.glob(os.path.join(RESULTS, "gpu_prefill_*.json")))) if r]
+    if not runs:
+        return ""
+    systems = ("hf", "offloaded", "hetero", "hetero_chunked")
+    out = [f"{runs[0]['gpu']}, Llama-3-8B shape (bf16, random weights), one fresh process per cell; seconds "
+           "[peak GPU GiB over the weights]:", "",
+           "| prompt | HF (KV on the GPU) | HF offloaded | hetero one pass (of which pinning) | hetero chunked + prefetch |",
+           "|---|---|---|---|---|"]
+    for run in runs:
+        for row in run["results"]["prefill"]:
+            cells = []
+            for k in systems:
+                r = row.get(k, {})
+                if "s" not in r:
+                    cells.append("OOM" if r.get("oom") else "-")
+                    continue
+                pin = f" ({r['pin_s']:.2f})" if r.get("pin_s") and k == "hetero" else ""
+                cells.append(f"{r['s']:.2f}{pin} [{r['peak_gpu_bytes'] / 2**30:.2f}]")
+            out.append(f"| {row['context'] // 1024}K | " + " | ".join(cells) + " |")
+    for run in runs:
+        c = run["results"].get("continuation")
+        if c:
+            parts = [f"{k} {c[k]['s']:.2f} s" for k in ("prefetch", "workers", "reprefill") if "s" in c.get(k, {})]
+            out += ["", f"{c['new']} new tokens over a {c['context'] // 1024}K cached context: " + ", ".join(parts)
+                    + " (re-prefill: HF over context + new tokens, KV on the GPU)."]
+    return "\n".join(out)
+
+
 if __name__ == "__main__":
     print(decode_tables())
     print()
@@ -133,3 +191,7 @@ if __name__ == "__main__":
     print(lora_tables())
     print()
     print(contexts_table())
+    print()
+    print(gpu_decode_table())
+    print()
+    print(gpu_prefill_table())
