@@ -27,8 +27,11 @@ class HeteroConfig:
                                           # unreferenced contexts stay as a prefix cache (reuse_contexts finds them)
                                           # and are evicted least recently used when a new context needs the room;
                                           # when only referenced ones are left, a new context raises CapacityError
-    prefill_chunk: int | None = None      # prompt tokens per forward after the first (None: one pass): each later
-                                          # chunk attends to the cached KV on the CPU workers
+    prefill_chunk: int | str | None = "auto"  # prompt tokens per forward after the first (None: one pass): each
+                                          # later chunk attends to the cached KV (on the CPU workers, or on the GPU
+                                          # after a layer-wise prefetch: `continuation`). "auto": one pass on a CPU
+                                          # model, and on a GPU where the prompt's activations fit its free memory,
+                                          # else the longest chunk that fits (hetero.prefetch.policy.prefill_chunk)
     share_contexts: bool = True           # generate(context=[ctx, ctx, ...]): requests continuing one Context read
                                           # its KV in place, once per step for all of them (False: each request
                                           # gets a private copy; a model with sliding windows always copies)
@@ -45,7 +48,10 @@ class HeteroConfig:
     def __post_init__(self):
         _check_int("cpu_workers", self.cpu_workers, 1)
         _check_int("max_cache_tokens", self.max_cache_tokens, 1)
-        _check_int("prefill_chunk", self.prefill_chunk, 1)
+        if not (isinstance(self.prefill_chunk, str) and self.prefill_chunk == "auto"):
+            if isinstance(self.prefill_chunk, str):
+                raise ValueError(f"HeteroConfig.prefill_chunk must be an int >= 1, None or 'auto', got {self.prefill_chunk!r}")
+            _check_int("prefill_chunk", self.prefill_chunk, 1)
         _check_int("context_memory", self.context_memory, 1)
         _check_int("spin_budget", self.spin_budget, 1, allow_none=False)
         if not (isinstance(self.ram_fraction, (int, float)) and 0 < self.ram_fraction <= 1):

@@ -63,6 +63,10 @@ class HeteroGenerator:
             model = peft_model.get_base_model()
         self.spec = inspect_model(model)
         self.model = model
+        # a prefill attends eagerly (scores materialized: prefill_chunk="auto" counts them) with a
+        # logit soft-cap or attention sinks (hetero.attention)
+        self._eager = bool(getattr(model.config.get_text_config(), "attn_logit_softcapping", None)) or any(
+            isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules())
         self._pool = None
         self._planner = None
         self._store = None                 # LoRA adapters in shared memory (created on first load)
@@ -269,10 +273,27 @@ class HeteroGenerator:
                                 f"exceeds the model's max_position_embeddings ({self.spec.max_positions})")
         return attention_mask, max_new_tokens
 
-    def _chunk(self, attention_mask):
-        """The chunk size of a chunked prefill (HeteroConfig.prefill_chunk), or None for one pass:
-        the first forward covers the left pads and one chunk, so later chunks hold real tokens only."""
+    def _chunk_size(self, attention_mask):
+        """HeteroConfig.prefill_chunk for this prompt: an int, or None (one pass). "auto": one pass
+        on a CPU model; on a GPU, one pass where the prompt's forward fits the device's free memory
+        (what the caching allocator holds unused counts as free), else the longest chunk that fits
+        (hetero.prefetch.policy.prefill_chunk)."""
         C = self.config.prefill_chunk
+        if C != "auto":
+            return C
+        dev = self.model.device
+        if dev.type != "cuda":
+            return None
+        from hetero.prefetch import policy
+
+        free = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+        B, S = attention_mask.shape
+        return policy.prefill_chunk(self.model.config.get_text_config(), self.spec, B, S, free, self._eager)
+
+    def _chunk(self, attention_mask):
+        """The chunk size of a chunked prefill (_chunk_size), or None for one pass: the first forward
+        covers the left pads and one chunk, so later chunks hold real tokens only."""
+        C = self._chunk_size(attention_mask)
         if C is None:
             return None
         first = int((attention_mask.shape[1] - attention_mask.sum(1)).max()) + C
@@ -492,7 +513,7 @@ class HeteroGenerator:
         """Under the generator's lock: a new context's session (one request, `reserve` rows free,
         continuations in pieces of prefill_chunk or CONTINUE_CHUNK tokens) within context_memory;
         closed again if the body raises (and a pool that died with it)."""
-        tmax = self.config.prefill_chunk or CONTINUE_CHUNK
+        tmax = self._chunk_size(attention_mask) or CONTINUE_CHUNK
         pads, real, cap = self._plan_cache(attention_mask, reserve, tmax=tmax)
         with self._exclusive():
             self._check_budget(KVSession.layout_for(self.spec, 1, cap, tmax).nbytes)
@@ -771,7 +792,8 @@ class HeteroGenerator:
             for src, members in groups:
                 for b in members:
                     pstart[b] = int(src.lengths[0]) // BK * BK
-            tmax = min(self.config.prefill_chunk or CONTINUE_CHUNK, U)     # the staging holds one step's tokens
+            piece = self.config.prefill_chunk if isinstance(self.config.prefill_chunk, int) else CONTINUE_CHUNK
+            tmax = min(piece, U)                                    # the staging holds one step's tokens
             pads, _, cap = self._plan_cache(mask, max_new_tokens, tmax=tmax,
                                             private=whole_blocks(rows) - min(pstart) if groups else 0,
                                             groups=len(groups))

@@ -132,3 +132,37 @@ def test_chunked_prefill_prefetches_the_cached_chunks(model_type):
             assert gen.last_prefetch_log == plan(layers) * 6             # prefill(): all 42 after the first 8
             out = gen.generate(msg[None], context=ctx, max_new_tokens=4, **KW)
             assert torch.equal(out.sequences, hf(model, torch.cat([doc, msg]), 4).sequences)
+
+
+def test_auto_prefill_chunk_is_the_longest_that_fits_the_free_memory():
+    """prefill_chunk="auto" on a GPU (hetero.prefetch.policy.prefill_chunk), with the Llama-3-8B
+    shape: one pass where it fits, else the longest multiple of 256 whose forward fits; eager
+    attention (scores T x S) and a batch shrink it; nothing left still gives the smallest chunk."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256)
+    spec = ModelSpec(model_type="llama", layers=32, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+                     max_positions=None, sliding=(False,) * 32)
+    GiB, S = 2**30, 131072
+    assert policy.prefill_chunk(cfg, spec, 1, S, 60 * GiB, eager=False) is None           # ~19 GiB: one pass
+    C = policy.prefill_chunk(cfg, spec, 1, S, 4 * GiB, eager=False)
+    budget = 0.8 * 4 * GiB
+    assert C % 256 == 0 and 256 <= C < S
+    assert policy.forward_bytes(cfg, spec, 1, C, S, False, cached=True) <= budget
+    assert policy.forward_bytes(cfg, spec, 1, C + 256, S, False, cached=True) > budget    # the longest
+    eager = policy.prefill_chunk(cfg, spec, 1, S, 4 * GiB, eager=True)
+    batch = policy.prefill_chunk(cfg, spec, 2, S, 4 * GiB, eager=False)
+    assert 256 <= eager < C and 256 <= batch < C
+    assert policy.prefill_chunk(cfg, spec, 1, S, 2**20, eager=False) == 256
+
+
+def test_auto_prefill_chunk_is_one_pass_on_a_cpu_model():
+    model, _ = build_model("llama")
+    ids = torch.randint(3, 100, (1, 40))
+    with HeteroGenerator(model, config=HeteroConfig(cpu_workers=1, profile="off")) as gen:
+        assert gen.config.prefill_chunk == "auto"
+        assert gen._chunk(torch.ones_like(ids)) is None
+    for bad in ("big", 0, 1.5):
+        with pytest.raises(ValueError, match="prefill_chunk"):
+            HeteroConfig(prefill_chunk=bad)

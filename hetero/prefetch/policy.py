@@ -9,10 +9,10 @@ Per layer, for T new tokens over L cached rows:
             (a CPU model always uses the workers: see choose)
 copy_gbps (host arena -> device buffer, per head as the fetches copy; PCIe on a GPU machine)
 and device_gflops (device_attention's sdpa path at a long context; the eager path of soft-capped
-or sink models is slower, and the unblocking, the concatenation and the host's append are not
-counted) are measured once per device and shape (`measure`), in the same process that uses them. The crossover (the T above which the device wins) grows with nothing
+or sink models is slower, and the unblocking and the concatenation are not counted) are measured once per device and shape (`measure`), in the same process that uses them. The crossover (the T above which the device wins) grows with nothing
 but these two figures and the profile; `hetero profile --device` prints it.
 """
+import logging
 import time
 from dataclasses import dataclass
 
@@ -21,6 +21,8 @@ import torch
 
 from hetero.cpu_attention import planner as P
 from hetero.prefetch.schedule import device_attention
+
+log = logging.getLogger("hetero")
 
 
 @dataclass(frozen=True)
@@ -98,3 +100,43 @@ def crossover(profile, rates, spec, L, nworkers, tmax=256):
             return T
         T *= 2
     return None
+
+
+# ---- how many tokens one prefill forward may take on the model's device (prefill_chunk="auto")
+
+def forward_bytes(cfg, spec, B, T, S, eager, cached):
+    """Estimated device bytes beyond the weights of a forward of T tokens per request (B requests)
+    at positions up to S. Activations per token: the MLP's three intermediate-size tensors (times
+    the experts a token visits), six hidden-size ones, q/k/v. KV per position: one pass holds two
+    layers' KV awaiting their offload (KVSession.store_prefill); a forward over a cached context
+    holds six (hetero.prefetch: two buffers, the unblocked and the concatenated copies). An eager
+    attention (soft-capped or sink models) adds fp32 scores and probabilities, Hq x T x S. On the
+    H100 run (Llama-3-8B shape) this over-estimates the measured peak by 30 % (one pass, 32K) and
+    13 % (chunks of 4096 over 32K)."""
+    e = torch.finfo(spec.dtype).bits // 8
+    h = cfg.hidden_size
+    inter = (getattr(cfg, "intermediate_size", None) or 4 * h) * max(1, getattr(cfg, "num_experts_per_tok", None) or 1)
+    per_token = e * (3 * inter + 6 * h + (spec.q_heads + 2 * spec.kv_heads) * spec.head_dim)
+    kv_per_position = 2 * spec.kv_heads * spec.head_dim * e
+    scores = 8 * spec.q_heads * T * S if eager else 0
+    return B * (T * per_token + (6 if cached else 2) * S * kv_per_position + scores)
+
+
+def prefill_chunk(cfg, spec, B, S, free_bytes, eager, step=256, headroom=0.8):
+    """HeteroConfig.prefill_chunk="auto" on a GPU: None when a one-pass prefill of B prompts of S
+    positions fits `headroom` of the device's free bytes (forward_bytes), else the longest chunk,
+    a multiple of `step`, whose forwards over the cached earlier chunks fit (at least `step`)."""
+    budget = headroom * free_bytes
+    if forward_bytes(cfg, spec, B, S, S, eager, cached=False) <= budget:
+        return None
+    def fits(n):                                   # n steps per chunk
+        return forward_bytes(cfg, spec, B, n * step, S, eager, cached=True) <= budget
+    lo, hi = 1, max(1, S // step)                  # fits(lo) is hoped for; the answer is in [lo, hi]
+    if not fits(lo):
+        log.warning("hetero: even %d-token prefill chunks over %d positions may not fit the GPU's %.1f GiB "
+                    "free; trying them anyway", step, S, free_bytes / 2**30)
+        return step
+    while lo < hi:                                 # the largest n with fits(n)
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo * step
