@@ -30,12 +30,12 @@ from hetero.cpu_attention.planner import ProfiledPlanner  # noqa: E402
 from hetero.cpu_attention.simd import BK  # noqa: E402
 from hetero.ipc.pool import WorkerPool  # noqa: E402
 from hetero.model_spec import ModelSpec  # noqa: E402
-from hetero.profile import attention_job, load_or_measure, median_times, synthetic_session  # noqa: E402
+from hetero.profile import (Rotation, attention_job, cold_layers, last_level_cache_bytes, load_or_measure,  # noqa: E402
+                            median_times, synthetic_session)
 
 SHAPES = {"llama3-8b": (32, 8, 128), "llama2-7b": (32, 32, 128)}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 SPLITS = (1, 2, 4, 8, 16)
-COLD_FACTOR = 4          # the KV a run rotates over spans at least this many last-level caches
 BATCH = (32768, 8192, 2048, 300)   # the mixed batch for the planner
 TARGETS = {"one_worker_of_stream": 0.70, "vs_sdpa": 3.0, "scaling": 0.85, "planner_of_best": 0.90}
 
@@ -51,31 +51,6 @@ def local_bounds(cores):
         return {"1": one, "all": stream_read_all_gbps(len(cores), 512 << 20, 3)}
     finally:
         os.sched_setaffinity(0, parent)
-
-
-def last_level_cache_bytes():
-    """The largest CPU cache (sysfs), or 32 MB when unknown."""
-    best = 0
-    for idx in range(8):
-        try:
-            with open(f"/sys/devices/system/cpu/cpu0/cache/index{idx}/size") as f:
-                text = f.read().strip()
-        except OSError:
-            break
-        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1)
-        best = max(best, int(text.rstrip("KMG")) * mult)
-    return best or 32 << 20
-
-
-class Rotation:
-    """Successive calls take successive layers: every system reads cold KV, as in a model."""
-
-    def __init__(self, layers):
-        self.layers, self.i = layers, 0
-
-    def next(self):
-        self.i = (self.i + 1) % self.layers
-        return self.i
 
 
 def sweep_and_plan(pool, profile, session, lengths, reps, rot):
@@ -97,7 +72,7 @@ def make_session(pool, shape, dtype, lengths):
     staged for a one-token decode step: (profile, session, rotation, rotated bytes)."""
     Hq, Hkv, D = shape
     layer_bytes = 2 * Hkv * sum(lengths) * D * torch.finfo(dtype).bits // 8
-    layers = max(1, -(-COLD_FACTOR * last_level_cache_bytes() // layer_bytes))
+    layers = cold_layers(layer_bytes)
     spec = ModelSpec(model_type="bench", layers=layers, q_heads=Hq, kv_heads=Hkv, head_dim=D, dtype=dtype,
                      max_positions=None, sliding=(False,) * layers)
     profile, _ = load_or_measure(pool, spec)

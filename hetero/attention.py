@@ -111,6 +111,17 @@ def hetero_attention(module, query, key, value, attention_mask, scaling=None, dr
     return out, None
 
 
+def hetero_mask(*args, **kwargs):
+    """The model's attention mask for a forward through hetero_attention: none where the session
+    attends itself (decode steps and continuations: _decode and hetero.prefetch know each row's
+    position), which saves a [B, T, S] mask per forward and, on a GPU, transformers' per-token
+    host synchronization (its padding check); else sdpa's, for the prefill's own attention."""
+    session = active_session.get()
+    if session is not None and session.prefilled:
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
 def register():
     AttentionInterface.register(NAME, hetero_attention)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
+    AttentionMaskInterface.register(NAME, hetero_mask)

@@ -288,7 +288,8 @@ class HeteroGenerator:
 
         free = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
         B, S = attention_mask.shape
-        return policy.prefill_chunk(self.model.config.get_text_config(), self.spec, B, S, free, self._eager)
+        return policy.prefill_chunk(self.model.config.get_text_config(), self.spec, B, S, free, self._eager,
+                                    padded=not bool(attention_mask.all()))
 
     def _chunk(self, attention_mask):
         """The chunk size of a chunked prefill (_chunk_size), or None for one pass: the first forward
@@ -298,6 +299,22 @@ class HeteroGenerator:
             return None
         first = int((attention_mask.shape[1] - attention_mask.sum(1)).max()) + C
         return C if attention_mask.shape[1] > first else None
+
+    def _staged(self, chunk):
+        """Query tokens per step the workers' staging holds for a prompt prefilled in chunks of
+        `chunk` (None: one pass): the chunk a set HeteroConfig.prefill_chunk gives; an "auto" chunk
+        (fitted to GPU memory, its pieces attended on the GPU after a prefetch: _feed) only up to
+        CONTINUE_CHUNK, since a staging sized to a long chunk grows the host arena by ~256 KiB per
+        token at the Llama-3-8B shape (the workers, when they take a chunk, take it in pieces)."""
+        if chunk and self.config.prefill_chunk == "auto":
+            return min(chunk, CONTINUE_CHUNK)
+        return chunk
+
+    @property
+    def _piece(self):
+        """Tokens per forward when a context is continued (a set prefill_chunk, else CONTINUE_CHUNK)."""
+        C = self.config.prefill_chunk
+        return C if isinstance(C, int) else CONTINUE_CHUNK
 
     def prefill_chunks(self, cache, input_ids, attention_mask, chunk, to_end=False):
         """Run a prompt through the model into `cache` in chunks: the first forward (pads + one
@@ -310,7 +327,7 @@ class HeteroGenerator:
         if first == S and not to_end:
             return
         self._forward(cache, input_ids, attention_mask, 0, first)
-        self._feed(cache, input_ids, attention_mask, first, S, whole=to_end)
+        self._feed(cache, input_ids, attention_mask, first, S, whole=to_end, piece=chunk)
 
     def _plan_cache(self, attention_mask, max_new_tokens, tmax=1, private=0, groups=0):
         real = attention_mask.sum(1).cpu()
@@ -390,9 +407,10 @@ class HeteroGenerator:
                 out = self._generate_in_contexts(ctxs, rest, rest_mask, max_new_tokens, gen_config, objects, None)
             return _left_pad(out, input_ids.shape[1] + max_new_tokens, gen_config.pad_token_id)
         chunk = self._chunk(attention_mask)
-        pads, real, cap = self._plan_cache(attention_mask, max_new_tokens, tmax=chunk or 1)
+        tmax = self._staged(chunk) or 1
+        pads, real, cap = self._plan_cache(attention_mask, max_new_tokens, tmax=tmax)
         gen_config, objects = self._generation_config(max_new_tokens, kwargs)
-        with self.kv_context(pads, real, cap, host_jobs=lora is not None, tmax=chunk or 1) as cache, \
+        with self.kv_context(pads, real, cap, host_jobs=lora is not None, tmax=tmax) as cache, \
                 torch.inference_mode(), _active(lora):
             if chunk:
                 self.prefill_chunks(cache, input_ids, attention_mask, chunk)
@@ -513,7 +531,7 @@ class HeteroGenerator:
         """Under the generator's lock: a new context's session (one request, `reserve` rows free,
         continuations in pieces of prefill_chunk or CONTINUE_CHUNK tokens) within context_memory;
         closed again if the body raises (and a pool that died with it)."""
-        tmax = self._chunk_size(attention_mask) or CONTINUE_CHUNK
+        tmax = self._piece
         pads, real, cap = self._plan_cache(attention_mask, reserve, tmax=tmax)
         with self._exclusive():
             self._check_budget(KVSession.layout_for(self.spec, 1, cap, tmax).nbytes)
@@ -653,12 +671,14 @@ class HeteroGenerator:
             self._used(ctx)
         return out
 
-    def _feed(self, cache, ids, mask, a, end, whole=False):
-        """Forward positions [a, end) of ids into a prefilled session's cache in pieces of at most
-        its tmax tokens, each attending to the cached KV: on the CPU workers (generate's first
-        forward then takes the last piece), or, when HeteroConfig.continuation / the policy
-        prefers it for this many tokens, on the model's device over KV prefetched layer by layer
-        (hetero.prefetch; generate's first forward takes the last token). whole: feed everything."""
+    def _feed(self, cache, ids, mask, a, end, whole=False, piece=None):
+        """Forward positions [a, end) of ids into a prefilled session's cache, each piece attending
+        to the cached KV: on the CPU workers in pieces of at most the session's tmax tokens
+        (generate's first forward then takes the last piece), or, when HeteroConfig.continuation /
+        the policy prefers it, on the model's device over KV prefetched layer by layer
+        (hetero.prefetch; generate's first forward takes the last token) in pieces of up to
+        `piece` tokens (no staging holds them; a sliding window's ring holds only tmax new rows,
+        so with ring layers, tmax). whole: feed everything."""
         session = cache.session
         tmax = session.layout.tmax
         n = end - a
@@ -666,7 +686,8 @@ class HeteroGenerator:
             return
         if not whole and n == 1:
             return                                       # generate's first forward takes it
-        prefetch = session.batch == 1 and self._continuation(session, int(session.lengths[0]), min(n, tmax)) == "prefetch"
+        big = max(piece or 0, tmax) if session.layout.ring_layers == 0 else tmax
+        prefetch = session.batch == 1 and self._continuation(session, int(session.lengths[0]), min(n, big)) == "prefetch"
         stop = end if whole else end - (1 if prefetch else (n - 1) % tmax + 1)
         if stop <= a:
             return
@@ -678,10 +699,10 @@ class HeteroGenerator:
 
         pre = LayerPrefetcher(session, self.model.device)
         try:
-            for p in range(a, stop, tmax):
+            for p in range(a, stop, big):
                 session.prefetcher = pre
                 pre.start()
-                self._forward(cache, ids, mask, p, min(p + tmax, stop))
+                self._forward(cache, ids, mask, p, min(p + big, stop))
         except BaseException:
             session.prefetcher = None
             try:
@@ -792,8 +813,7 @@ class HeteroGenerator:
             for src, members in groups:
                 for b in members:
                     pstart[b] = int(src.lengths[0]) // BK * BK
-            piece = self.config.prefill_chunk if isinstance(self.config.prefill_chunk, int) else CONTINUE_CHUNK
-            tmax = min(piece, U)                                    # the staging holds one step's tokens
+            tmax = min(self._piece, U)                              # the staging holds one step's tokens
             pads, _, cap = self._plan_cache(mask, max_new_tokens, tmax=tmax,
                                             private=whole_blocks(rows) - min(pstart) if groups else 0,
                                             groups=len(groups))

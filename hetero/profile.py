@@ -1,11 +1,14 @@
 """Measure a planner profile (see hetero.cpu_attention.planner) through the real worker pool.
 
-Runs the decode-attention job on synthetic KV in a one-layer arena: the parent
-alone at growing context lengths (per-core time per block), the parent alone on
-a long context in 16 splits instead of 1 (per-unit cost), the parent with every
-worker count on a long context (the aggregate bandwidth), empty jobs (the
-workers' wake-up), and the parent's merge (fixed, and per split). A few seconds;
-cached on disk per machine and shape.
+Runs the decode-attention job on synthetic KV: the parent alone at growing
+context lengths (per-core time per block), the parent alone on a long context in
+16 splits instead of 1 (per-unit cost), the parent with every worker count on a
+long context (the aggregate bandwidth), empty jobs (the workers' wake-up), and the
+parent's merge (fixed, and per split). The KV is cold, as a model's is: the arena
+holds enough layers to span COLD_FACTOR last-level caches and successive calls take
+successive layers (a one-layer arena of 64 MB sat in the 300 MB L3 of the H100
+host's CPU, and the profile then under-priced every block read from memory). A few
+seconds; cached on disk per machine and shape.
 """
 import functools
 import math
@@ -21,7 +24,39 @@ from hetero.model_spec import ModelSpec
 from hetero.offload.session import STORAGE_CODES, KVSession, merge_partials
 
 PROFILE_KV_HEADS = 8
-PROFILE_ROWS = 16384        # per kv head: 64 MB of bf16 KV at head_dim 128, past the caches
+PROFILE_ROWS = 16384        # per kv head: one layer holds 64 MB of bf16 KV at head_dim 128
+COLD_FACTOR = 4             # the layers a measurement rotates over span this many last-level caches
+MAX_COLD_BYTES = 2 << 30    # at most (a 512 MB cache: 2 GB)
+
+
+def last_level_cache_bytes():
+    """The largest CPU cache (sysfs), or 32 MB when unknown."""
+    best = 0
+    for idx in range(8):
+        try:
+            with open(f"/sys/devices/system/cpu/cpu0/cache/index{idx}/size") as f:
+                text = f.read().strip()
+        except OSError:
+            break
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1)
+        best = max(best, int(text.rstrip("KMG")) * mult)
+    return best or 32 << 20
+
+
+def cold_layers(layer_bytes):
+    """Layers of `layer_bytes` that span COLD_FACTOR last-level caches (at most MAX_COLD_BYTES)."""
+    return max(1, -(-min(COLD_FACTOR * last_level_cache_bytes(), MAX_COLD_BYTES) // layer_bytes))
+
+
+class Rotation:
+    """Successive calls take successive layers: every call reads cold KV, as in a model."""
+
+    def __init__(self, layers):
+        self.layers, self.i = layers, 0
+
+    def next(self):
+        self.i = (self.i + 1) % self.layers
+        return self.i
 
 
 def median_times(jobs, reps, rounds=3, steady=False):
@@ -48,8 +83,9 @@ def synthetic_session(pool, spec, lengths, cap):
     session = KVSession(pool, spec, pads=[0] * len(lengths), real_lens=list(lengths), cap=cap)
     try:
         g = torch.Generator().manual_seed(0)
-        session.K.copy_(torch.randn(session.K.shape, generator=g).to(session.K.dtype))
-        session.V.copy_(torch.randn(session.V.shape, generator=g).to(session.V.dtype))
+        for X in (session.K, session.V):          # [layers, ...]: layer 0 random, the others its copies
+            X[0].copy_(torch.randn(X.shape[1:], generator=g).to(X.dtype))
+            X[1:].copy_(X[:1].expand_as(X[1:]))
         session.q.copy_(torch.randn(session.q.shape, generator=g).to(spec.dtype).float())
         w, f = pool.words, pool.floats
         f[C.F_SCALE], f[C.F_SOFTCAP] = spec.head_dim ** -0.5, 0.0
@@ -77,11 +113,14 @@ def attention_job(pool, session, lengths, n, s, next_layer=None):
 def measure(pool, group, head_dim, dtype, reps=5):
     """Profile for `pool` and queries of `group` heads per kv head, `head_dim`, KV in `dtype`."""
     Hkv = PROFILE_KV_HEADS
-    spec = ModelSpec(model_type="profile", layers=1, q_heads=Hkv * group, kv_heads=Hkv, head_dim=head_dim,
-                     dtype=dtype, max_positions=None, sliding=(False,))
+    block_bytes = 2 * BK * head_dim * torch.finfo(dtype).bits // 8
+    layers = cold_layers(Hkv * (PROFILE_ROWS // BK + 1) * block_bytes)
+    spec = ModelSpec(model_type="profile", layers=layers, q_heads=Hkv * group, kv_heads=Hkv, head_dim=head_dim,
+                     dtype=dtype, max_positions=None, sliding=(False,) * layers)
     session = synthetic_session(pool, spec, [1], PROFILE_ROWS + BK)
     try:
-        attn = functools.partial(attention_job, pool, session)     # attn(lengths, n, s)
+        rot = Rotation(layers)
+        attn = functools.partial(attention_job, pool, session, next_layer=rot.next)   # attn(lengths, n, s)
         ping = median_times({n: (lambda n=n: pool.run(C.CMD_PING, active=n)) for n in range(1, pool.n + 1)}, 100,
                             steady=True)
         dispatch = [0.0] + [ping[n] for n in range(1, pool.n + 1)]
@@ -97,7 +136,6 @@ def measure(pool, group, head_dim, dtype, reps=5):
         per_unit = np.array([t["size", x] / Hkv for x in sizes])
         block_s = max(float(np.polyfit(blocks, per_unit, 1)[0]), 1e-9)
         unit_s = max(0.0, (t["split"] - t["size", PROFILE_ROWS - 1]) / (15 * Hkv))
-        block_bytes = 2 * BK * head_dim * torch.finfo(dtype).bits // 8
         nbytes = Hkv * ((L + 1 + BK - 1) // BK) * block_bytes
         t["all", 0] = t["size", L]
         agg = [nbytes / max(t["all", n], 1e-9) / 1e9 for n in range(pool.n + 1)]

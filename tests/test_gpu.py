@@ -220,24 +220,26 @@ def test_cuda_prefill_offloads_layer_by_layer():
 
 def test_cuda_auto_chunk_on_little_free_memory_matches_hf(monkeypatch):
     """prefill_chunk="auto" with the device's free memory reported as too little for one pass: the
-    prompt is prefilled in the chunk policy.prefill_chunk picks (each later chunk over prefetched
-    KV) and generate still equals HF's."""
+    prompt is prefilled in the chunk policy.prefill_chunk picks, each later chunk attended on the
+    GPU over prefetched KV or by the CPU workers, and generate still equals HF's."""
     from hetero import HeteroConfig
     from hetero.prefetch import policy
     from tests.test_contexts import KW
 
-    model = build_model("llama")[0].cuda()
-    S = 700
+    model = build_model("llama", max_position_embeddings=2048)[0].cuda()
+    S = 1500
     ids = torch.randint(3, model.config.vocab_size, (1, S), generator=torch.Generator().manual_seed(0)).cuda()
     ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, **KW)
-    with HeteroGenerator(model, config=HeteroConfig(cpu_workers=2, profile="off")) as gen:
-        one_pass = policy.forward_bytes(model.config, gen.spec, 1, S, S, False, cached=False)
-        free = int(one_pass / 0.8 * 0.9)                 # a one-pass forward does not fit; chunks do
-        total = torch.cuda.mem_get_info()[1]
-        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
-        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
-        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
-        chunk = gen._chunk(torch.ones_like(ids))
-        assert chunk == policy.prefill_chunk(model.config, gen.spec, 1, S, free, False) and 256 <= chunk < S
-        out = gen.generate(ids, max_new_tokens=4, **KW)
-    assert torch.equal(out.sequences, ref.sequences)
+    for mode in ("prefetch", "workers"):
+        cfg = HeteroConfig(cpu_workers=2, profile="off", continuation=mode)
+        with HeteroGenerator(model, config=cfg) as gen, monkeypatch.context() as m:
+            one_pass = policy.forward_bytes(model.config, gen.spec, 1, S, S, False, cached=False)
+            free = int(one_pass / 0.8 * 0.9)             # a one-pass forward does not fit; chunks do
+            total = torch.cuda.mem_get_info()[1]
+            m.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+            m.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+            m.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+            chunk = gen._chunk(torch.ones_like(ids))
+            assert chunk == policy.prefill_chunk(model.config, gen.spec, 1, S, free, False) and 256 <= chunk < S
+            out = gen.generate(ids, max_new_tokens=4, **KW)
+        assert torch.equal(out.sequences, ref.sequences), mode

@@ -146,15 +146,45 @@ def test_auto_prefill_chunk_is_the_longest_that_fits_the_free_memory():
                      max_positions=None, sliding=(False,) * 32)
     GiB, S = 2**30, 131072
     assert policy.prefill_chunk(cfg, spec, 1, S, 60 * GiB, eager=False) is None           # ~19 GiB: one pass
-    C = policy.prefill_chunk(cfg, spec, 1, S, 4 * GiB, eager=False)
-    budget = 0.8 * 4 * GiB
+    C = policy.prefill_chunk(cfg, spec, 1, S, 8 * GiB, eager=False)
+    budget = 0.8 * 8 * GiB
     assert C % 256 == 0 and 256 <= C < S
     assert policy.forward_bytes(cfg, spec, 1, C, S, False, cached=True) <= budget
     assert policy.forward_bytes(cfg, spec, 1, C + 256, S, False, cached=True) > budget    # the longest
-    eager = policy.prefill_chunk(cfg, spec, 1, S, 4 * GiB, eager=True)
-    batch = policy.prefill_chunk(cfg, spec, 2, S, 4 * GiB, eager=False)
+    eager = policy.prefill_chunk(cfg, spec, 1, S, 8 * GiB, eager=True)
+    batch = policy.prefill_chunk(cfg, spec, 2, S, 8 * GiB, eager=False)
     assert 256 <= eager < C and 256 <= batch < C
     assert policy.prefill_chunk(cfg, spec, 1, S, 2**20, eager=False) == 256
+    # a padded batch's one pass also holds transformers' [B, S, S] mask (1 GiB at 32K)
+    S = 32768
+    free = (policy.forward_bytes(cfg, spec, 1, S, S, False, cached=False) + 2**29) / 0.8
+    assert policy.prefill_chunk(cfg, spec, 1, S, free, eager=False) is None
+    assert policy.prefill_chunk(cfg, spec, 1, S, free, eager=False, padded=True) is not None
+
+
+@pytest.mark.parametrize("model_type,pieces", [("llama", 2), ("mistral", 3)])
+def test_an_auto_chunk_longer_than_the_staging_is_prefetched_whole(model_type, pieces, monkeypatch):
+    """An "auto" chunk (a GPU-memory size) longer than CONTINUE_CHUNK: the workers' staging stays at
+    CONTINUE_CHUNK tokens, and prefetched forwards take the whole chunk (400 of the 699 tokens
+    after the first chunk: 2 pieces) where no sliding-window ring bounds them (mistral's: pieces of
+    256, 3); tokens and scores equal HF's. The GPU's memory is what picks the chunk on a GPU; here
+    the chunk is given."""
+    from hetero.generator import CONTINUE_CHUNK
+    from hetero.offload.session import KVSession
+
+    model, _ = build_model(model_type, max_position_embeddings=2048)
+    doc = turns(41, 1000)[0]
+    monkeypatch.setattr(HeteroGenerator, "_chunk_size", lambda self, mask: 400)
+    made, init = [], KVSession.__init__
+    monkeypatch.setattr(KVSession, "__init__", lambda self, *a, **k: (init(self, *a, **k), made.append(self))[0])
+    with HeteroGenerator(model, config=HeteroConfig(cpu_workers=1, continuation="prefetch")) as gen:
+        out = gen.generate(doc[None], max_new_tokens=3, **KW)
+        assert [s.layout.tmax for s in made] == [CONTINUE_CHUNK]
+        assert gen.last_prefetch_log == plan(model.config.num_hidden_layers) * pieces
+    ref = hf(model, doc, 3)
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.scores, ref.scores):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
 def test_auto_prefill_chunk_is_one_pass_on_a_cpu_model():

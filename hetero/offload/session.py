@@ -392,13 +392,15 @@ class KVSession:
         """query [B, Hq, T, D] -> attention output [B, T, Hq, D] over the CPU KV cache.
         sinks: None, or a logit per query head [Hq] joining each softmax's denominator (gpt_oss)."""
         B, Hq, T, D = query.shape
-        if T > self.layout.tmax:
-            raise NotImplementedError(f"decode steps of {T} query tokens (at most {self.layout.tmax} supported)")
         kept = self.ring_window[layer]
         if kept and not 0 < (window or 0) <= kept:
             raise UnsupportedModelError(
                 f"layer {layer} keeps only the KV rows a sliding window of {kept} tokens sees (the model's "
                 f"configured window), but attention was called with window {window}: refusing to compute it")
+        if T > self.layout.tmax and (self.prefetcher is None or self.layout.ring_layers):
+            # the staging holds tmax query tokens, a ring tmax new rows; a prefetched forward
+            # over full-attention layers uses neither (generator._feed)
+            raise NotImplementedError(f"decode steps of {T} query tokens (at most {self.layout.tmax} supported)")
         if self.prefetcher is not None:            # attention on the model's device (hetero.prefetch)
             out = self.prefetcher.attend(layer, query, window, scale, softcap, sinks)
             if layer == self.spec.layers - 1:

@@ -104,12 +104,15 @@ def crossover(profile, rates, spec, L, nworkers, tmax=256):
 
 # ---- how many tokens one prefill forward may take on the model's device (prefill_chunk="auto")
 
-def forward_bytes(cfg, spec, B, T, S, eager, cached):
+def forward_bytes(cfg, spec, B, T, S, eager, cached, padded=False):
     """Estimated device bytes beyond the weights of a forward of T tokens per request (B requests)
     at positions up to S. Activations per token: the MLP's three intermediate-size tensors (times
     the experts a token visits), six hidden-size ones, q/k/v. KV per position: one pass holds two
     layers' KV awaiting their offload (KVSession.store_prefill); a forward over a cached context
-    holds six (hetero.prefetch: two buffers, the unblocked and the concatenated copies). An eager
+    holds six (hetero.prefetch: two buffers, the unblocked and the concatenated copies). Masks:
+    over a cached context, device_attention's [T, S] boolean mask, a window's temporary and sdpa's
+    additive copy of it; one pass over a padded batch, transformers' [B, S, S] boolean mask (an
+    unpadded one needs none; nor do continuations: hetero.attention.hetero_mask). An eager
     attention (soft-capped or sink models) adds fp32 scores and probabilities, Hq x T x S. On the
     H100 run (Llama-3-8B shape) this over-estimates the measured peak by 30 % (one pass, 32K) and
     13 % (chunks of 4096 over 32K)."""
@@ -119,15 +122,16 @@ def forward_bytes(cfg, spec, B, T, S, eager, cached):
     per_token = e * (3 * inter + 6 * h + (spec.q_heads + 2 * spec.kv_heads) * spec.head_dim)
     kv_per_position = 2 * spec.kv_heads * spec.head_dim * e
     scores = 8 * spec.q_heads * T * S if eager else 0
-    return B * (T * per_token + (6 if cached else 2) * S * kv_per_position + scores)
+    mask = T * S * (2 + e) if cached else (S * S if padded else 0)
+    return B * (T * per_token + (6 if cached else 2) * S * kv_per_position + scores + mask)
 
 
-def prefill_chunk(cfg, spec, B, S, free_bytes, eager, step=256, headroom=0.8):
+def prefill_chunk(cfg, spec, B, S, free_bytes, eager, padded=False, step=256, headroom=0.8):
     """HeteroConfig.prefill_chunk="auto" on a GPU: None when a one-pass prefill of B prompts of S
     positions fits `headroom` of the device's free bytes (forward_bytes), else the longest chunk,
     a multiple of `step`, whose forwards over the cached earlier chunks fit (at least `step`)."""
     budget = headroom * free_bytes
-    if forward_bytes(cfg, spec, B, S, S, eager, cached=False) <= budget:
+    if forward_bytes(cfg, spec, B, S, S, eager, cached=False, padded=padded) <= budget:
         return None
     def fits(n):                                   # n steps per chunk
         return forward_bytes(cfg, spec, B, n * step, S, eager, cached=True) <= budget
