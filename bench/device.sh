@@ -6,7 +6,7 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl posix_ipc==1.3.2
 # Then with the device tool: run(command="bash bench/device.sh", carry=[".whl"]).
-# STEPS picks the parts (default all): STEPS="gpu gpu_decode gpu_prefill attention ipc contexts" bash bench/device.sh.
+# STEPS picks the parts (default all): STEPS="gpu gpu_decode gpu_prefill probe attention ipc contexts" bash bench/device.sh.
 # A device call is limited to 10 minutes: run one step per call (STEPS=gpu, then STEPS=gpu_decode, ...);
 # gpu_decode writes its JSON after every row, so a run cut by the limit still returns what it measured
 # (GPU_DECODE_ARGS="--contexts 8192 65536" narrows it). gpu_prefill builds an 8B model per cell: run it
@@ -32,7 +32,7 @@ print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transforme
       'numba', numba.__version__, '/dev/shm huge pages:', shmem_huge_pages())" || exit 1
 
 rc=0
-for step in ${STEPS:-gpu gpu_decode gpu_prefill attention ipc contexts}; do
+for step in ${STEPS:-gpu gpu_decode gpu_prefill probe attention ipc contexts}; do
     echo "== $step"
     case $step in
         gpu)
@@ -49,6 +49,8 @@ for step in ${STEPS:-gpu gpu_decode gpu_prefill attention ipc contexts}; do
             python3 bench/ipc.py --iters 5000 --out "$OUT/ipc_gpu_host.json" 2>&1 | tee "$OUT/ipc.log" || rc=1 ;;
         gpu_prefill)  # Llama-3-8B shape: hetero one-pass / chunked+prefetch vs HF GPU / offloaded; 512 over 64K
             python3 bench/gpu_prefill.py --copy-to "$OUT" ${GPU_PREFILL_ARGS:-} 2>&1 | tee "$OUT/gpu_prefill.log" || rc=1 ;;
+        probe)        # the host: cudaHostRegister cost and adjacent slices; the strided host copy's GB/s (#14)
+            python3 bench/host_probe.py --copy-to "$OUT" 2>&1 | tee "$OUT/host_probe.log" || rc=1 ;;
         contexts)     # CPU only, on the host's 16 cores: 8 questions sharing a 16K context vs private copies
             if python3 bench/contexts.py --rounds 2 --out contexts_gpu_host.json 2>&1 | tee "$OUT/contexts.log"; then
                 cp bench/results/contexts_gpu_host.json "$OUT"/
@@ -56,7 +58,7 @@ for step in ${STEPS:-gpu gpu_decode gpu_prefill attention ipc contexts}; do
                 rc=1
             fi ;;
         *)
-            echo "unknown step $step (gpu, gpu_decode, gpu_prefill, attention, ipc, contexts)"; rc=1 ;;
+            echo "unknown step $step (gpu, gpu_decode, gpu_prefill, probe, attention, ipc, contexts)"; rc=1 ;;
     esac
 done
 exit $rc
