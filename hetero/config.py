@@ -48,10 +48,10 @@ class HeteroConfig:
     def __post_init__(self):
         _check_int("cpu_workers", self.cpu_workers, 1)
         _check_int("max_cache_tokens", self.max_cache_tokens, 1)
-        if not (isinstance(self.prefill_chunk, str) and self.prefill_chunk == "auto"):
-            if isinstance(self.prefill_chunk, str):
-                raise ValueError(f"HeteroConfig.prefill_chunk must be an int >= 1, None or 'auto', got {self.prefill_chunk!r}")
+        if not isinstance(self.prefill_chunk, str):
             _check_int("prefill_chunk", self.prefill_chunk, 1)
+        elif self.prefill_chunk != "auto":
+            raise ValueError(f"HeteroConfig.prefill_chunk must be an int >= 1, None or 'auto', got {self.prefill_chunk!r}")
         _check_int("context_memory", self.context_memory, 1)
         _check_int("spin_budget", self.spin_budget, 1, allow_none=False)
         if not (isinstance(self.ram_fraction, (int, float)) and 0 < self.ram_fraction <= 1):

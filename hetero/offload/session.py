@@ -224,15 +224,17 @@ class KVSession:
         finish_prefill waits once for the last."""
         window = self.ring_window[layer]
         self._prefill_rows = [key.shape[2] - pad for pad in self.pads]
-        with self._offloading(layer, key, value):
+        with self.offloading(layer, key, value):
             for b, pad in enumerate(self.pads):
                 n = key.shape[2] - pad
                 start = max(0, n - window + 1) // BK * BK if window else 0     # whole blocks
                 self.write_rows(layer, b, key[b, :, pad + start:], value[b, :, pad + start:], start)
 
     @contextlib.contextmanager
-    def _offloading(self, layer, key, value):
-        """store_prefill's copies on the offload stream of a GPU model (nothing on a CPU one)."""
+    def offloading(self, layer, key, value):
+        """The body's copies of layer's key/value into the arena (store_prefill; a prefetched
+        forward's new rows, hetero.prefetch) on the offload stream of a GPU model (nothing on a
+        CPU one)."""
         if not key.is_cuda:
             yield
             return
@@ -255,8 +257,8 @@ class KVSession:
             ev.record(stream)
         events[layer] = ev
 
-    def _offloaded(self):
-        """Wait for a GPU prefill's offloads (before the workers read the arena)."""
+    def wait_offloads(self):
+        """Wait for the offload stream's copies (before the workers or the next fetches read the arena)."""
         if self._offload is not None:
             self._offload[0].synchronize()
             self._offload = None
@@ -351,7 +353,7 @@ class KVSession:
         """Called after the last layer's prefill attention: later forwards (the rest of a chunked
         prompt, then the decode steps) go to the workers. Without a prefill forward (benchmarks
         writing rows themselves), the lengths are the real_lens given."""
-        self._offloaded()
+        self.wait_offloads()
         # a chunked prefill's first forward stores only its own rows; the later chunks are steps
         self.lengths[:] = self._real_lens if self._prefill_rows is None else self._prefill_rows
         self._plan_step(1)
@@ -487,7 +489,7 @@ class KVSession:
                 except WorkerError as e:
                     failed = failed or e
         try:
-            self._offloaded()             # no DMA may still write the arena
+            self.wait_offloads()             # no DMA may still write the arena
             self._unpin_kv()              # before the unmap
         except BaseException as e:
             failed = failed or e

@@ -9,8 +9,10 @@ Per layer, for T new tokens over L cached rows:
             (a CPU model always uses the workers: see choose)
 copy_gbps (host arena -> device buffer, per head as the fetches copy; PCIe on a GPU machine)
 and device_gflops (device_attention's sdpa path at a long context; the eager path of soft-capped
-or sink models is slower, and the unblocking and the concatenation are not counted) are measured once per device and shape (`measure`), in the same process that uses them. The crossover (the T above which the device wins) grows with nothing
-but these two figures and the profile; `hetero profile --device` prints it.
+or sink models is slower, and the unblocking and the concatenation are not counted) are measured
+once per device and shape (`measure`), in the same process that uses them. The crossover (the T
+above which the device wins) grows with nothing but these two figures and the profile;
+`hetero profile --device` prints it.
 """
 import logging
 import time

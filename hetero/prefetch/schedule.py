@@ -17,8 +17,9 @@ layers 0..n-1 of one forward (`plan`):
 
 One event per buffer for "copied" and one for "used", one per layer for "offloaded". On a CUDA
 model the copies are asynchronous DMAs to and from the page-locked arena (the compute stream
-waits through events; the host waits only for layer i - 2's offload, which bounds GPU memory). On a CPU model every op runs in order in the
-calling thread: the same schedule, and what the tests check on every machine.
+waits through events; the host waits only for layer i - 2's offload, which bounds GPU memory).
+On a CPU model every op runs in order in the calling thread: the same schedule, and what the
+tests check on every machine.
 """
 import contextlib
 
@@ -69,7 +70,6 @@ class _Streams:
         self.cuda, self.device = device.type == "cuda", device
         if self.cuda:
             self.copy = torch.cuda.Stream(device)
-            self.offload = torch.cuda.Stream(device)
 
     def event(self):
         return torch.cuda.Event() if self.cuda else None
@@ -115,7 +115,6 @@ class LayerPrefetcher:
         self.used = [self.streams.event(), self.streams.event()]
         self.spans = [None, None]                      # per buffer: (first row, rows) it holds
         self.new = None                                # this layer's new rows (stage)
-        self.pending, self.last = {}, None             # GPU: layer -> its offload's event; the last one
         if self.streams.cuda:
             with self.streams.on_device():
                 session.pin_kv()                       # once per session: the fetches become async DMAs
@@ -186,46 +185,30 @@ class LayerPrefetcher:
         self.streams.record(self.used[buf])
         if layer + 2 < s.spec.layers:
             self._fetch(layer + 2, buf)
-        self._offload(layer, key, value, k, v, first)
+        self._offload(layer, k, v, first)
         self.new = None
         return out
 
-    def _offload(self, layer, key, value, k, v, first):
+    def _offload(self, layer, k, v, first):
         """The layer's new rows to the arena: k/v [1, Hkv, n + T, D] hold the cached rows from
         `first`, then the new ones; rows from the start of the block holding row L are built into
         whole blocks on the device and written into the arena (write_rows; the session counts them
-        after the last layer). On a GPU these are DMAs into the page-locked arena on the offload
-        stream (a strided host-side write ran at 45 MB/s on an H100 host), and the host waits for
-        layer - 2's only, so GPU memory holds at most two layers' pending rows (as
-        KVSession.store_prefill)."""
+        after the last layer). On a GPU these are DMAs into the page-locked arena on the session's
+        offload stream, as a prefill's (KVSession.offloading: the host waits for layer - 2's only;
+        a strided host-side write ran at 45 MB/s on an H100 host)."""
         self.log.append(("offload", layer, None))
         s = self.s
         L = int(s.lengths[0])
         start = max(L // BK * BK, int(s.pstart[0]))              # >= first: first is a block start <= L
-        rows = (k[0, :, start - first:], v[0, :, start - first:])  # rows start..L+T-1: [Hkv, L - start + T, D]
-        if not self.streams.cuda:
-            s.write_rows(layer, 0, *rows, start, whole_blocks=True)
-            return
-        off = self.streams.offload
-        if layer - 2 in self.pending:
-            self.pending.pop(layer - 2).synchronize()
-        off.wait_stream(self.streams.compute())                  # the layer's new rows exist
-        with torch.cuda.stream(off):
-            s.write_rows(layer, 0, *rows, start, whole_blocks=True)
-            k.record_stream(off)
-            v.record_stream(off)
-            ev = self.streams.event()
-            ev.record(off)
-        self.pending[layer] = ev
-        self.last = ev
+        with s.offloading(layer, k, v):
+            # rows start..L+T-1: [Hkv, L - start + T, D]
+            s.write_rows(layer, 0, k[0, :, start - first:], v[0, :, start - first:], start, whole_blocks=True)
 
     def finish(self):
-        """After the last layer: every layer's new rows are in the arena (on a GPU, one wait, for
-        the last offload: one stream, in order). The session then counts them (KVSession.advance)."""
+        """After the last layer: every layer's new rows are in the arena (on a GPU, one wait for the
+        offload stream). The session then counts them (KVSession.advance)."""
         self.log.append(("write", None, None))
-        if self.last is not None:
-            self.last.synchronize()
-            self.last, self.pending = None, {}
+        self.s.wait_offloads()
 
 
 def _runs(ids, nphys):
