@@ -9,6 +9,10 @@
              segment, with torch's default threads and with 1, beside an idle worker pool and one
              whose workers spin (HeteroConfig's CUDA transport keeps them awake)
 
+  pin        KVSession.pin_layer over a Llama-3-8B-shape arena of 32K rows (the workers fault in
+             the next layer's pages while a layer is locked): host seconds per layer, with the
+             GPU idle and with a ~1 s matmul chain running (does locking slow the GPU's work?)
+
     python bench/host_probe.py [--gib 4] [--out host_probe.json]
 Needs CUDA for `register` (skipped without it). Prints one line per measurement; writes JSON.
 """
@@ -90,6 +94,64 @@ def register_probe(gib):
     return out
 
 
+def pin_probe(rows=32768, layers=32):
+    """Per-layer page-locking of a real session's arena (hetero.offload.pinning), GPU idle vs busy."""
+    import torch
+
+    from hetero.ipc.pool import WorkerPool
+    from hetero.model_spec import ModelSpec
+    from hetero.offload.session import KVSession
+
+    spec = ModelSpec(model_type="llama", layers=layers, q_heads=32, kv_heads=8, head_dim=128,
+                     dtype=torch.bfloat16, max_positions=None, sliding=(False,) * layers)
+    cores = sorted(os.sched_getaffinity(0))
+    pool = WorkerPool(len(cores) - 1, cores[1:])
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+
+    def chain():                                   # ~1 s of matmuls on an H100, timed by events
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(600):
+            torch.mm(a, a)
+        e1.record()
+        return e0, e1
+
+    out = {}
+    try:
+        chain()
+        torch.cuda.synchronize()
+        e0, e1 = chain()
+        torch.cuda.synchronize()
+        alone = e0.elapsed_time(e1) / 1e3
+        for busy in (False, True):
+            s = KVSession(pool, spec, pads=[0], real_lens=[rows], cap=rows + 256)
+            try:
+                if busy:
+                    e0, e1 = chain()
+                per = []
+                t0 = time.perf_counter()
+                for layer in range(layers):
+                    t = time.perf_counter()
+                    s.pin_layer(layer)
+                    per.append(time.perf_counter() - t)
+                total = time.perf_counter() - t0
+                torch.cuda.synchronize()
+                key = "gpu_busy" if busy else "gpu_idle"
+                out[key] = {"arena_gib": s.layout.kv_bytes / 2**30, "total_s": total, "per_layer_s": per,
+                            "refused": s._pins.refused}
+                line = (f"pin_layer x{layers} ({s.layout.kv_bytes / 2**30:.1f} GiB, {key}): {total:.3f} s, "
+                        f"layer 0 {per[0] * 1e3:.1f} ms, median {sorted(per)[layers // 2] * 1e3:.1f} ms")
+                if busy:
+                    out[key]["chain_s"], out[key]["chain_alone_s"] = e0.elapsed_time(e1) / 1e3, alone
+                    line += f"; matmul chain {e0.elapsed_time(e1) / 1e3:.3f} s (alone {alone:.3f} s)"
+                print(line, flush=True)
+            finally:
+                s.close()
+    finally:
+        pool.close()
+    return out
+
+
 def copy_probe():
     """GB/s of write_rows' host-side strided copy of 4096 bf16 rows (8 kv heads, head_dim 128) into
     the blocked V layout, as a prefetched layer's rows were written before the fix."""
@@ -153,6 +215,7 @@ def main():
     res = {"copy": copy_probe()}
     if torch.cuda.is_available():
         res["register"] = register_probe(args.gib)
+        res["pin"] = pin_probe()
     print("wrote", write_json(args.out, {"bench": "host_probe", "machine": machine(),
                                           "cores": len(os.sched_getaffinity(0)), "results": res}, args.copy_to))
 

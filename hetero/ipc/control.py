@@ -7,6 +7,9 @@
   S_*   main, before OPEN workers     session shape (see hetero.offload.arena); S_GROUPS/S_PRIVATE:
                                       shared-prefix groups and private rows (21-22)
   ARG*  main, before SEQ  workers     LoRA commands: slot / staging dims
+  POP_* main, before SEQ  workers     CMD_POPULATE: two byte ranges of the session segment
+                                      (offset, bytes, offset, bytes) and the workers sharing them
+                                      (words 9-13, the attention params' line)
   NAME  main, before OPEN workers     segment name (KV session, adapter or staging), NUL-padded bytes
   TICKET main (before GO), workers   attention units left, tagged with the job number:
          then workers and main         job << 32 | units left (ticket()). Whoever takes a unit
@@ -40,6 +43,7 @@ S_NSPLIT_MAX = 32
 S_GROUPS, S_PRIVATE = 21, 22                    # shared-prefix groups; rows K/V hold per request
 S_RING, S_RING_LAYERS = 35, 36                   # ring rows and ring layers (sliding windows, arena.ring_plan)
 ARG0, ARG1 = 33, 34
+POP_RANGES, POP_PARTS = (9, 10, 11, 12), 13     # CMD_POPULATE's params (the attention params' words)
 AWAKE = 37
 NAME_WORD, NAME_BYTES = 40, 128                 # lines 5-6
 TICKET = 56                                     # line 7, alone: every taker hits it
@@ -104,6 +108,7 @@ def nbytes(nworkers):
 # commands
 CMD_PING, CMD_OPEN, CMD_CLOSE, CMD_ATTN, CMD_EXIT = 1, 2, 3, 4, 5
 CMD_LORA_OPEN, CMD_ADAPTER_MAP, CMD_ADAPTER_DROP, CMD_LORA = 6, 7, 8, 9
+CMD_POPULATE = 10     # fault in pages of the session segment (hetero.offload.pinning), data untouched
 
 
 def write_name(words, name):

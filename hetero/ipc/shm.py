@@ -217,6 +217,22 @@ def warn_if_small_pages(nbytes, threshold=1 << 30):
                   "Enable them with: mount -o remount,huge=advise /dev/shm", RuntimeWarning, stacklevel=3)
 
 
+MADV_POPULATE_WRITE = 23        # Linux 5.14+ (mmap lacks the constant before Python 3.13)
+
+
+def populate(mm, start, nbytes):
+    """Fault in the pages of mm[start:start + nbytes] (start page-aligned) without changing their
+    contents: MADV_POPULATE_WRITE, or on an older kernel a read of one byte per page (a shared
+    memory page is allocated on its first read too)."""
+    if nbytes <= 0:
+        return
+    try:
+        mm.madvise(MADV_POPULATE_WRITE, start, nbytes)
+    except OSError:
+        page = mmap.PAGESIZE
+        np.frombuffer(mm, np.uint8, count=nbytes, offset=start)[::page].max()
+
+
 def pack(arrays, align=4096):
     """[(name, shape, dtype)] -> ({name: (byte offset, shape, dtype)}, total bytes); each array
     starts on an `align` boundary. Parent and workers derive the same offsets from the same list."""

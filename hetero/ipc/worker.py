@@ -104,6 +104,17 @@ class Worker:
         if seg is not None:
             seg.close()
 
+    def populate(self):
+        """CMD_POPULATE: this worker's share of two byte ranges of the session segment (2 MB
+        pieces: whole huge pages where /dev/shm has them), faulted in (shm.populate)."""
+        w, parts = self.words, int(self.words[C.POP_PARTS])
+        for i in (0, 2):
+            start, n = int(w[C.POP_RANGES[i]]), int(w[C.POP_RANGES[i + 1]])
+            per = -(-n // parts)
+            step = -(-per // shm.HUGE_PAGE) * shm.HUGE_PAGE              # a multiple of 2 MB
+            lo = start + self.rank * step
+            shm.populate(self.seg.mm, lo, min(step, start + n - lo))
+
     def attend(self, seq):
         v = self.v
         kernel.run_job(self.words, self.floats, seq, C.busy_word(self.rank), self.code, v["q"], v["knew"],
@@ -148,6 +159,8 @@ class Worker:
                     lora.run_units(self.rank, self.lora_v, self.adapters)
                 elif cmd == C.CMD_OPEN:
                     self.open_session()
+                elif cmd == C.CMD_POPULATE:
+                    self.populate()
                 elif cmd == C.CMD_LORA_OPEN:
                     self.open_lora()
                 elif cmd == C.CMD_ADAPTER_MAP:

@@ -12,7 +12,6 @@ keep a ring of the rows their window can still see (arena.ring_plan).
 """
 import contextlib
 import logging
-import time
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -28,6 +27,7 @@ from hetero.errors import UnsupportedModelError, WorkerError
 from hetero.ipc import control as C, shm
 from hetero.ipc.transport import CpuTransport, merge_partials  # noqa: F401 (merge_partials: re-exported)
 from hetero.offload.arena import SessionLayout, layer_slots, ring_plan, slots_of, whole_blocks
+from hetero.offload.pinning import ArenaPins
 
 log = logging.getLogger("hetero")
 STORAGE_CODES = {torch.float32: F32, torch.bfloat16: BF16, torch.float16: F16}
@@ -75,9 +75,8 @@ class KVSession:
         self.prefilled = False
         self.opened = False
         self.prefetcher = None            # a LayerPrefetcher while a forward attends on the model's device
-        self._host_regs = None            # pointers of K/V page-locked for a GPU's DMAs (pin_kv), or [] if refused
+        self._pins = None                 # the arena's page locks for a GPU's DMAs, per layer (pin_layer)
         self._offload = None              # a GPU prefill's (offload stream, {layer: event}) (store_prefill)
-        self.pin_s = None                 # seconds pin_kv took
         # per layer: the cache was updated and attention has not read it yet (HeteroLayer.update
         # sets it, take_update clears it): one attention call per update, same layer, or refuse
         self.pending = [False] * spec.layers
@@ -238,9 +237,9 @@ class KVSession:
         if not key.is_cuda:
             yield
             return
+        with torch.cuda.device(key.device):
+            self.pin_layer(layer)                                    # before the layer's first DMA
         if self._offload is None:
-            with torch.cuda.device(key.device):
-                self.pin_kv()
             self._offload = (torch.cuda.Stream(key.device), {})      # the stream, layer -> its event
         stream, events = self._offload
         if layer - 2 in events:
@@ -278,7 +277,7 @@ class KVSession:
         From a GPU (whole_blocks: None = key.is_cuda) the blocks are built whole on the GPU (the
         rows after the last one zero: no row past it is read before it is written) and copied per
         head, contiguous on both sides: on the current stream, asynchronous DMAs into a
-        page-locked arena (pin_kv). From host memory, one strided copy per run (3-5x faster there)."""
+        page-locked arena (pin_layer). From host memory, one strided copy per run (3-5x faster there)."""
         Hkv, n, D = key.shape
         if start % BK or start < self.pstart[b]:
             raise ValueError(f"start row {start} is not a multiple of {BK} at or past request {b}'s shared prefix "
@@ -443,33 +442,19 @@ class KVSession:
         w = self.pool.words
         kernel.run_job(w, self.pool.floats, seq, C.PARENT_BUSY, self.layout.code, *self._job)
 
-    def pin_kv(self):
-        """Page-lock the arena's K/V once (cudaHostRegister, portable: every GPU's DMAs read it
-        asynchronously; hetero.prefetch). Where the driver refuses, copies stay correct through
-        pageable memory (one log line). Released at close."""
-        if self._host_regs is not None:
-            return
-        self._host_regs = []
-        t0 = time.perf_counter()
-        cudart = torch.cuda.cudart()
-        for t in (self.K, self.V, self.Kr, self.Vr):
-            if t.numel() == 0:
-                continue
-            err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 1)   # 1: portable
-            if int(err) != 0:
-                _clear_cuda_error()                # else torch's next launch check would raise it
-                log.info("hetero: cudaHostRegister of the KV arena failed (%s); "
-                                                 "prefetch copies go through pageable memory", err)
-                return
-            self._host_regs.append(t.data_ptr())
-        self.pin_s = time.perf_counter() - t0           # reported by bench/gpu_prefill.py
+    def pin_layer(self, layer):
+        """Page-lock the layer's K/V in the arena (cudaHostRegister, portable) before its first DMA
+        on the current CUDA device, and have the workers fault in the next layer's pages
+        (hetero.offload.pinning). Where the driver refuses, copies stay correct through pageable
+        memory (one log line). Released at close."""
+        if self._pins is None:
+            self._pins = ArenaPins(self, _cuda_register, lambda ptr: torch.cuda.cudart().cudaHostUnregister(ptr))
+        self._pins.pin(layer)
 
-    def _unpin_kv(self):
-        regs, self._host_regs = self._host_regs or [], None
-        if regs:
-            cudart = torch.cuda.cudart()
-            for ptr in regs:
-                cudart.cudaHostUnregister(ptr)
+    @property
+    def pin_s(self):
+        """Host seconds spent page-locking (bench/gpu_prefill.py), None if nothing was."""
+        return None if self._pins is None else self._pins.seconds
 
     def close(self):
         """Unmap in the workers and unlink. Idempotent; safe after a worker died. Raises the
@@ -490,7 +475,9 @@ class KVSession:
                     failed = failed or e
         try:
             self.wait_offloads()             # no DMA may still write the arena
-            self._unpin_kv()              # before the unmap
+            pins, self._pins = self._pins, None
+            if pins is not None:
+                pins.close()                 # before the unmap
         except BaseException as e:
             failed = failed or e
         # drop every view first: a live view pins the mapping (and an output that keeps this
@@ -502,6 +489,16 @@ class KVSession:
         self.seg.close()
         if failed is not None:
             raise failed
+
+
+def _cuda_register(ptr, nbytes):
+    """cudaHostRegister (portable) of [ptr, ptr + nbytes); False where the driver refuses."""
+    err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 1)          # 1: portable
+    if int(err) != 0:
+        _clear_cuda_error()                    # else torch's next launch check would raise it
+        log.info("hetero: cudaHostRegister of %d bytes failed (%s)", nbytes, err)
+        return False
+    return True
 
 
 def _clear_cuda_error():

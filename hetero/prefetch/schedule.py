@@ -115,9 +115,6 @@ class LayerPrefetcher:
         self.used = [self.streams.event(), self.streams.event()]
         self.spans = [None, None]                      # per buffer: (first row, rows) it holds
         self.new = None                                # this layer's new rows (stage)
-        if self.streams.cuda:
-            with self.streams.on_device():
-                session.pin_kv()                       # once per session: the fetches become async DMAs
 
     def close(self):
         """Wait for this prefetcher's copies (its buffers are freed after). Idempotent."""
@@ -134,6 +131,9 @@ class LayerPrefetcher:
         self.spans[buf] = (first, L - first)
         if L == first:
             return
+        if self.streams.cuda:
+            with self.streams.on_device():
+                s.pin_layer(layer)                                      # the fetch becomes async DMAs
         ids = s._block_ids(layer, first, L - first)                     # stored block of each logical block
         Kb, Vb = s.kv[layer][0][0], s.kv[layer][1][0]                  # request 0: [Hkv, nblk, ...]
         kd, vd = self.bufs[buf]
