@@ -77,6 +77,7 @@ class HeteroGenerator:
         self._logits_kw = None             # {"logits_to_keep": 1} when the model's forward takes it
         self._rates = None                 # the model's device's copy and attention rates (hetero.prefetch.policy)
         self.last_prefetch_log = None      # the ops of the last prefetched continuation (hetero.prefetch.schedule)
+        self.last_prefetch_plan = None     # and what plan() gave for its forwards
         self._hooks = lora_hooks.LoraHooks(model)
         self._closed = False
         # one generate (or adapter load, or context close) at a time: the pool has one control block.
@@ -712,7 +713,7 @@ class HeteroGenerator:
             raise
         session.prefetcher = None
         pre.close()
-        self.last_prefetch_log = pre.log                # for tests and benchmarks
+        self.last_prefetch_log, self.last_prefetch_plan = pre.log, pre.planned    # for tests and benchmarks
 
     def _continuation(self, session, L, T):
         """HeteroConfig.continuation for T new tokens over L cached rows ("auto": hetero.prefetch.policy)."""

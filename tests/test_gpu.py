@@ -158,10 +158,12 @@ def test_cuda_prefetched_continuation_matches_hf(model_type, dtype):
         with HeteroGenerator(model, config=cfg) as gen, gen.prefill(doc[None], reserve=100) as ctx:
             a = gen.generate(msg[None], context=ctx, max_new_tokens=4, **KW)     # 39 tokens fed: 5 pieces
             if mode == "prefetch":
-                assert gen.last_prefetch_log == plan(model.config.num_hidden_layers) * 5
+                assert gen.last_prefetch_log == gen.last_prefetch_plan
+                assert len(gen.last_prefetch_plan) == len(plan([1] * model.config.num_hidden_layers)) * 5
             b = gen.generate(nxt[None], context=ctx, max_new_tokens=4, **KW)     # 1 pending + 9, 9 fed: 2
             if mode == "prefetch":
-                assert gen.last_prefetch_log == plan(model.config.num_hidden_layers) * 2
+                assert gen.last_prefetch_log == gen.last_prefetch_plan
+                assert len(gen.last_prefetch_plan) == len(plan([1] * model.config.num_hidden_layers)) * 2
             outs[mode] = (a, b)
     conv = torch.cat([doc, msg])
     ref = model.generate(conv[None], attention_mask=torch.ones_like(conv)[None], max_new_tokens=4, **KW)

@@ -13,29 +13,73 @@ from tests.conftest import build_model
 from tests.test_contexts import KW, hf, turns
 
 
-def test_plan_rotates_two_buffers_one_layer_ahead():
-    assert plan(3) == [("fetch", 0, 0), ("fetch", 1, 1),
-                       ("wait", 0, 0), ("attend", 0, 0), ("release", 0, 0), ("fetch", 2, 0), ("offload", 0, None),
-                       ("wait", 1, 1), ("attend", 1, 1), ("release", 1, 1), ("offload", 1, None),
-                       ("wait", 2, 0), ("attend", 2, 0), ("release", 2, 0), ("offload", 2, None),
-                       ("write", None, None)]
-    assert plan(1) == [("fetch", 0, 0), ("wait", 0, 0), ("attend", 0, 0), ("release", 0, 0), ("offload", 0, None),
-                       ("write", None, None)]
+def test_plan_rotates_two_buffers_two_items_ahead():
+    assert plan([1, 1, 1]) == [
+        ("fetch", 0, 0, 0), ("fetch", 1, 0, 1),
+        ("wait", 0, 0, 0), ("attend", 0, 0, 0), ("release", 0, 0, 0), ("fetch", 2, 0, 0), ("offload", 0, None, None),
+        ("wait", 1, 0, 1), ("attend", 1, 0, 1), ("release", 1, 0, 1), ("offload", 1, None, None),
+        ("wait", 2, 0, 0), ("attend", 2, 0, 0), ("release", 2, 0, 0), ("offload", 2, None, None),
+        ("write", None, None, None)]
+    assert plan([1]) == [("fetch", 0, 0, 0), ("wait", 0, 0, 0), ("attend", 0, 0, 0), ("release", 0, 0, 0),
+                         ("offload", 0, None, None), ("write", None, None, None)]
+    # tiles: layer 0 in three, layer 1 in one; the buffers rotate across the layers' tiles
+    assert plan([3, 1]) == [
+        ("fetch", 0, 0, 0), ("fetch", 0, 1, 1),
+        ("wait", 0, 0, 0), ("attend", 0, 0, 0), ("release", 0, 0, 0), ("fetch", 0, 2, 0),
+        ("wait", 0, 1, 1), ("attend", 0, 1, 1), ("release", 0, 1, 1), ("fetch", 1, 0, 1),
+        ("wait", 0, 2, 0), ("attend", 0, 2, 0), ("release", 0, 2, 0), ("offload", 0, None, None),
+        ("wait", 1, 0, 1), ("attend", 1, 0, 1), ("release", 1, 0, 1), ("offload", 1, None, None),
+        ("write", None, None, None)]
+
+
+@pytest.mark.parametrize("T,n,causal,softcap", [(5, 7, False, None), (6, 6, True, None), (4, 9, False, 3.0),
+                                                (5, 5, True, 2.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiles_merged_by_log_sum_exp_equal_one_attention(T, n, causal, softcap, dtype):
+    """attention_lse over disjoint row sets, merged (merge_lse), equals one attention over all the
+    rows (eager_attention, the reference the prefill paths share); the kernel and the math path
+    give the same (out, lse)."""
+    from hetero.attention import eager_attention
+    from hetero.prefetch.schedule import attention_lse, merge_lse
+
+    g = torch.Generator().manual_seed(n + T)
+    q = torch.randn(1, 4, T, 32, generator=g).to(dtype)
+    k, v = (torch.randn(1, 4, n, 32, generator=g).to(dtype) for _ in range(2))
+    scale = 32 ** -0.5
+    parts = [(0, 3), (3, n)] if not causal else [(0, n)]
+    acc = None
+    for a, b in parts:
+        piece = attention_lse(q, k[:, :, a:b], v[:, :, a:b], scale, causal, softcap)
+        acc = piece if acc is None else merge_lse(acc, piece)
+    mask = torch.ones(T, n, dtype=torch.bool).tril() if causal else torch.ones(T, n, dtype=torch.bool)
+    ref, _ = eager_attention(None, q.float(), k.float(), v.float(), mask[None, None], scale, softcap)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(acc[0].float().transpose(1, 2), ref, **tol)
+    if softcap is None:                               # the math path (a kernel refusing) gives the same
+        w = torch.matmul(q.float(), k.float().transpose(2, 3)) * scale
+        if causal:
+            w = w.masked_fill(~mask, float("-inf"))
+        out, lse = attention_lse(q, k, v, scale, causal, softcap=None)
+        torch.testing.assert_close(lse, torch.logsumexp(w, -1), **tol)
 
 
 @pytest.mark.parametrize("model_type,dtype,chunk", [("llama", torch.float32, None), ("mistral", torch.float32, 4),
                                                     ("gemma2", torch.float32, 8), ("qwen3", torch.bfloat16, None)])
-def test_prefetched_continuations_match_hf(model_type, dtype, chunk):
+def test_prefetched_continuations_match_hf(model_type, dtype, chunk, monkeypatch):
     """continuation='prefetch': every turn's new tokens (a 23-token message: pieces of 4 and 8 with
     chunk) attend on the device over the prefetched rows (mistral: its window's ring; gemma2:
-    softcap and a window) and are appended to the arena; the turns equal HF over the whole
-    conversation (bf16: tokens, scores close), and the issued ops are plan()'s, once per forward."""
+    softcap and a window), full-attention layers in tiles of 32 rows merged by log-sum-exp, and
+    are appended to the arena; the turns equal HF over the whole conversation (bf16: tokens,
+    scores close), and the issued ops are plan()'s, once per forward."""
+    from hetero.prefetch import schedule
+
+    monkeypatch.setattr(schedule, "TILE_ROWS", 32)
     model, _ = build_model(model_type, dtype=dtype)
     doc, *msgs = turns(21, 45, 23, 9)
     config = HeteroConfig(cpu_workers=2, prefill_chunk=chunk, continuation="prefetch")
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.05)
     with HeteroGenerator(model, config=config) as gen, gen.prefill(doc[None], reserve=100) as ctx:
-        history = doc
+        history, tiled = doc, False
         for msg in msgs:
             conv = torch.cat([history, msg])
             cached = ctx.length
@@ -46,8 +90,12 @@ def test_prefetched_continuations_match_hf(model_type, dtype, chunk):
                 torch.testing.assert_close(a, b, **tol)
             fed = len(conv) - cached - 1                                   # all but the last new token
             pieces = -(-fed // ctx.session.layout.tmax)
-            assert gen.last_prefetch_log == plan(model.config.num_hidden_layers) * pieces
+            assert gen.last_prefetch_log == gen.last_prefetch_plan
+            assert len(gen.last_prefetch_plan) == len(plan([1] * model.config.num_hidden_layers)) * pieces + \
+                4 * sum(op[0] == "attend" and op[2] > 0 for op in gen.last_prefetch_plan)    # 4 ops per extra tile
+            tiled |= any(op[0] == "attend" and op[2] > 0 for op in gen.last_prefetch_log)
             history = out.sequences[0]
+        assert tiled == (model_type != "mistral")               # mistral's layers all have windows: one item
 
 
 def test_prefetch_and_workers_agree_and_a_failed_forward_leaves_the_context():
@@ -127,9 +175,12 @@ def test_chunked_prefill_prefetches_the_cached_chunks(model_type):
         assert torch.equal(out.sequences, ref.sequences)
         for a, b in zip(out.scores, ref.scores):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-        assert gen.last_prefetch_log == plan(layers) * 6                # 50 = 8 + 6 chunks of <= 8 (the last token
-        with gen.prefill(doc[None]) as ctx:                              # left to generate), pieces [8, 49)
-            assert gen.last_prefetch_log == plan(layers) * 6             # prefill(): all 42 after the first 8
+        per = len(plan([1] * layers))
+        assert gen.last_prefetch_log == gen.last_prefetch_plan          # 50 = 8 + 6 chunks of <= 8 (the last token
+        assert len(gen.last_prefetch_plan) == per * 6                   # left to generate), pieces [8, 49)
+        with gen.prefill(doc[None]) as ctx:
+            assert gen.last_prefetch_log == gen.last_prefetch_plan      # prefill(): all 42 after the first 8
+            assert len(gen.last_prefetch_plan) == per * 6
             out = gen.generate(msg[None], context=ctx, max_new_tokens=4, **KW)
             assert torch.equal(out.sequences, hf(model, torch.cat([doc, msg]), 4).sequences)
 
@@ -177,10 +228,11 @@ def test_an_auto_chunk_longer_than_the_staging_is_prefetched_whole(model_type, p
     monkeypatch.setattr(HeteroGenerator, "_chunk_size", lambda self, mask: 400)
     made, init = [], KVSession.__init__
     monkeypatch.setattr(KVSession, "__init__", lambda self, *a, **k: (init(self, *a, **k), made.append(self))[0])
-    with HeteroGenerator(model, config=HeteroConfig(cpu_workers=1, continuation="prefetch")) as gen:
-        out = gen.generate(doc[None], max_new_tokens=3, **KW)
+    with HeteroGenerator(model, config=HeteroConfig(cpu_workers=1, continuation="prefetch", profile="off")) as gen:
+        out = gen.generate(doc[None], max_new_tokens=3, **KW)         # (a profile's measurement makes sessions too)
         assert [s.layout.tmax for s in made] == [CONTINUE_CHUNK]
-        assert gen.last_prefetch_log == plan(model.config.num_hidden_layers) * pieces
+        assert gen.last_prefetch_log == gen.last_prefetch_plan
+        assert len(gen.last_prefetch_plan) == len(plan([1] * model.config.num_hidden_layers)) * pieces
     ref = hf(model, doc, 3)
     assert torch.equal(out.sequences, ref.sequences)
     for a, b in zip(out.scores, ref.scores):
@@ -196,3 +248,26 @@ def test_auto_prefill_chunk_is_one_pass_on_a_cpu_model():
     for bad in ("big", 0, 1.5):
         with pytest.raises(ValueError, match="prefill_chunk"):
             HeteroConfig(prefill_chunk=bad)
+
+
+def test_prefetch_buffers_hold_a_tile_whatever_the_context():
+    """The device buffers of a full-attention model hold one tile of blocks, not a layer's context
+    (a windowed layer's item is its ring, bounded by the window)."""
+    from hetero.cpu_attention.simd import BK
+    from hetero.ipc.pool import WorkerPool
+    from hetero.offload.session import KVSession
+
+    pool = WorkerPool(1, [])
+    try:
+        for windows, cap, want in (((0, 0), 4096, 64 // BK), ((0, 0), 40, 2), ((0, 48), 4096, None)):
+            spec = ModelSpec(model_type="t", layers=2, q_heads=4, kv_heads=2, head_dim=32, dtype=torch.float32,
+                             max_positions=None, sliding=tuple(w > 0 for w in windows), windows=windows)
+            s = KVSession(pool, spec, pads=[0], real_lens=[cap - 8], cap=cap, tmax=8)
+            try:
+                pre = LayerPrefetcher(s, torch.device("cpu"), tile=64)
+                ring = s.kv[1][0].shape[2]
+                assert pre.bufs[0][0].shape[1] == (want if want else max(ring, 64 // BK))
+            finally:
+                s.close()
+    finally:
+        pool.close()

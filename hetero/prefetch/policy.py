@@ -8,8 +8,9 @@ Per layer, for T new tokens over L cached rows:
             layer i+1 overlaps layer i's attention, so the slower of the two sets the pace
             (a CPU model always uses the workers: see choose)
 copy_gbps (host arena -> device buffer, per head as the fetches copy; PCIe on a GPU machine)
-and device_gflops (device_attention's sdpa path at a long context; the eager path of soft-capped
-or sink models is slower, and the unblocking and the concatenation are not counted) are measured
+and device_gflops (a full-attention layer's tile: attention_lse over one tile of cached rows; the
+math path of soft-capped models, the masked path of windowed layers and the unblocking and merges
+are not counted) are measured
 once per device and shape (`measure`), in the same process that uses them. The crossover (the T
 above which the device wins) grows with nothing but these two figures and the profile;
 `hetero profile --device` prints it.
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from hetero.cpu_attention import planner as P
-from hetero.prefetch.schedule import device_attention
+from hetero.prefetch.schedule import attention_lse
 
 log = logging.getLogger("hetero")
 
@@ -51,7 +52,7 @@ def measure(device, spec, rows=8192, T=128, reps=3):
         host = host.pin_memory()
     dev = torch.empty_like(host, device=device)
     q = torch.randn(1, Hq, T, D, device=device).to(dt)
-    k = torch.randn(1, Hkv, rows + T, D, device=device).to(dt)
+    k = torch.randn(1, Hkv, rows, D, device=device).to(dt)
     best_copy = best_attn = float("inf")
     for _ in range(reps):
         _sync(device)
@@ -61,10 +62,10 @@ def measure(device, spec, rows=8192, T=128, reps=3):
         _sync(device)
         best_copy = min(best_copy, time.perf_counter() - t)
         t = time.perf_counter()
-        device_attention(q, k, k, 0, rows, 0, D ** -0.5)     # the path the prefetcher runs
+        attention_lse(q.view(1, Hkv, Hq // Hkv * T, D), k, k, D ** -0.5)     # a tile, as the prefetcher runs it
         _sync(device)
         best_attn = min(best_attn, time.perf_counter() - t)
-    flops = 4.0 * Hq * T * (rows + T) * D
+    flops = 4.0 * Hq * T * rows * D
     return DeviceRates(str(device), host.numel() * host.element_size() / best_copy / 1e9,
                        flops / best_attn / 1e9)
 
@@ -109,23 +110,33 @@ def crossover(profile, rates, spec, L, nworkers, tmax=256):
 def forward_bytes(cfg, spec, B, T, S, eager, cached, padded=False):
     """Estimated device bytes beyond the weights of a forward of T tokens per request (B requests)
     at positions up to S. Activations per token: the MLP's three intermediate-size tensors (times
-    the experts a token visits), six hidden-size ones, q/k/v. KV per position: one pass holds two
-    layers' KV awaiting their offload (KVSession.store_prefill); a forward over a cached context
-    holds six (hetero.prefetch: two buffers, the unblocked and the concatenated copies). Masks:
-    over a cached context, device_attention's [T, S] boolean mask, a window's temporary and sdpa's
-    additive copy of it; one pass over a padded batch, transformers' [B, S, S] boolean mask (an
-    unpadded one needs none; nor do continuations: hetero.attention.hetero_mask). An eager
-    attention (soft-capped or sink models) adds fp32 scores and probabilities, Hq x T x S. On the
-    H100 run (Llama-3-8B shape) this over-estimates the measured peak by 30 % (one pass, 32K) and
-    13 % (chunks of 4096 over 32K)."""
+    the experts a token visits), six hidden-size ones, q/k/v.
+    One pass: two layers' KV awaiting their offload (KVSession.store_prefill); over a padded
+    batch, transformers' [B, S, S] boolean mask (an unpadded one needs none); an eager attention
+    (soft-capped or sink models) adds f32 scores and probabilities, Hq x T x S.
+    Over a cached context (hetero.prefetch): the device holds items of at most `held` cached rows
+    (TILE_ROWS; a sliding window's rows, if longer), six copies of one (two buffers, the unblocked
+    and the converted copies, the windowed path's concatenation), the new rows' KV expanded to
+    the query heads and four f32 [Hq, T, D] merge temporaries; a windowed layer's [T, held]
+    boolean mask with sdpa's additive copy; eager scores Hq x T x held.
+    On the H100 run (Llama-3-8B shape, before the tiles) this over-estimated the measured peak by
+    30 % (one pass, 32K) and 13 % (chunks of 4096 over 32K, whole layers prefetched)."""
     e = torch.finfo(spec.dtype).bits // 8
     h = cfg.hidden_size
     inter = (getattr(cfg, "intermediate_size", None) or 4 * h) * max(1, getattr(cfg, "num_experts_per_tok", None) or 1)
     per_token = e * (3 * inter + 6 * h + (spec.q_heads + 2 * spec.kv_heads) * spec.head_dim)
     kv_per_position = 2 * spec.kv_heads * spec.head_dim * e
-    scores = 8 * spec.q_heads * T * S if eager else 0
-    mask = T * S * (2 + e) if cached else (S * S if padded else 0)
-    return B * (T * per_token + (6 if cached else 2) * S * kv_per_position + scores + mask)
+    if not cached:
+        scores = 8 * spec.q_heads * T * S if eager else 0
+        return B * (T * per_token + 2 * S * kv_per_position + scores + (S * S if padded else 0))
+    from hetero.prefetch.schedule import TILE_ROWS
+
+    window = max(spec.windows or (0,))
+    held = min(S, max(TILE_ROWS, window + T if window else 0))
+    scores = 8 * spec.q_heads * T * held if eager else 0
+    mask = T * held * (2 + e) if window else 0
+    merge = spec.q_heads * T * spec.head_dim * (2 * e + 4 * 4)
+    return B * (T * per_token + 6 * held * kv_per_position + scores + mask + merge)
 
 
 def prefill_chunk(cfg, spec, B, S, free_bytes, eager, padded=False, step=256, headroom=0.8):

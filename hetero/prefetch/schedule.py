@@ -1,19 +1,25 @@
 """Layer-wise KV prefetch: a forward that continues a context attends on the model's device.
 
 A context's KV lives in the CPU arena. To prefill many new tokens over it (a long follow-up, a
-long document appended to a conversation), each layer's cached rows are copied to the model's
-device just before the layer needs them, into one of two rotating buffers, and attention runs
-there as in a plain prefill; the layer's new rows go back to the arena. The schedule, for the
-layers 0..n-1 of one forward (`plan`):
+long document appended to a conversation, the next chunk of a chunked prefill), each layer's
+cached rows are copied to the model's device just before the layer needs them, in items of at
+most TILE_ROWS rows, into one of two rotating buffers; the layer attends there, and its new rows
+go back to the arena. A full-attention layer's items are tiles: the new rows attend themselves
+(causal) and each tile (every cached row is visible), and the pieces merge by their log-sum-exps
+(merge_lse), so device memory holds two tiles whatever the context's length. A sliding-window
+layer's one item is the rows its window can still see (its ring: bounded), attended with a mask.
+The schedule, for the items 0..K-1 of one forward (every layer's in order; `plan`):
 
     fetch 0 -> buffer 0, fetch 1 -> buffer 1                    (copy stream)
-    layer i:  wait copied[i % 2]            the compute stream waits for buffer i % 2's fetch
-              attend i in buffer i % 2      cached rows + the layer's new rows, causal
-              release buffer i % 2          used[i % 2] recorded on the compute stream
-              fetch i + 2 -> buffer i % 2   on the copy stream, after used[i % 2]
+    item k of layer i:
+              wait copied[k % 2]            the compute stream waits for buffer k % 2's fetch
+              attend k in buffer k % 2      (the layer's new rows too, at its first item)
+              release buffer k % 2          used[k % 2] recorded on the compute stream
+              fetch k + 2 -> buffer k % 2   on the copy stream, after used[k % 2]
+    after layer i's last item:
               offload i                     the layer's new rows, as whole blocks, into the arena
                                             (DMAs on the offload stream)
-    after layer n-1: one wait, for the last offload (then the session counts the new rows)
+    after the last layer: one wait, for the last offload (then the session counts the new rows)
 
 One event per buffer for "copied" and one for "used", one per layer for "offloaded". On a CUDA
 model the copies are asynchronous DMAs to and from the page-locked arena (the compute stream
@@ -22,12 +28,17 @@ On a CPU model every op runs in order in the calling thread: the same schedule, 
 tests check on every machine.
 """
 import contextlib
+import logging
 
 import torch
 import torch.nn.functional as F
 
 from hetero.attention import eager_attention
 from hetero.cpu_attention.simd import BK
+
+log = logging.getLogger("hetero")
+TILE_ROWS = 8192     # cached rows per item of a full-attention layer (a multiple of BK): 32 MiB of
+#                      Llama-3-8B's bf16 K+V, so device memory stays flat in the context's length
 
 
 def device_attention(query, k, v, first, L, window, scale, softcap=None, sinks=None):
@@ -48,18 +59,69 @@ def device_attention(query, k, v, first, L, window, scale, softcap=None, sinks=N
     return out.transpose(1, 2)
 
 
-def plan(layers):
-    """The schedule's ops for one forward over `layers` layers, in issue order:
-    ("fetch", layer, buffer), ("wait", layer, buffer), ("attend", layer, buffer),
-    ("release", layer, buffer), ("offload", layer, None), then ("write", None, None)."""
-    ops = [("fetch", i, i % 2) for i in range(min(2, layers))]
-    for i in range(layers):
-        b = i % 2
-        ops += [("wait", i, b), ("attend", i, b), ("release", i, b)]
-        if i + 2 < layers:
-            ops.append(("fetch", i + 2, b))
-        ops.append(("offload", i, None))
-    return ops + [("write", None, None)]
+def attention_lse(q, k, v, scale, causal=False, softcap=None):
+    """q [1, H, T, D], k/v [1, H, n, D] -> (out [1, H, T, D] in q's dtype, lse [1, H, T] f32):
+    softmax attention over these rows alone and the log-sum-exp of its logits (soft-capped with
+    softcap; causal: T == n, query t sees rows 0..t), the pieces that merge_lse joins. sdpa's
+    flash kernel (CPU; CUDA bf16/f16) or memory-efficient kernel (CUDA f32), the kernels torch's
+    own context-parallel ring attention merges the same way; plain math (the [H, T, n] f32 logits
+    materialized) with softcap, or where the kernel refuses the input (logged once)."""
+    if not softcap:
+        try:
+            if q.device.type == "cpu":
+                out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
+                                                                                      scale=scale)
+            elif q.dtype in (torch.float16, torch.bfloat16):
+                out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
+                                                                              scale=scale)[:2]
+            else:
+                out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
+                                                                                  scale=scale)[:2]
+            return out, lse[..., :q.shape[2]].float()        # the efficient kernel pads lse to 32 rows
+        except (RuntimeError, NotImplementedError) as e:
+            if str(q.device) not in _refused:
+                _refused.add(str(q.device))
+                log.warning("hetero: sdpa's attention kernel with log-sum-exp is unavailable on %s (%s); "
+                            "prefetched tiles attend in plain math", q.device, str(e).splitlines()[0])
+    w = torch.matmul(q.float(), k.float().transpose(2, 3)) * scale          # [1, H, T, n]
+    if softcap:
+        w = torch.tanh(w / softcap) * softcap
+    if causal:
+        w = w.masked_fill(~torch.ones(w.shape[-2:], dtype=torch.bool, device=w.device).tril(), float("-inf"))
+    lse = torch.logsumexp(w, -1)
+    out = torch.matmul(torch.exp(w - lse[..., None]), v.float())
+    return out.to(q.dtype), lse
+
+
+_refused = set()       # devices whose kernel refused attention_lse's input (logged once)
+
+
+def merge_lse(acc, part):
+    """Two attentions of the same queries over disjoint rows, (out, lse) each -> the attention over
+    their union: out = (e^lse_a out_a + e^lse_b out_b) / (e^lse_a + e^lse_b), in f32."""
+    (oa, la), (ob, lb) = acc, part
+    lse = torch.logaddexp(la, lb)
+    return oa.float() * torch.exp(la - lse)[..., None] + ob.float() * torch.exp(lb - lse)[..., None], lse
+
+
+def plan(tiles):
+    """The schedule's ops for one forward, in issue order, for layers with tiles[i] tiles each
+    (items: every layer's tiles in order; item k uses buffer k % 2):
+    ("fetch", layer, tile, buffer) two items ahead, ("wait" | "attend" | "release", layer, tile,
+    buffer) per item, ("offload", layer, None, None) after a layer's last tile, then ("write",
+    None, None, None)."""
+    items = [(layer, t) for layer, n in enumerate(tiles) for t in range(n)]
+    ops = [("fetch", *items[k], k % 2) for k in range(min(2, len(items)))]
+    k = 0
+    for layer, n in enumerate(tiles):
+        for t in range(n):
+            b = k % 2
+            ops += [("wait", layer, t, b), ("attend", layer, t, b), ("release", layer, t, b)]
+            if k + 2 < len(items):
+                ops.append(("fetch", *items[k + 2], b))
+            k += 1
+        ops.append(("offload", layer, None, None))
+    return ops + [("write", None, None, None)]
 
 
 class _Streams:
@@ -97,23 +159,30 @@ class LayerPrefetcher:
     """Runs `plan` for the forwards of one continuation of a batch-1 session (KVSession). The
     session hands it each layer's new rows (stage) and its attention call (attend); the last
     layer's call writes every layer's new rows into the arena (finish, then the session counts
-    them). `log` records the ops as they are issued (the tests compare it with plan())."""
+    them). `log` records the ops as they are issued, `planned` what plan() gave for the same
+    forwards (the tests compare them)."""
 
-    def __init__(self, session, device):
+    def __init__(self, session, device, tile=None):
         if session.batch != 1:
             raise ValueError("layer-wise prefetch continues one context (batch 1)")
         self.s, self.device = session, device
+        self.tile = tile or TILE_ROWS
+        if self.tile % BK:
+            raise ValueError(f"prefetch tiles must be a multiple of {BK} rows, got {self.tile}")
         self.streams = _Streams(device)
-        self.log = []
+        self.log, self.planned = [], []
+        windows = session.spec.windows or (0,) * session.spec.layers
+        self.whole = [w > 0 for w in windows]          # per layer: one item over the window's rows
         K, V = session.kv[0]                          # [B, Hkv, nblk, Dp, BK], [B, Hkv, nblk, Dp/W, BK, W]
-        nblk = max(k.shape[2] for k, _ in session.kv)
-        # two rotating device buffers of a layer's blocks, in the arena's blocked layout
+        nblk = max(k.shape[2] if w else min(k.shape[2], self.tile // BK) for (k, _), w in zip(session.kv, self.whole))
+        # two rotating device buffers of an item's blocks, in the arena's blocked layout
         self.bufs = [(torch.empty((K.shape[1], nblk) + tuple(K.shape[3:]), dtype=K.dtype, device=device),
                       torch.empty((V.shape[1], nblk) + tuple(V.shape[3:]), dtype=V.dtype, device=device))
                      for _ in range(2)]
         self.copied = [self.streams.event(), self.streams.event()]
         self.used = [self.streams.event(), self.streams.event()]
-        self.spans = [None, None]                      # per buffer: (first row, rows) it holds
+        self.items = []                                # this forward's (layer, tile, first row, rows)
+        self.first_item, self.ntiles = [], []          # per layer: its first item's index, its item count
         self.new = None                                # this layer's new rows (stage)
 
     def close(self):
@@ -121,42 +190,55 @@ class LayerPrefetcher:
         if self.streams.cuda:
             torch.cuda.synchronize(self.device)
 
+    def _plan_items(self):
+        """This forward's items: per layer, its cached rows (a window's: those it can still see,
+        whole blocks as the arena keeps them) in one item, or in tiles of `tile` rows."""
+        s, L = self.s, int(self.s.lengths[0])
+        self.items, self.first_item, self.ntiles = [], [], []
+        for layer in range(s.spec.layers):
+            window = s.ring_window[layer]
+            first = max(0, L - window + 1) // BK * BK if window else 0
+            step = L - first if self.whole[layer] else self.tile
+            starts = list(range(first, L, step)) or [first]          # at least one (maybe empty) item
+            self.first_item.append(len(self.items))
+            self.items += [(layer, t, a, min(step, L - a)) for t, a in enumerate(starts)]
+            self.ntiles.append(len(starts))
+        self.planned += plan(self.ntiles)
+
     # ---- the schedule's ops
-    def _fetch(self, layer, buf):
-        """Copy layer's cached rows (those its window can still see) into buffer `buf`."""
-        self.log.append(("fetch", layer, buf))
-        s = self.s
-        L, window = int(s.lengths[0]), s.ring_window[layer]
-        first = max(0, L - window + 1) // BK * BK if window else 0    # whole blocks, as the arena keeps them
-        self.spans[buf] = (first, L - first)
-        if L == first:
+    def _fetch(self, k, buf):
+        """Copy item k's rows into buffer `buf`."""
+        layer, t, first, n = self.items[k]
+        self.log.append(("fetch", layer, t, buf))
+        if n == 0:
             return
+        s = self.s
         if self.streams.cuda:
             with self.streams.on_device():
                 s.pin_layer(layer)                                      # the fetch becomes async DMAs
-        ids = s._block_ids(layer, first, L - first)                     # stored block of each logical block
+        ids = s._block_ids(layer, first, n)                             # stored block of each logical block
         Kb, Vb = s.kv[layer][0][0], s.kv[layer][1][0]                  # request 0: [Hkv, nblk, ...]
         kd, vd = self.bufs[buf]
         copy = self.streams.copy if self.streams.cuda else None
-        self.streams.wait(self.used[buf], copy)                         # layer - 2 has read this buffer
+        self.streams.wait(self.used[buf], copy)                         # item k - 2 has read this buffer
         with self.streams.on(copy):
             i = 0
-            for start, n in _runs(ids, Kb.shape[1]):                    # a ring wraps at most once
+            for start, m in _runs(ids, Kb.shape[1]):                    # a ring wraps at most once
                 for h in range(Kb.shape[0]):                            # per head: contiguous on both sides
-                    kd[h, i:i + n].copy_(Kb[h, start:start + n], non_blocking=True)
-                    vd[h, i:i + n].copy_(Vb[h, start:start + n], non_blocking=True)
-                i += n
+                    kd[h, i:i + m].copy_(Kb[h, start:start + m], non_blocking=True)
+                    vd[h, i:i + m].copy_(Vb[h, start:start + m], non_blocking=True)
+                i += m
             self.streams.record(self.copied[buf], copy)
 
     def start(self):
-        """Before a forward: the first two fetches (the copy stream first waits for the compute
-        stream, which allocated the buffers and may still read them from the last forward)."""
+        """Before a forward: plan its items and issue the first two fetches (the copy stream first
+        waits for the compute stream, which allocated the buffers and may still read them from the
+        last forward)."""
         if self.streams.cuda:
             self.streams.copy.wait_stream(self.streams.compute())
-        for op, layer, buf in plan(self.s.spec.layers):
-            if op != "fetch":
-                break
-            self._fetch(layer, buf)
+        self._plan_items()
+        for k in range(min(2, len(self.items))):
+            self._fetch(k, k % 2)
 
     def stage(self, key, value):
         """key/value [1, Hkv, T, D]: the layer's new rows (HeteroLayer.update)."""
@@ -164,30 +246,78 @@ class LayerPrefetcher:
 
     def attend(self, layer, query, window, scale, softcap, sinks):
         """query [1, Hq, T, D] -> [1, T, Hq, D]: attention over the layer's prefetched rows and its new
-        rows, on the model's device; then the buffer goes to layer + 2 and the new rows to the host."""
+        rows, on the model's device; each buffer goes to item k + 2 once read, and the new rows to the
+        host."""
         with self.streams.on_device():
-            return self._attend(layer, query, window, scale, softcap, sinks)
+            if self.whole[layer]:
+                return self._attend_whole(layer, query, window, scale, softcap, sinks)
+            return self._attend_tiles(layer, query, scale, softcap, sinks)
 
-    def _attend(self, layer, query, window, scale, softcap, sinks):
-        s, buf = self.s, layer % 2
-        self.log.append(("wait", layer, buf))
+    def _take(self, k):
+        """Wait for item k's buffer; its rows [Hkv, n, D] (views of the unblocked buffer)."""
+        layer, t, first, n = self.items[k]
+        buf = k % 2
+        self.log.append(("wait", layer, t, buf))
         self.streams.wait(self.copied[buf])
-        self.log.append(("attend", layer, buf))
-        first, n = self.spans[buf]
+        self.log.append(("attend", layer, t, buf))
         kd, vd = self.bufs[buf]
-        nb = -(-n // BK)
-        k_old, v_old = s.unblock(kd[:, :nb], vd[:, :nb], 0, n)             # [Hkv, n, D] each
-        key, value = self.new
-        k = torch.cat([k_old[None].to(key.dtype), key], 2)                # [1, Hkv, n + T, D]
-        v = torch.cat([v_old[None].to(value.dtype), value], 2)
-        out = device_attention(query, k, v, first, int(s.lengths[0]), window, scale, softcap, sinks)
-        self.log.append(("release", layer, buf))
+        return self.s.unblock(kd[:, :-(-n // BK)], vd[:, :-(-n // BK)], 0, n)
+
+    def _release(self, k):
+        """Item k's buffer has been read: it goes to item k + 2."""
+        layer, t, _, _ = self.items[k]
+        buf = k % 2
+        self.log.append(("release", layer, t, buf))
         self.streams.record(self.used[buf])
-        if layer + 2 < s.spec.layers:
-            self._fetch(layer + 2, buf)
-        self._offload(layer, k, v, first)
+        if k + 2 < len(self.items):
+            self._fetch(k + 2, buf)
+
+    def _attend_whole(self, layer, query, window, scale, softcap, sinks):
+        """A windowed layer: its one item (the rows its window can still see) and the new rows, masked."""
+        s, k = self.s, self.first_item[layer]
+        first = self.items[k][2]
+        k_old, v_old = self._take(k)                                       # [Hkv, n, D] each
+        key, value = self.new
+        kk = torch.cat([k_old[None].to(key.dtype), key], 2)               # [1, Hkv, n + T, D]
+        vv = torch.cat([v_old[None].to(value.dtype), value], 2)
+        out = device_attention(query, kk, vv, first, int(s.lengths[0]), window, scale, softcap, sinks)
+        self._release(k)
+        self._offload(layer, kk, vv, first)
         self.new = None
         return out
+
+    def _attend_tiles(self, layer, query, scale, softcap, sinks):
+        """A full-attention layer: the new rows (causal) and each tile of cached rows (all visible)
+        attended apart and merged by their log-sum-exps (merge_lse): device memory holds one tile,
+        whatever the context's length. The T queries of the G = Hq/Hkv heads sharing a KV head
+        attend a tile as one [G*T] block (q head h*G + g)."""
+        s, L = self.s, int(self.s.lengths[0])
+        key, value = self.new                                             # [1, Hkv, T, D]
+        _, Hq, T, D = query.shape
+        Hkv = key.shape[1]
+        G = Hq // Hkv
+        q = query.contiguous()
+        acc = attention_lse(q, key.repeat_interleave(G, 1), value.repeat_interleave(G, 1), scale, True, softcap)
+        acc = (acc[0].reshape(1, Hkv, G * T, D), acc[1].reshape(1, Hkv, G * T))      # q head h*G + g
+        qf = q.view(1, Hkv, G * T, D)                                      # [1, Hkv, G*T, D]
+        start = max(L // BK * BK, int(s.pstart[0]))                        # the offload's first row
+        tail = (key[:, :, :0], value[:, :, :0])                            # cached rows start..L-1
+        k0 = self.first_item[layer]
+        for k in range(k0, k0 + self.ntiles[layer]):
+            first, n = self.items[k][2:]
+            k_old, v_old = self._take(k)                                   # [Hkv, n, D] each
+            if n:
+                kt, vt = k_old[None].to(key.dtype).contiguous(), v_old[None].to(value.dtype).contiguous()
+                acc = merge_lse(acc, attention_lse(qf, kt, vt, scale, False, softcap))
+                if first + n > start:         # the last tile holds them (copied: kt may view the buffer)
+                    tail = (kt[:, :, start - first:].clone(), vt[:, :, start - first:].clone())
+            self._release(k)
+        o, lse = acc[0].reshape(1, Hq, T, D), acc[1].reshape(1, Hq, T)
+        if sinks is not None:        # a logit per head joining the denominator (see merge_partials)
+            o = o * torch.sigmoid(lse - sinks.float().view(1, Hq, 1))[..., None]
+        self._offload(layer, torch.cat([tail[0], key], 2), torch.cat([tail[1], value], 2), start)
+        self.new = None
+        return o.to(query.dtype).transpose(1, 2)
 
     def _offload(self, layer, k, v, first):
         """The layer's new rows to the arena: k/v [1, Hkv, n + T, D] hold the cached rows from
@@ -196,7 +326,7 @@ class LayerPrefetcher:
         after the last layer). On a GPU these are DMAs into the page-locked arena on the session's
         offload stream, as a prefill's (KVSession.offloading: the host waits for layer - 2's only;
         a strided host-side write ran at 45 MB/s on an H100 host)."""
-        self.log.append(("offload", layer, None))
+        self.log.append(("offload", layer, None, None))
         s = self.s
         L = int(s.lengths[0])
         start = max(L // BK * BK, int(s.pstart[0]))              # >= first: first is a block start <= L
@@ -207,7 +337,7 @@ class LayerPrefetcher:
     def finish(self):
         """After the last layer: every layer's new rows are in the arena (on a GPU, one wait for the
         offload stream). The session then counts them (KVSession.advance)."""
-        self.log.append(("write", None, None))
+        self.log.append(("write", None, None, None))
         self.s.wait_offloads()
 
 
