@@ -411,7 +411,7 @@ class HeteroGenerator:
         tmax = self._staged(chunk) or 1
         pads, real, cap = self._plan_cache(attention_mask, max_new_tokens, tmax=tmax)
         gen_config, objects = self._generation_config(max_new_tokens, kwargs)
-        with self.kv_context(pads, real, cap, host_jobs=lora is not None, tmax=tmax) as cache, \
+        with self.kv_context(pads, real, cap, lora=lora, tmax=tmax) as cache, \
                 torch.inference_mode(), _active(lora):
             if chunk:
                 self.prefill_chunks(cache, input_ids, attention_mask, chunk)
@@ -428,25 +428,25 @@ class HeteroGenerator:
         return gen_config, objects
 
     @contextlib.contextmanager
-    def kv_context(self, pads, real_lens, cap, host_jobs=False, tmax=1, prefix_groups=()):
+    def kv_context(self, pads, real_lens, cap, lora=None, tmax=1, prefix_groups=()):
         """Open a KV session (shared arena mapped in the workers) for len(pads) requests of `cap` rows,
         route the model's attention to it and yield its HeteroCache (`cache.session`). On exit the
         session is closed and the model's attention implementation restored, whatever happened.
-        host_jobs: the host also posts jobs during decode (LoRA deltas): a CUDA model then uses host
-        copies, not the CUDA transport (whose jobs the GPU posts). tmax: query tokens per step after
+        lora: the call's LoraBatch (its decode deltas then go through the session's transport). tmax:
+        query tokens per step after
         the first forward (a chunked prefill's chunk). prefix_groups: [(a Context's session, the
         requests sharing its first blocks)] (KVSession)."""
-        with self._exclusive(), self._call_session(pads, real_lens, cap, host_jobs, tmax, prefix_groups) as cache:
+        with self._exclusive(), self._call_session(pads, real_lens, cap, lora, tmax, prefix_groups) as cache:
             yield cache
 
     @contextlib.contextmanager
-    def _call_session(self, pads, real_lens, cap, host_jobs, tmax, prefix_groups=()):
+    def _call_session(self, pads, real_lens, cap, lora, tmax, prefix_groups=()):
         """kv_context's body, under the generator's lock."""
         pool = self._ensure_pool()
         session = KVSession(pool, self.spec, pads, real_lens, cap, planner=self._ensure_planner(pool), tmax=tmax,
                             prefix_groups=prefix_groups)
         try:
-            with self._routed(session, host_jobs) as cache:
+            with self._routed(session, lora) as cache:
                 yield cache
         except WorkerError:
             try:
@@ -480,10 +480,10 @@ class HeteroGenerator:
             self._lock.release()
 
     @contextlib.contextmanager
-    def _routed(self, session, host_jobs):
+    def _routed(self, session, lora=None):
         """For one call: pick the session's transport, route the model's attention to it and yield
         a HeteroCache over it; restore the model's attention implementation afterwards."""
-        self._choose_transport(session, session.pool, host_jobs)
+        self._choose_transport(session, session.pool, lora)
         token = attention.active_session.set(session)
         previous = self.model.config._attn_implementation
         try:
@@ -512,7 +512,7 @@ class HeteroGenerator:
         if not bool(attention_mask.all()):
             raise ValueError("a context's prompt cannot be padded: pass its tokens only (attention_mask all ones)")
         with self._context_session(attention_mask, reserve) as session:
-            with self._routed(session, host_jobs=False) as cache, torch.inference_mode():
+            with self._routed(session) as cache, torch.inference_mode():
                 chunk = self._chunk(attention_mask)
                 if chunk:                                # all chunks; the last one too
                     self.prefill_chunks(cache, input_ids, attention_mask, chunk, to_end=True)
@@ -642,7 +642,7 @@ class HeteroGenerator:
             rings = None if extend or not session.layout.ring_layers else (session.Kr.clone(), session.Vr.clone())
             err = None
             try:
-                with self._routed(session, host_jobs=lora is not None) as cache, torch.inference_mode(), \
+                with self._routed(session, lora) as cache, torch.inference_mode(), \
                         _active(lora):
                     for layer in cache.layers:
                         layer.seen = cached
@@ -821,7 +821,7 @@ class HeteroGenerator:
             full, mask = full.to(self.model.device), mask.to(self.model.device)
             for c in contexts:
                 self._used(c)
-            with self._call_session(pads, cached, cap, lora is not None, tmax, groups) as cache, \
+            with self._call_session(pads, cached, cap, lora, tmax, groups) as cache, \
                     torch.inference_mode(), _active(lora):
                 session = cache.session
                 for b, c in enumerate(contexts):                    # rows past the shared prefix
@@ -853,9 +853,10 @@ class HeteroGenerator:
                    past_key_values=cache, use_cache=True, cache_position=torch.arange(a, b, device=input_ids.device),
                    **self._logits_kw)
 
-    def _choose_transport(self, session, pool, host_jobs):
+    def _choose_transport(self, session, pool, lora=None):
         """A CUDA model's decode round trip: the CUDA extension where HeteroConfig.transport and the
-        batch allow (see hetero.ipc.transport), else the host copies of the CPU transport."""
+        batch allow (see hetero.ipc.transport), else the host copies of the CPU transport. With
+        `lora` (the call's LoraBatch), its decode deltas go through the same transport."""
         want = self.config.transport
         if self.model.device.type != "cuda" or want == "host":
             return
@@ -863,14 +864,12 @@ class HeteroGenerator:
             log.info("hetero: a batch sharing a context uses host copies (the CUDA extension does not merge "
                      "shared-prefix partials yet)")
             return
-        if host_jobs:
-            if want == "cuda":
-                raise UnsupportedModelError("HeteroConfig.transport='cuda' cannot serve LoRA adapters yet "
-                                            "(their deltas are host jobs); use transport='auto' or 'host'")
-            return
-        t = CudaTransport.open(pool, session, self.model.device, quiet=want == "cuda")
+        t = CudaTransport.open(pool, session, self.model.device, quiet=want == "cuda",
+                               lora=None if lora is None else lora.store)
         if t is not None:
             session.use_transport(t)
+            if lora is not None:
+                lora.use_transport(t)
         elif want == "cuda":
             raise UnsupportedModelError(f"HeteroConfig.transport='cuda': the CUDA extension is unavailable "
                                         f"({CudaTransport.why})")

@@ -25,16 +25,19 @@ def test_cuda_model_matches_hf(model_type, dtype):
         torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
 
 
-def test_cuda_lora_cold_and_warm_match_peft(tmp_path):
+@pytest.mark.parametrize("transport", ["cuda", "host"])
+def test_cuda_lora_cold_and_warm_match_peft(tmp_path, transport):
     """LoRA with the model on the GPU: a cold adapter (device copy held back: prefill deltas on the
-    CPU workers, copied to the GPU) and a warm one (its device copy) both equal peft's generate."""
+    CPU workers, copied to the GPU) and a warm one (its device copy) both equal peft's generate;
+    decode deltas posted by the GPU (CUDA transport) or through host copies."""
+    from hetero import HeteroConfig
     from tests.test_lora import NAMES, assert_same, generate, make_adapters
 
     base, pm, _ = make_adapters("llama", tmp_path)
     base, pm = base.cuda(), pm.cuda()
     ids, mask = (t.cuda() for t in padded_batch())
     ref = generate(pm, ids, mask, adapter_names=NAMES)
-    with HeteroGenerator(base, cpu_workers=2) as gen:
+    with HeteroGenerator(base, config=HeteroConfig(cpu_workers=2, transport=transport)) as gen:
         gen.load_adapter("legal", tmp_path / "legal")
         gen._store.copy_gate.clear()
         gen.load_adapter("code", tmp_path / "code")

@@ -40,6 +40,8 @@ def host_lib():
         lib.hetero_host_released.argtypes = [vp, ctypes.c_int64]
         lib.hetero_host_merge.argtypes = [vp, vp, vp, i64p, ctypes.c_int64, vp, vp]
         lib.hetero_host_copy_out.argtypes = [vp, vp, vp, vp, vp, vp, i64p, ctypes.c_int64]
+        lib.hetero_host_publish_lora.argtypes = [vp, vp, i64p]
+        lib.hetero_host_lora_released.argtypes = [vp, ctypes.c_int64, ctypes.c_int64]
         _HOST.append(lib)
     return _HOST[0]
 
@@ -58,9 +60,10 @@ class HostTransport(CudaTransport):
     (hetero_host_publish), the stream's wait (a spin on hetero_host_released: FIN == UNITS or
     ABORT) and the merge (hetero_host_merge)."""
     launches = 0
+    lora_jobs = 0
 
-    def __init__(self, pool, session):
-        super().__init__(host_lib(), pool, session)
+    def __init__(self, pool, session, lora=None):
+        super().__init__(host_lib(), pool, session, lora=lora)
 
     def _map(self, session):
         pass
@@ -80,6 +83,21 @@ class HostTransport(CudaTransport):
                                    merged.data_ptr())
         out.copy_(merged)
         HostTransport.launches += 1
+
+    def _launch_lora_post(self, code, x):
+        # the LoRA copy-out kernel's loop (x widened to f32 into the staging), then publish_lora
+        rows, din = x.shape
+        self.lora.x[:rows, :din] = x.float()
+        v = self.lora.views
+        self.lib.hetero_host_publish_lora(self.pool.words.ctypes.data, v["hdr"].ctypes.data, _p(self.lparams))
+        HostTransport.lora_jobs += 1
+
+    def _launch_lora_finish(self, code, out):
+        # the stream's wait (a spin on lora_released), then the add kernel's f32 add and cast
+        seq, rows, _, _, dout, parts = (int(v) for v in self.lparams)
+        while not self.lib.hetero_host_lora_released(self.pool.words.ctypes.data, seq, parts):
+            time.sleep(0)
+        out.copy_(out.float() + self.lora.delta[:rows, :dout])
 
     def _event(self):
         return _Done()
@@ -105,9 +123,11 @@ def host_transport(monkeypatch):
     """Every generate uses HostTransport (the CUDA transport's protocol, on the host)."""
     made = []
 
-    def choose(self, session, pool, host_jobs):
-        made.append(HostTransport(pool, session))
+    def choose(self, session, pool, lora=None):
+        made.append(HostTransport(pool, session, None if lora is None else lora.store))
         session.use_transport(made[-1])
+        if lora is not None:
+            lora.use_transport(made[-1])
 
     monkeypatch.setattr(_Gen, "_choose_transport", choose)
     return made
@@ -276,3 +296,50 @@ def test_parent_pinned_off_the_workers_cores_and_restored(llama):
     finally:
         gen.close()
     assert os.sched_getaffinity(0) == before
+
+
+@pytest.mark.parametrize("model_type", ["llama", "phi3"])
+def test_cuda_protocol_lora_decode_matches_peft(host_transport, model_type, tmp_path):
+    """LoRA deltas of decode steps posted through the CUDA transport's protocol (host build of
+    publish_lora / lora_released; the workers' run_rows over column ranges, zeros for requests
+    whose adapter skips a site): a mixed batch (two adapters, the base model) equals peft's
+    tokens and scores. phi3: fused qkv / gate_up projections."""
+    from tests.test_lora import NAMES, assert_same, generate, make_adapters
+
+    base, pm, _ = make_adapters(model_type, tmp_path)
+    ids, mask = padded_batch()
+    ref = generate(pm, ids, mask, adapter_names=NAMES)
+    before = HostTransport.lora_jobs
+    dirs = {n: str(tmp_path / n) for n in ("legal", "code")}
+    with HeteroGenerator(base, config=HeteroConfig(cpu_workers=2), adapters=dirs) as gen:
+        out = generate(gen, ids, mask, adapter_names=NAMES)
+    assert_same(out, ref)
+    # every adapted site of every layer, in each of the 7 decode steps (the prefill's go to the host path)
+    sites = len({s for a in (pm.peft_config["legal"], pm.peft_config["code"]) for s in a.target_modules})
+    assert HostTransport.lora_jobs - before == 7 * sites * base.config.num_hidden_layers
+
+
+def test_watchdog_releases_a_stalled_lora_job(tmp_path):
+    """A GPU-posted LoRA job whose worker stops (no DONE for worker_timeout): the watchdog writes
+    ABORT, the "stream"'s wait returns within 2 s, the next call raises, and closing cleans up."""
+    from tests.test_lora import make_adapters
+
+    _, pm, _ = make_adapters("llama", tmp_path)
+    with HeteroGenerator(pm, config=HeteroConfig(cpu_workers=1, worker_timeout=0.5)) as gen:
+        pool, store = gen._ensure_pool(), gen._store
+        s = KVSession(pool, gen.spec, pads=[0], real_lens=[4], cap=40)
+        try:
+            ht = HostTransport(pool, s, store)
+            ht.lora_rows([store.adapters["code"].slot])
+            din, dout = store.site_dims[0]
+            os.kill(pool.procs[0].pid, signal.SIGSTOP)
+            job = ht.lora_begin(0, torch.randn(1, din), dout, 1)
+            t0 = time.perf_counter()
+            ht.lora_end(job, torch.zeros(1, dout))                  # released by ABORT
+            assert time.perf_counter() - t0 < 2.0 and pool.words[C.ABORT] == 1 and pool.broken
+            with pytest.raises(WorkerError, match="made no progress"):
+                ht.lora_begin(0, torch.randn(1, din), dout, 1)
+            with pytest.raises(WorkerError):
+                ht.close()
+        finally:
+            s.close()                                               # the pool is broken: no CMD_CLOSE

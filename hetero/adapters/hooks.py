@@ -7,7 +7,11 @@ accelerate's device hooks). Outside generate the original forward runs. Inside, 
 `LoraBatch` active (one adapter name or None per request, like peft's adapter_names):
 
   decode (one token per request): stage x in shared memory, start the CPU workers on the LoRA
-      deltas, run the base projection meanwhile, wait, add.
+      deltas, run the base projection meanwhile, wait, add. On a GPU under the CUDA transport
+      (use_transport) the GPU does all of that on its stream with no host synchronization: a
+      kernel copies x into the mapped staging and posts the job (CMD_LORA_GPU: each worker takes a
+      column range of every request's delta, hetero.adapters.layout.run_rows), the base projection
+      runs, a kernel waits for the workers and adds the deltas (hetero/cuda/signal.cu).
   prefill: requests whose adapter has its device copy use it (torch, on the model's device);
       requests whose copy is not ready yet use the CPU workers: the whole prompt in one job where
       it fits the staging rows (layout.staging_rows), so the base projection runs alongside it.
@@ -59,6 +63,14 @@ class LoraBatch:
         self.store = store
         self.adapters = adapters                 # per request: store.Adapter or None
         self._plans = {}                         # (site, pieces) -> staged unit tables
+        self.transport = None                    # a CUDA transport posting the decode jobs (use_transport)
+        self._parts = {}                         # site -> workers of its GPU-posted decode job
+
+    def use_transport(self, transport):
+        """Decode deltas through `transport` (a CudaTransport mapping the store's staging)."""
+        if len(self.adapters) <= self.store.x.shape[0]:          # one staging row per request
+            transport.lora_rows([-1 if a is None else a.slot for a in self.adapters])
+            self.transport = transport
 
     def apply(self, site, x, base):
         """x [B, T, in] (or any [..., in] with B*T rows, request-major) -> base() + LoRA deltas."""
@@ -69,6 +81,8 @@ class LoraBatch:
         din = x.shape[-1]
         x2 = x.reshape(B, -1, din)               # [B, T, in]
         T = x2.shape[1]
+        if T == 1 and self.transport is not None:
+            return self._apply_posted(site, x2, base, users)
         on_device = [] if T == 1 else [(b, a) for b, a in users if a.device is not None]
         on_cpu = [(b, a) for b, a in users if T == 1 or a.device is None]
         chunks = self._chunks(on_cpu, T, self.store.x.shape[0])
@@ -83,6 +97,19 @@ class LoraBatch:
             A, BT = a.device[site]
             s = a.entries[site][2]
             _add(out3[b], ((x2[b].float() @ A.T) * s) @ BT)
+        return out
+
+    def _apply_posted(self, site, x2, base, users):
+        """A decode step's deltas, posted by the GPU (see the module doc): x2 [B, 1, in]."""
+        B, _, din = x2.shape
+        dout = self.store.site_dims[site][1]
+        parts = self._parts.get(site)
+        if parts is None:                         # as plan_units sizes a job, without cutting pieces
+            work = sum(a.entries[site][3] * (din + dout) for _, a in users)
+            parts = self._parts[site] = max(1, min(self.store.pool.n, work // MIN_WORK, dout // 64))
+        job = self.transport.lora_begin(site, x2.reshape(B, din).contiguous(), dout, parts)
+        out = base().contiguous()                 # on the stream while the workers work
+        self.transport.lora_end(job, out.view(B, dout))
         return out
 
     # ---- CPU workers

@@ -8,7 +8,9 @@ Adapter segment (one per loaded adapter; written once by the parent at load, rea
 A *site* is one adapted linear module of the model (an index into the generator's site table).
 
 Staging segment (one per generator; who writes / who reads):
-  hdr    [16] int64          main (before GO)   workers    rows, in of this job
+  hdr    [16] int64          main (before GO)   workers    rows, in of this job; a GPU-posted job
+                             or the GPU                    (CMD_LORA_GPU): rows, in, site, out, parts
+  rowslot [ROWS] int64       main (per call)    workers    GPU-posted jobs: request b's adapter slot (-1: none)
   counts [NW] int64          main               workers    units of worker w
   units  [NW, 2*ROWS, 6] i64 main               workers    (slot, site, row0, row1, c0, c1)
   scale  [NW, 2*ROWS] f64    main               workers    LoRA scaling of each unit
@@ -62,6 +64,7 @@ def staging(nworkers, max_in, max_out):
     rows = staging_rows(max_in, max_out)
     return shm.pack([
         ("hdr", (16,), np.int64),
+        ("rowslot", (rows,), np.int64),
         ("counts", (nworkers,), np.int64),
         ("units", (nworkers, 2 * rows, 6), np.int64),
         ("scale", (nworkers, 2 * rows), np.float64),
@@ -81,3 +84,28 @@ def run_units(rank, views, adapters):
         u = x[r0:r1] @ A.T                       # [n, r]   shrink
         u *= views["scale"][rank, k]
         delta[r0:r1, c0:c1] = u @ BT[:, c0:c1]  # [n, c1-c0]  expand
+
+
+def column_range(dout, parts, rank):
+    """Worker `rank` of `parts`: its output columns [c0, c1) (cuts on multiples of 16, as plan_units)."""
+    cut = [j * dout // parts // 16 * 16 for j in range(parts)] + [dout]
+    return cut[rank], cut[rank + 1]
+
+
+def run_rows(rank, views, adapters):
+    """Worker side of a GPU-posted LoRA job (CMD_LORA_GPU: one decode token per request, posted by
+    the CUDA transport): for every request row b with an adapter (rowslot[b]) adapting this site,
+    delta[b, c0:c1] = s * (x_b A^T) BT[:, c0:c1] on this worker's columns (column_range), as
+    run_units computes it; zeros for the other rows (the GPU adds every row's delta)."""
+    rows, din, site, dout, parts = (int(v) for v in views["hdr"][:5])
+    c0, c1 = column_range(dout, parts, rank)
+    x, delta = views["x"], views["delta"]
+    for b in range(rows):
+        entry = adapters.get(int(views["rowslot"][b]), {}).get(site)
+        if entry is None:
+            delta[b, c0:c1] = 0.0
+            continue
+        A, BT, scaling = entry
+        u = x[b:b + 1, :din] @ A.T                   # [1, r]   shrink
+        u *= np.float64(scaling)
+        delta[b:b + 1, c0:c1] = u @ BT[:, c0:c1]     # [1, c1-c0]  expand

@@ -13,6 +13,15 @@ void hetero_host_publish(int64_t* ctrl, const int64_t* iparams, const double* fp
 
 int hetero_host_released(const int64_t* ctrl, int64_t units) { return job_released(ctrl, units); }
 
+// params: seq, rows, din, site, dout, parts (as hetero_lora_post)
+void hetero_host_publish_lora(int64_t* ctrl, int64_t* hdr, const int64_t* params) {
+    publish_lora(ctrl, hdr, LoraParams{params[0], params[1], params[2], params[3], params[4], params[5]});
+}
+
+int hetero_host_lora_released(const int64_t* ctrl, int64_t seq, int64_t parts) {
+    return lora_released(ctrl, seq, parts);
+}
+
 static Dims dims_of(const int64_t* d) { return Dims{d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]}; }
 
 // The merge kernel's loop on the host: out [B, T, Hq, D] f32; sinks [Hq] or null.

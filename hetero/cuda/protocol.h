@@ -96,6 +96,34 @@ HD bool job_released(const volatile int64_t* ctrl, int64_t units) {
     return load_word(ctrl, HW_FIN) == units || load_word(ctrl, HW_ABORT) != 0;
 }
 
+// Publish a LoRA job (CMD_LORA_GPU, hetero.adapters.layout.run_rows) whose x rows are already
+// written and fenced: the staging header (rows, in, site, out, parts), then the posted workers' GO
+// words, fenced between. hdr: the LoRA staging segment's header words. Called by one thread.
+struct LoraParams {
+    int64_t seq, rows, din, site, dout, parts;
+};
+
+HD void publish_lora(volatile int64_t* ctrl, volatile int64_t* hdr, const LoraParams& p) {
+    store_word(hdr, 0, p.rows);
+    store_word(hdr, 1, p.din);
+    store_word(hdr, 2, p.site);
+    store_word(hdr, 3, p.dout);
+    store_word(hdr, 4, p.parts);
+    store_word(ctrl, HW_CMD, HW_CMD_LORA_GPU);
+    fence_system();
+    for (int64_t r = 0; r < p.parts; ++r) store_word(ctrl, go_index(r), go_value(p.seq, HW_CMD_LORA_GPU));
+    fence_system();
+}
+
+// Whether LoRA job `seq` is finished (workers 0..parts-1 published DONE = seq), or the watchdog
+// aborted waiting.
+HD bool lora_released(const volatile int64_t* ctrl, int64_t seq, int64_t parts) {
+    if (load_word(ctrl, HW_ABORT) != 0) return true;
+    for (int64_t r = 0; r < parts; ++r)
+        if (load_word(ctrl, (HW_DONE_LINE + r) * HW_LINE) < seq) return false;
+    return true;
+}
+
 // Merge the split partials of one output row (see KVSession.merge_partials):
 //   out[d] = sum_s e^(m_s - M) o_s[d] / (sum_s e^(m_s - M) l_s + e^(sink - M)),
 //   M = max(max_s m_s, sink); no sink: has_sink = false.

@@ -102,7 +102,99 @@ static cudaError_t step(cudaStream_t stream, const void* q, const void* k, const
     return cudaGetLastError();
 }
 
+// LoRA deltas of one decode token per request on the CPU workers (hetero/adapters/hooks.py):
+//   lora_copy_out_signal  x [rows, din] (device) -> x_st [.., in_stride] f32 (mapped staging), fenced;
+//                         the last block publishes the job (publish_lora)
+//   wait_lora             one thread spins until workers 0..parts-1 are DONE with it (or ABORT)
+//   lora_add              out [rows, dout] (device, the base projection's output) += delta
+//                         [.., out_stride] f32 (mapped), in f32 and cast back, as peft adds its
+//                         f32 adapters; nothing once the watchdog set ABORT (the host raises)
+template <typename T>
+__global__ void lora_copy_out_signal(const T* x, float* x_st, int64_t in_stride, volatile int64_t* hdr,
+                                     volatile int64_t* ctrl, LoraParams p, unsigned int* blocks_done) {
+    const int64_t n = p.rows * p.din, stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        x_st[(i / p.din) * in_stride + i % p.din] = to_f32(x[i]);
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned int done = atomicAdd(blocks_done, 1u);
+        if (done == gridDim.x - 1) {
+            *blocks_done = 0;
+            __threadfence_system();
+            if (load_word(ctrl, HW_ABORT) == 0) publish_lora(ctrl, hdr, p);
+        }
+    }
+}
+
+__global__ void wait_lora(const volatile int64_t* ctrl, int64_t seq, int64_t parts) {
+    while (!lora_released(ctrl, seq, parts)) __nanosleep(200);
+    __threadfence_system();                  // acquire: the deltas are read after this
+}
+
+template <typename T>
+__global__ void lora_add(T* out, const float* delta, int64_t rows, int64_t dout, int64_t out_stride,
+                         const volatile int64_t* ctrl) {
+    if (load_word(ctrl, HW_ABORT) != 0) return;
+    const volatile float* d = delta;
+    const int64_t n = rows * dout, stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        out[i] = from_f32<T>(to_f32(out[i]) + d[(i / dout) * out_stride + i % dout]);
+}
+
+static int blocks_for(int64_t n, int threads) {
+    int64_t b = (n + threads - 1) / threads;
+    return (int)(b < 1 ? 1 : (b > 64 ? 64 : b));
+}
+
+template <typename T>
+static cudaError_t lora_post(cudaStream_t st, const void* x, void* x_st, int64_t in_stride, void* hdr, void* ctrl,
+                             LoraParams p, unsigned int* blocks_done) {
+    lora_copy_out_signal<T><<<blocks_for(p.rows * p.din, 256), 256, 0, st>>>(
+        (const T*)x, (float*)x_st, in_stride, (volatile int64_t*)hdr, (volatile int64_t*)ctrl, p, blocks_done);
+    return cudaGetLastError();
+}
+
+template <typename T>
+static cudaError_t lora_finish(cudaStream_t st, void* out, const void* delta, int64_t out_stride, const void* ctrl,
+                               LoraParams p) {
+    wait_lora<<<1, 1, 0, st>>>((const volatile int64_t*)ctrl, p.seq, p.parts);
+    lora_add<T><<<blocks_for(p.rows * p.dout, 256), 256, 0, st>>>((T*)out, (const float*)delta, p.rows, p.dout,
+                                                                  out_stride, (const volatile int64_t*)ctrl);
+    return cudaGetLastError();
+}
+
 extern "C" {
+
+// A LoRA job's first half, enqueued on `stream` before the base projection: x to the staging,
+// then the job published. params: seq, rows, din, site, dout, parts; in_stride: the staging's x
+// row length (floats).
+int hetero_lora_post(void* stream, int dtype, const void* x, void* x_st, int64_t in_stride, void* hdr, void* ctrl,
+                     const int64_t* params, void* blocks_done) {
+    LoraParams p{params[0], params[1], params[2], params[3], params[4], params[5]};
+    cudaStream_t st = (cudaStream_t)stream;
+    unsigned int* bd = (unsigned int*)blocks_done;
+    switch (dtype) {
+        case HW_F32: return lora_post<float>(st, x, x_st, in_stride, hdr, ctrl, p, bd);
+        case HW_BF16: return lora_post<__nv_bfloat16>(st, x, x_st, in_stride, hdr, ctrl, p, bd);
+        case HW_F16: return lora_post<__half>(st, x, x_st, in_stride, hdr, ctrl, p, bd);
+    }
+    return (int)cudaErrorInvalidValue;
+}
+
+// Its second half, after the base projection: wait for the workers, add the deltas into `out`.
+int hetero_lora_finish(void* stream, int dtype, void* out, const void* delta, int64_t out_stride, const void* ctrl,
+                       const int64_t* params) {
+    LoraParams p{params[0], params[1], params[2], params[3], params[4], params[5]};
+    cudaStream_t st = (cudaStream_t)stream;
+    switch (dtype) {
+        case HW_F32: return lora_finish<float>(st, out, delta, out_stride, ctrl, p);
+        case HW_BF16: return lora_finish<__nv_bfloat16>(st, out, delta, out_stride, ctrl, p);
+        case HW_F16: return lora_finish<__half>(st, out, delta, out_stride, ctrl, p);
+    }
+    return (int)cudaErrorInvalidValue;
+}
+
 
 // One layer's attention round trip, enqueued on `stream`. dtype: kernel.F32 / BF16 / F16 codes.
 int hetero_attention_step(void* stream, int dtype, const void* q, const void* k, const void* v, void* q_st,

@@ -109,6 +109,7 @@ def nbytes(nworkers):
 CMD_PING, CMD_OPEN, CMD_CLOSE, CMD_ATTN, CMD_EXIT = 1, 2, 3, 4, 5
 CMD_LORA_OPEN, CMD_ADAPTER_MAP, CMD_ADAPTER_DROP, CMD_LORA = 6, 7, 8, 9
 CMD_POPULATE = 10     # fault in pages of the session segment (hetero.offload.pinning), data untouched
+CMD_LORA_GPU = 11     # LoRA deltas of one decode token per request, posted by the GPU (layout.run_rows)
 
 
 def write_name(words, name):

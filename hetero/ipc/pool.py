@@ -30,7 +30,7 @@ from hetero.ipc import atomics, control as C, shm
 CMD_NAMES = {C.CMD_PING: "start-up", C.CMD_OPEN: "open", C.CMD_CLOSE: "close",
              C.CMD_ATTN: "attention", C.CMD_EXIT: "exit", C.CMD_LORA_OPEN: "LoRA staging map",
              C.CMD_ADAPTER_MAP: "adapter map", C.CMD_ADAPTER_DROP: "adapter unmap", C.CMD_LORA: "LoRA",
-             C.CMD_POPULATE: "page fault-in"}
+             C.CMD_POPULATE: "page fault-in", C.CMD_LORA_GPU: "GPU-posted LoRA"}
 
 
 def describe_exit(code):

@@ -22,6 +22,7 @@ import time
 import numpy as np
 import torch
 
+from hetero.cpu_attention.kernel import BF16, F16, F32
 from hetero.errors import WorkerDiedError, WorkerError
 from hetero.ipc import control as C
 from hetero.ipc.pool import describe_exit
@@ -114,18 +115,21 @@ class Watchdog:
                                           "the GPU waited on the workers; the pool is broken")
                     break
                 if w[C.err_word(rank)] != errs[rank]:
-                    err = WorkerError(f"CPU worker {rank} failed a GPU-posted attention job; its traceback "
+                    err = WorkerError(f"CPU worker {rank} failed a GPU-posted job; its traceback "
                                       "is on stderr")
                     break
-            now, progress = time.monotonic(), (int(w[C.TICKET]), int(w[C.FIN]), int(w[C.UNITS]))
-            if err is None and progress[1] != progress[2]:          # a job is unfinished
+            # an attention job is unfinished while FIN != UNITS; a LoRA job while a worker's GO is
+            # ahead of its DONE
+            behind = tuple(r for r in range(pool.n) if C.go_seq(int(w[C.go_word(r)])) > int(w[C.done_word(r)]))
+            now, progress = time.monotonic(), (int(w[C.TICKET]), int(w[C.FIN]), int(w[C.UNITS]), behind)
+            if err is None and (progress[1] != progress[2] or behind):
                 if progress != seen:
                     seen, since = progress, now
                 elif now - since > pool.job_timeout:
-                    holders = [r for r in range(pool.n) if w[C.busy_word(r)] == w[C.TICKET] >> 32]
+                    holders = [r for r in range(pool.n) if w[C.busy_word(r)] == w[C.TICKET] >> 32 or r in behind]
                     pool.stuck = holders or list(range(pool.n))     # killed at pool.close
-                    err = WorkerError(f"CPU workers made no progress on a GPU-posted attention job for "
-                                      f"{pool.job_timeout:g} s (workers holding its units: {holders}); "
+                    err = WorkerError(f"CPU workers made no progress on a GPU-posted job for "
+                                      f"{pool.job_timeout:g} s (workers holding it: {holders}); "
                                       "HeteroConfig.worker_timeout")
             else:
                 seen, since = progress, now
@@ -144,6 +148,9 @@ class Watchdog:
         self._thread.join()
 
 
+_CODES = {torch.float32: F32, torch.bfloat16: BF16, torch.float16: F16}     # signal.cu's dtype codes
+
+
 class _Lib:
     """The compiled signal.cu (ctypes), loaded once per process and device architecture."""
     _cache = {}
@@ -157,6 +164,8 @@ class _Lib:
             vp, i64p, f64p = ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_double)
             lib.hetero_attention_step.argtypes = [vp, ctypes.c_int, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp,
                                                   i64p, vp, i64p, f64p, vp]
+            lib.hetero_lora_post.argtypes = [vp, ctypes.c_int, vp, vp, ctypes.c_int64, vp, vp, i64p, vp]
+            lib.hetero_lora_finish.argtypes = [vp, ctypes.c_int, vp, vp, ctypes.c_int64, vp, i64p]
             lib.hetero_register.argtypes = [vp, ctypes.c_size_t, ctypes.POINTER(vp)]
             lib.hetero_unregister.argtypes = [vp]
             lib.hetero_counter_alloc.argtypes = [ctypes.POINTER(vp)]
@@ -178,10 +187,10 @@ class CudaTransport:
     _said = set()
 
     @classmethod
-    def open(cls, pool, session, device, quiet=False):
+    def open(cls, pool, session, device, quiet=False, lora=None):
         try:
             major, minor = torch.cuda.get_device_capability(device)
-            return cls(_Lib.load(major * 10 + minor), pool, session, device)
+            return cls(_Lib.load(major * 10 + minor), pool, session, device, lora)
         except Exception as e:      # no nvcc, a compile error, an old driver: the exact fallback
             cls.why = f"{type(e).__name__}: {str(e).strip()}"
             if not quiet and cls.why not in cls._said:
@@ -190,8 +199,10 @@ class CudaTransport:
                             cls.why.splitlines()[0])
             return None
 
-    def __init__(self, lib, pool, session, device=None):
+    def __init__(self, lib, pool, session, device=None, lora=None):
         self.lib, self.pool, self.device = lib, pool, device    # the model's GPU: every call runs on it
+        self.lora = lora                        # the generator's AdapterStore: its staging is mapped too
+        self.lparams = np.zeros(6, np.int64)    # a LoRA job's seq, rows, din, site, dout, parts (LoraParams)
         self._regs, self.watchdog, self.counter = [], None, None
         self.pending, self.step_end = 0, None    # rows of a step whose end the host has not seen
         self._kv, self._sinks = None, {}
@@ -200,7 +211,7 @@ class CudaTransport:
                               lay.nsplit_max], np.int64)      # B, Hq, Hkv, T, D, Tmax, Dp, NS (signal.cu)
         self.iparams = np.zeros(7, np.int64)    # seq, layer, T, window, nsplit, units, active (JobParams)
         self.fparams = np.zeros(2, np.float64)  # scale, softcap
-        self._args = tuple(map(_ptr, (self.dims, self.iparams, self.fparams)))   # their ctypes pointers, once
+        self._args = tuple(map(_ptr, (self.dims, self.iparams, self.fparams, self.lparams)))   # ctypes pointers, once
         try:
             self._map(session)
             pool.keep_awake(True)               # the GPU posts GO: the workers must not sleep
@@ -223,6 +234,11 @@ class CudaTransport:
         end = offs["part_l"][0] + session.part_l.numel() * 4
         dev = self._register(session.lengths.ctypes.data, -(-end // 4096) * 4096)   # lengths .. part_l
         self.dev = {n: dev + offs[n][0] for n in ("q", "knew", "vnew", "part_o", "part_m", "part_l")}
+        if self.lora is not None:               # the LoRA staging (hdr .. delta): x in, deltas out
+            st = self.lora.staging
+            base = ctypes.addressof(ctypes.c_char.from_buffer(st.mm))
+            ldev = self._register(base, -(-st.size // 4096) * 4096)
+            self.dev.update({n: ldev + self.lora.views[n].ctypes.data - base for n in ("hdr", "x", "delta")})
         c = ctypes.c_void_p()
         self._call(self.lib.hetero_counter_alloc(ctypes.byref(c)), "cudaMalloc")
         self.counter = c.value
@@ -243,6 +259,22 @@ class CudaTransport:
                 None if sink is None else sink.data_ptr(), out.data_ptr(), self._args[0], self.ctrl_dev,
                 self._args[1], self._args[2], self.counter)
         self._call(rc, "the attention step launch")
+
+    def _launch_lora_post(self, code, x):
+        """Enqueue x -> the LoRA staging, then the job (signal.cu's hetero_lora_post)."""
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        with torch.cuda.device(x.device):
+            rc = self.lib.hetero_lora_post(stream, code, x.data_ptr(), self.dev["x"], self.lora.views["x"].shape[1],
+                                           self.dev["hdr"], self.ctrl_dev, self._args[3], self.counter)
+        self._call(rc, "the LoRA job launch")
+
+    def _launch_lora_finish(self, code, out):
+        """Enqueue the wait for the LoRA job and the deltas' add into out (hetero_lora_finish)."""
+        stream = torch.cuda.current_stream(out.device).cuda_stream
+        with torch.cuda.device(out.device):
+            rc = self.lib.hetero_lora_finish(stream, code, out.data_ptr(), self.dev["delta"],
+                                             self.lora.views["delta"].shape[1], self.ctrl_dev, self._args[3])
+        self._call(rc, "the LoRA add launch")
 
     def _event(self):
         e = torch.cuda.Event()
@@ -302,6 +334,27 @@ class CudaTransport:
         if hit is None or hit[0] is not sinks:
             hit = self._sinks[layer] = (sinks, sinks.detach().float().contiguous())
         return hit[1]
+
+    def lora_rows(self, slots):
+        """Before the call's first LoRA job: request b's adapter slot (-1: the base model), read by
+        the workers (hetero.adapters.layout.run_rows)."""
+        self.lora.views["rowslot"][:len(slots)] = slots
+
+    def lora_begin(self, site, x, dout, parts):
+        """x [rows, din] (device, contiguous; one decode token per request): enqueue its copy into
+        the LoRA staging and the workers' job for `site` on `parts` workers; the base projection
+        runs on the stream meanwhile. Returns the job for lora_end."""
+        self.watchdog.check()
+        self.pool.seq += 1
+        self.lparams[:] = (self.pool.seq, x.shape[0], x.shape[1], site, dout, parts)
+        self._launch_lora_post(_CODES[x.dtype], x)
+        return self.lparams.copy()
+
+    def lora_end(self, job, out):
+        """out [rows, dout] (device, contiguous: the base projection's output) += the job's deltas,
+        enqueued after the wait for the workers."""
+        self.lparams[:] = job
+        self._launch_lora_finish(_CODES[out.dtype], out)
 
     def step_done(self, s, T):
         self.pending += T

@@ -157,6 +157,8 @@ class Worker:
                     self.attend(seq)
                 elif cmd == C.CMD_LORA:
                     lora.run_units(self.rank, self.lora_v, self.adapters)
+                elif cmd == C.CMD_LORA_GPU:
+                    lora.run_rows(self.rank, self.lora_v, self.adapters)
                 elif cmd == C.CMD_OPEN:
                     self.open_session()
                 elif cmd == C.CMD_POPULATE:
