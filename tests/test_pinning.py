@@ -2,30 +2,32 @@
 partition, and ArenaPins on a real session with real workers faulting in pages, its
 cudaHostRegister replaced by a recorder (what a GPU would be asked to lock, and when)."""
 import ctypes
-import mmap
+import time
 
 import pytest
 import torch
 
-from hetero.ipc import shm
+from hetero.ipc import control as C, shm
 from hetero.ipc.pool import WorkerPool
 from hetero.model_spec import ModelSpec
 from hetero.offload.pinning import PAGE, ArenaPins, chunks, touching
 from hetero.offload.session import KVSession
 
 
-@pytest.mark.parametrize("slot", [100, 4096, 5 * 1024, 8192, 3 * 1024 * 1024 + 8])
+@pytest.mark.parametrize("slot", [100, 4096, 5 * 1024, 8192, 3 * 1024 * 1024 + 8, 3 * 1024 * 1024])
 @pytest.mark.parametrize("slots", [1, 2, 7])
 def test_chunks_partition_the_pages(slot, slots):
+    """One chunk per slot of whole pages, else one for the array; page-aligned, consecutive, and
+    a slab's chunks cover its bytes."""
     base = 3 * PAGE
     b = chunks(base, slot, slots)
-    assert len(b) == slots and b[0][0] == base
+    assert len(b) == (slots if slot % PAGE == 0 else 1) and b[0][0] == base
     assert b[-1][1] == base + -(-slots * slot // PAGE) * PAGE
     for (lo, hi), (lo2, _) in zip(b, b[1:]):
-        assert hi == lo2 and lo <= hi                   # consecutive, no overlap
+        assert hi == lo2 and lo < hi                    # consecutive, no overlap
     for lo, hi in b:
         assert lo % PAGE == 0 and hi % PAGE == 0
-    for j in range(slots):                              # a slab's chunks cover its bytes
+    for j in range(slots):
         lo, hi = base + j * slot, base + (j + 1) * slot
         ks = touching(b, lo, hi)
         assert ks == list(range(ks[0], ks[-1] + 1))
@@ -41,12 +43,14 @@ def _resident(addr, nbytes):
     return sum(v & 1 for v in vec) / n
 
 
-@pytest.mark.parametrize("windows", [(0, 0, 0, 0), (0, 40, 0, 40)], ids=["full", "rings"])
-def test_arena_pins_lock_each_page_once_after_the_workers_fault_it_in(windows):
+@pytest.mark.parametrize("windows,head_dim,kv_heads,cap", [((0, 0, 0, 0), 64, 2, 300), ((0, 40, 0, 40), 64, 2, 300),
+                                                            ((40,) * 4, 64, 2, 300), ((0, 0, 0, 0), 80, 1, 288)],
+                         ids=["full", "rings", "all-rings", "slots-not-pages"])
+def test_arena_pins_lock_each_page_once_after_the_workers_fault_it_in(windows, head_dim, kv_heads, cap):
     """Layer by layer: each lock is page-aligned and inside the segment, no page is locked twice,
     every layer's K/V bytes are locked after its pin, the workers have faulted in the next layer's
     pages meanwhile (mincore), the arena's contents are untouched, and close unlocks all."""
-    spec = ModelSpec(model_type="t", layers=4, q_heads=4, kv_heads=2, head_dim=80, dtype=torch.bfloat16,
+    spec = ModelSpec(model_type="t", layers=4, q_heads=4, kv_heads=kv_heads, head_dim=head_dim, dtype=torch.bfloat16,
                      max_positions=None, sliding=tuple(w > 0 for w in windows), windows=windows)
     locked, unlocked = [], []
 
@@ -58,13 +62,12 @@ def test_arena_pins_lock_each_page_once_after_the_workers_fault_it_in(windows):
 
     pool = WorkerPool(2, [])
     try:
-        s = KVSession(pool, spec, pads=[0, 3], real_lens=[200, 197], cap=300)
+        s = KVSession(pool, spec, pads=[0, 3], real_lens=[200, 197], cap=cap)
         try:
-            base = s.K.data_ptr() - s.layout.offsets()[0]["K"][0]
-            assert base == ctypes.addressof(ctypes.c_char.from_buffer(s.seg.mm)) and base % mmap.PAGESIZE == 0
-            k, v = torch.randn(2, 200, 80).to(torch.bfloat16), torch.randn(2, 200, 80).to(torch.bfloat16)
-            s.write_rows(2, 0, k, v)                                  # data before any pin
+            k, v = (torch.randn(kv_heads, 32, head_dim).to(torch.bfloat16) for _ in range(2))
+            s.write_rows(0, 0, k, v)                                  # data before any pin (K, or a ring)
             pins = s._pins = ArenaPins(s, register, unlocked.append)
+            assert pins.base == ctypes.addressof(ctypes.c_char.from_buffer(s.seg.mm)) and pins.base % PAGE == 0
             slabs = [(t.data_ptr(), t.numel() * t.element_size()) for t in (x for kv in s.kv for x in kv)]
             if shm.shmem_huge_pages() == "never":                     # 4 KB pages: the last layer's are fresh
                 ptr, n = slabs[-1]
@@ -83,9 +86,9 @@ def test_arena_pins_lock_each_page_once_after_the_workers_fault_it_in(windows):
                         assert _resident(lo, ptr + n - lo) == 1.0
             assert pins.populating is None and pins.seconds > 0
             pins.pin(1)                                               # idempotent
-            k2, v2 = s.read_rows(2, 0, 200)
+            k2, v2 = s.read_rows(0, 0, 32)
             assert torch.equal(k2, k) and torch.equal(v2, v)          # population changed nothing
-            assert int(s.K.view(torch.int16).count_nonzero()) == int(k.view(torch.int16).count_nonzero())
+            assert int(s.kv[0][0].view(torch.int16).count_nonzero()) == int(k.view(torch.int16).count_nonzero())
         finally:
             s.close()
         assert sorted(unlocked) == sorted(p for p, _ in locked) and s._pins is None
@@ -111,5 +114,31 @@ def test_arena_pins_stop_at_a_refusal():
         finally:
             s.close()
         assert unlocked == calls[:1]
+    finally:
+        pool.close()
+
+
+def test_a_fault_in_job_waited_for_by_another_job_is_not_waited_for_again():
+    """Another pool job between two pins (a LoRA prefill job, the session's close after an
+    exception) drains the fault-in job in flight: the next pin and the close go on at once, the
+    pool stays healthy."""
+    spec = ModelSpec(model_type="t", layers=3, q_heads=2, kv_heads=1, head_dim=64, dtype=torch.float32,
+                     max_positions=None, sliding=(False,) * 3)
+    pool = WorkerPool(1, [], job_timeout=5.0)
+    try:
+        s = KVSession(pool, spec, pads=[0], real_lens=[64], cap=128)
+        try:
+            s._pins = pins = ArenaPins(s, lambda p, n: True, lambda p: None)
+            pins.pin(0)
+            assert pins.populating is not None and pool.inflight is not None    # layer 1's, in flight
+            pool.run(C.CMD_PING)
+            t = time.perf_counter()
+            pins.pin(1)
+            pins.pin(0)
+            assert time.perf_counter() - t < 1.0 and pool.broken is None
+        finally:
+            t = time.perf_counter()
+            s.close()                                   # layer 2's job in flight: CMD_CLOSE drains it
+            assert time.perf_counter() - t < 1.0 and pool.broken is None and pool.alive
     finally:
         pool.close()

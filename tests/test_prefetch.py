@@ -40,13 +40,13 @@ def test_tiles_merged_by_log_sum_exp_equal_one_attention(T, n, causal, softcap, 
     rows (eager_attention, the reference the prefill paths share); the kernel and the math path
     give the same (out, lse)."""
     from hetero.attention import eager_attention
-    from hetero.prefetch.schedule import attention_lse, merge_lse
+    from hetero.prefetch.schedule import attention_lse, attention_lse_math, merge_lse
 
     g = torch.Generator().manual_seed(n + T)
     q = torch.randn(1, 4, T, 32, generator=g).to(dtype)
     k, v = (torch.randn(1, 4, n, 32, generator=g).to(dtype) for _ in range(2))
     scale = 32 ** -0.5
-    parts = [(0, 3), (3, n)] if not causal else [(0, n)]
+    parts = [(0, 3), (3, n)] if not causal else [(0, n)]      # (a causal piece merged: the continuations below)
     acc = None
     for a, b in parts:
         piece = attention_lse(q, k[:, :, a:b], v[:, :, a:b], scale, causal, softcap)
@@ -55,12 +55,15 @@ def test_tiles_merged_by_log_sum_exp_equal_one_attention(T, n, causal, softcap, 
     ref, _ = eager_attention(None, q.float(), k.float(), v.float(), mask[None, None], scale, softcap)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(acc[0].float().transpose(1, 2), ref, **tol)
-    if softcap is None:                               # the math path (a kernel refusing) gives the same
-        w = torch.matmul(q.float(), k.float().transpose(2, 3)) * scale
-        if causal:
-            w = w.masked_fill(~mask, float("-inf"))
-        out, lse = attention_lse(q, k, v, scale, causal, softcap=None)
+    # the kernel (softcap None) and the math path (a kernel refusing) give the same out and lse
+    w = torch.matmul(q.float(), k.float().transpose(2, 3)) * scale
+    if softcap:
+        w = torch.tanh(w / softcap) * softcap
+    if causal:
+        w = w.masked_fill(~mask, float("-inf"))
+    for out, lse in (attention_lse(q, k, v, scale, causal, softcap), attention_lse_math(q, k, v, scale, causal, softcap)):
         torch.testing.assert_close(lse, torch.logsumexp(w, -1), **tol)
+        torch.testing.assert_close(out.float().transpose(1, 2), ref, **tol)
 
 
 @pytest.mark.parametrize("model_type,dtype,chunk", [("llama", torch.float32, None), ("mistral", torch.float32, 4),
@@ -269,5 +272,52 @@ def test_prefetch_buffers_hold_a_tile_whatever_the_context():
                 assert pre.bufs[0][0].shape[1] == (want if want else max(ring, 64 // BK))
             finally:
                 s.close()
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("L,T,sinks,softcap", [(100, 7, True, None), (96, 5, False, None), (77, 9, True, 2.0),
+                                               (33, 3, False, None)])
+def test_tiled_layers_equal_one_masked_attention_and_append_the_rows(dtype, L, T, sinks, softcap):
+    """The prefetcher's tiled path (tiles of 32 rows, 4 query heads per KV head, sinks, softcap)
+    equals device_attention over all the rows at once, and the arena then holds the new rows
+    after the cached ones, bit for bit (a row count inside a block, and on a block boundary)."""
+    from hetero.ipc.pool import WorkerPool
+    from hetero.offload.session import KVSession
+    from hetero.prefetch.schedule import device_attention
+
+    layers, Hq, Hkv, D = 2, 8, 2, 64
+    g = torch.Generator().manual_seed(L)
+    spec = ModelSpec(model_type="t", layers=layers, q_heads=Hq, kv_heads=Hkv, head_dim=D, dtype=dtype,
+                     max_positions=None, sliding=(False,) * layers)
+    pool = WorkerPool(1, [])
+    try:
+        s = KVSession(pool, spec, pads=[0], real_lens=[L], cap=256, tmax=16)
+        try:
+            ks, vs = ([torch.randn(Hkv, L, D, generator=g).to(dtype) for _ in range(layers)] for _ in range(2))
+            for layer in range(layers):
+                s.write_rows(layer, 0, ks[layer], vs[layer])
+            s.lengths[0] = L
+            pre = LayerPrefetcher(s, torch.device("cpu"), tile=32)
+            pre.start()
+            tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+            for layer in range(layers):
+                q = torch.randn(1, Hq, T, D, generator=g).to(dtype)
+                kn, vn = (torch.randn(1, Hkv, T, D, generator=g).to(dtype) for _ in range(2))
+                sk = torch.randn(Hq, generator=g) if sinks else None
+                pre.stage(kn, vn)
+                out = pre.attend(layer, q, 0, D ** -0.5, softcap, sk)
+                kk, vv = torch.cat([ks[layer][None], kn], 2).float(), torch.cat([vs[layer][None], vn], 2).float()
+                ref = device_attention(q.float(), kk, vv, 0, L, 0, D ** -0.5, softcap, sk)
+                torch.testing.assert_close(out.float(), ref, **tol)
+                ks[layer], vs[layer] = kk[0].to(dtype), vv[0].to(dtype)
+            pre.finish()
+            assert pre.log == pre.planned and max(pre.ntiles) == -(-L // 32)
+            for layer in range(layers):
+                k2, v2 = s.read_rows(layer, 0, L + T)
+                assert torch.equal(k2, ks[layer]) and torch.equal(v2, vs[layer])
+        finally:
+            s.close()
     finally:
         pool.close()

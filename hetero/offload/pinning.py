@@ -12,18 +12,20 @@ the critical path:
     share, in parallel, contents untouched) while the GPU computes, so the lock finds the pages
     allocated (on this 2-core VM mapping allocated pages runs at 4-5 GB/s vs 1.7 GB/s for
     fresh ones; with 2 MB shared-memory pages the lock has little left to do).
-Ranges: each of K, V, Kr, Vr (per layer slot: [B, Hkv, nblk, ...]) is cut into page-aligned
-chunks, one per slot: chunk j runs from the page holding slot j's first byte to the page
-holding slot j + 1's (the last to the array's end, rounded up; arrays start on page boundaries,
-hetero.offload.arena). The chunks partition the array's pages, so no page is locked twice, and a
-layer locks every chunk its slab touches (the next slot's first chunk too, where a slab ends
-inside a page).
+Ranges: each of K, V, Kr, Vr (per layer slot: [B, Hkv, nblk, ...]) is locked in one chunk per
+slot where slots are whole pages (every real shape: a bf16 block of 32 rows of a 64-wide head is
+4 KB), else in one chunk for the whole array, locked with the first layer (a copy spanning two
+separate registrations might not count as page-locked). Arrays start on 4 KB boundaries
+(hetero.offload.arena), so on 4 KB-page hosts no page is locked twice.
+
+The workers' fault-in job is posted only where no GPU-posted job can be in flight: a call's
+prefill and prefetched forwards come before its first decode step (hetero.ipc.transport).
 """
 import logging
 import mmap
 import time
 
-from hetero.ipc import control as C, shm
+from hetero.ipc import control as C
 from hetero.offload.arena import layer_slots
 
 log = logging.getLogger("hetero")
@@ -31,11 +33,11 @@ PAGE = mmap.PAGESIZE
 
 
 def chunks(base, slot_bytes, slots, page=PAGE):
-    """The page-aligned chunks [(lo, hi)] of an array of `slots` slots of `slot_bytes` bytes
-    from byte `base` (page-aligned), one per slot (see the module doc); some may be empty."""
-    b = [base + j * slot_bytes // page * page for j in range(slots)]
-    b.append(base + -(-slots * slot_bytes // page) * page)
-    return list(zip(b, b[1:]))
+    """The page-aligned chunks [(lo, hi)] of an array of `slots` slots of `slot_bytes` bytes from
+    byte `base` (page-aligned): one per slot where slots are whole pages, else one for the array."""
+    if slot_bytes % page:
+        return [(base, base + -(-slots * slot_bytes // page) * page)]
+    return [(base + j * slot_bytes, base + (j + 1) * slot_bytes) for j in range(slots)]
 
 
 def touching(bounds, lo, hi):
@@ -52,7 +54,7 @@ class ArenaPins:
     def __init__(self, session, register, unregister):
         self.s, self._register, self._unregister = session, register, unregister
         offs, _ = session.layout.offsets()
-        self.base = session.K.data_ptr() - offs["K"][0]         # the segment's first byte in this process
+        self.base = session.lengths.ctypes.data - offs["lengths"][0]   # the segment's first byte here
         self.bounds = {}                                        # array -> its chunks (byte offsets)
         # per layer: [(array, chunk indices)] for its K and V slabs
         self.layers = [[] for _ in range(session.spec.layers)]
@@ -81,13 +83,12 @@ class ArenaPins:
         return (out + [(0, 0), (0, 0)])[:2]
 
     def _post_populate(self, layer):
-        """Start the workers faulting in the layer's pages; returns the job (None: done here)."""
+        """Start the workers faulting in the layer's pages; returns the job (None: none posted,
+        where the workers do not have this session mapped: the lock faults the pages in itself)."""
         pool = self.s.pool
-        (k0, kn), (v0, vn) = self._ranges(layer)
-        if pool.n == 0:                      # no workers: the parent faults them in itself
-            for start, n in ((k0, kn), (v0, vn)):
-                shm.populate(self.s.seg.mm, start, n)
+        if pool.session is not self.s or pool.closed or pool.broken is not None:
             return None
+        (k0, kn), (v0, vn) = self._ranges(layer)
         pool.drain()                         # the words below are a job's params
         w = pool.words
         for word, value in zip(C.POP_RANGES, (k0, kn, v0, vn)):
@@ -96,9 +97,12 @@ class ArenaPins:
         return pool.submit(C.CMD_POPULATE, pool.n)
 
     def _wait_populate(self):
+        """Wait for the fault-in job, unless another job has already waited for it (pool.submit
+        drains a job in flight: its number is then gone from pool.inflight)."""
         job, self.populating = self.populating, None
-        if job is not None and job[0] is not None:
-            self.s.pool.wait(job[0], self.s.pool.n)
+        pool = self.s.pool
+        if job is not None and job[0] is not None and pool.inflight is not None and pool.inflight[0] == job[0]:
+            pool.drain()
 
     def pin(self, layer):
         """Lock the layer's pages (before its first DMA), then start the workers on the next

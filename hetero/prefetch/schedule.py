@@ -83,6 +83,11 @@ def attention_lse(q, k, v, scale, causal=False, softcap=None):
                 _refused.add(str(q.device))
                 log.warning("hetero: sdpa's attention kernel with log-sum-exp is unavailable on %s (%s); "
                             "prefetched tiles attend in plain math", q.device, str(e).splitlines()[0])
+    return attention_lse_math(q, k, v, scale, causal, softcap)
+
+
+def attention_lse_math(q, k, v, scale, causal=False, softcap=None):
+    """attention_lse in plain math (the [H, T, n] f32 logits materialized)."""
     w = torch.matmul(q.float(), k.float().transpose(2, 3)) * scale          # [1, H, T, n]
     if softcap:
         w = torch.tanh(w / softcap) * softcap
@@ -198,7 +203,7 @@ class LayerPrefetcher:
         for layer in range(s.spec.layers):
             window = s.ring_window[layer]
             first = max(0, L - window + 1) // BK * BK if window else 0
-            step = L - first if self.whole[layer] else self.tile
+            step = max(L - first, 1) if self.whole[layer] else self.tile
             starts = list(range(first, L, step)) or [first]          # at least one (maybe empty) item
             self.first_item.append(len(self.items))
             self.items += [(layer, t, a, min(step, L - a)) for t, a in enumerate(starts)]
