@@ -8,12 +8,18 @@ context length filled synthetically (decode cost does not depend on what it hold
   hf           HF, DynamicCache on the GPU (OOM marked)
   offloaded    HF, DynamicCache(offloading=True): KV in host memory, prefetched layer by layer
   static       HF, StaticCache on the GPU
+and, asked for with --systems (not in the default set):
+  hetero_lora       hetero with a rank-16 peft adapter on all seven projections of every layer, its
+                    decode deltas on the CPU workers through the CUDA transport (GPU-posted jobs)
+  hetero_lora_host  the same through host copies (a synchronization per projection)
+  peft              HF + peft with the same adapter, all on the GPU (DynamicCache)
 Each (shape, context, system) runs in a fresh process; the parent measures in the same run the
 all-core host read bandwidth, PCIe copy bandwidth (pinned, both ways) and the base layers' time
 (HF's static cache at a 256-token context), and the bound = KV bytes / host read bandwidth + base time.
 Targets: hetero >= 3x HF offloaded at 64K, within 1.5x of the bound, GPU memory flat in context.
 
     python bench/gpu_decode.py [--shapes llama3-8b] [--contexts 8192 32768 65536 131072]
+A dry run of one cell on any machine: --one hetero_lora --shape tiny --context 64 --device cpu.
 """
 import argparse
 import json
@@ -28,8 +34,19 @@ from bench.common import machine, run_child, stream_read_all_gbps, write_json  #
 SHAPES = {  # hidden, intermediate, layers, q heads, kv heads, vocab
     "llama3-8b": (4096, 14336, 32, 32, 8, 128256),
     "llama2-7b": (4096, 11008, 32, 32, 32, 32000),
+    "tiny": (256, 512, 2, 4, 2, 1000),          # dry runs
 }
+DEVICE = "cuda"                                  # --device (cpu: a dry run of one cell)
+
+
+def sync():
+    import torch
+
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 SYSTEMS = ("hetero", "hetero_host", "hf", "offloaded", "static")
+LORA_SYSTEMS = ("hetero_lora", "hetero_lora_host", "peft")
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TARGETS = {"vs_offloaded_64k": 3.0, "of_bound": 1.5, "gpu_memory_growth": 1.05}
 
 
@@ -43,7 +60,7 @@ def build(shape):
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
     try:
-        with torch.device("cuda"):
+        with torch.device(DEVICE):
             model = LlamaForCausalLM(cfg).eval()
     finally:
         torch.set_default_dtype(torch.float32)
@@ -54,11 +71,11 @@ def kv_layer(cfg, L, i):
     """Layer i's random keys and values [1, Hkv, L, D] on the GPU (bf16)."""
     import torch
 
-    g = torch.Generator(device="cuda").manual_seed(i)
+    g = torch.Generator(device=DEVICE).manual_seed(i)
     D = cfg.hidden_size // cfg.num_attention_heads
     shape = (1, cfg.num_key_value_heads, L, D)
-    return (torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16),
-            torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16))
+    return (torch.randn(shape, generator=g, device=DEVICE, dtype=torch.bfloat16),
+            torch.randn(shape, generator=g, device=DEVICE, dtype=torch.bfloat16))
 
 
 def decode_loop(model, cache, L, steps):
@@ -66,44 +83,60 @@ def decode_loop(model, cache, L, steps):
     generate's stopping check is)."""
     import torch
 
-    tok, times = torch.full((1, 1), 5, device="cuda"), []
+    tok, times = torch.full((1, 1), 5, device=DEVICE), []
     with torch.inference_mode():
         for i in range(steps):
             t = time.perf_counter()
-            out = model(input_ids=tok, past_key_values=cache, position_ids=torch.full((1, 1), L + i, device="cuda"),
-                        cache_position=torch.tensor([L + i], device="cuda"), use_cache=True)
+            out = model(input_ids=tok, past_key_values=cache, position_ids=torch.full((1, 1), L + i, device=DEVICE),
+                        cache_position=torch.tensor([L + i], device=DEVICE), use_cache=True)
             tok = out.logits[:, -1:].argmax(-1)
-            torch.cuda.synchronize()
+            sync()
             times.append(time.perf_counter() - t)
     return times
+
+
+def with_lora(model):
+    """The model wrapped by peft with one rank-16 adapter ("a") on every projection (random B)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS,
+                                            init_lora_weights=False), adapter_name="a").eval()
 
 
 def run_hf(model, L, steps, kind):
     import torch
     from transformers import DynamicCache, StaticCache
 
+    if kind == "peft":
+        model, kind = with_lora(model), "hf"
     model.set_attn_implementation("sdpa")
     if kind == "static":
         cache = StaticCache(config=model.config, max_cache_len=L + steps)
-        pos = {"cache_position": torch.arange(L, device="cuda")}
+        pos = {"cache_position": torch.arange(L, device=DEVICE)}
     else:
         cache, pos = DynamicCache(config=model.config, offloading=kind == "offloaded"), None
     for i in range(model.config.num_hidden_layers):
         k, v = kv_layer(model.config, L, i)
         cache.update(k, v, i, pos)
         del k, v
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    sync()
+    if DEVICE == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     return decode_loop(model, cache, L, steps), None
 
 
-def run_hetero(model, L, steps, transport):
+def run_hetero(model, L, steps, transport, lora=False):
     import torch
 
     from hetero import HeteroConfig, HeteroGenerator
+    from hetero.generator import _active
 
-    with HeteroGenerator(model, config=HeteroConfig(transport=transport)) as gen:
-        with gen.kv_context(pads=[0], real_lens=[L], cap=L + steps) as cache:
+    with HeteroGenerator(with_lora(model) if lora else model, config=HeteroConfig(transport=transport)) as gen:
+        model = gen.model                                    # the base model (peft's layers hooked)
+        batch = gen._lora_batch(["a"], 1) if lora else None
+        with gen.kv_context(pads=[0], real_lens=[L], cap=L + steps, lora=batch) as cache, _active(batch):
             s = cache.session
             for i in range(model.config.num_hidden_layers):
                 k, v = kv_layer(model.config, L, i)
@@ -112,8 +145,9 @@ def run_hetero(model, L, steps, transport):
             s.finish_prefill()
             for layer in cache.layers:
                 layer.seen = L
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+            sync()
+            if DEVICE == "cuda":
+                torch.cuda.reset_peak_memory_stats()
             times = decode_loop(model, cache, L, steps)
             prof = getattr(gen._planner, "profile", None)
             info = {"plan": [s.nactive, s.nsplit], "transport": s.transport.name, "workers": gen.cpu_workers,
@@ -130,10 +164,11 @@ def one(args):
     try:
         if args.one.startswith("hetero"):
             out["times"], out["info"] = run_hetero(model, args.context, args.steps,
-                                                   "host" if args.one == "hetero_host" else "cuda")
+                                                   "host" if args.one.endswith("_host") else "cuda",
+                                                   lora="lora" in args.one)
         else:
             out["times"], out["info"] = run_hf(model, args.context, args.steps, args.one)
-        out["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
+        out["peak_gpu_bytes"] = torch.cuda.max_memory_allocated() if DEVICE == "cuda" else 0
     except torch.cuda.OutOfMemoryError:
         out["oom"] = True
     print("RESULT " + json.dumps(out))
@@ -167,14 +202,17 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=["llama3-8b"], choices=list(SHAPES))
     ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 65536, 131072])
-    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS + LORA_SYSTEMS)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--out", default="gpu_decode")
     ap.add_argument("--copy-to", default=None, help="also copy the JSON here after every row (a device's $OUT)")
-    ap.add_argument("--one", choices=SYSTEMS, help=argparse.SUPPRESS)
+    ap.add_argument("--one", choices=SYSTEMS + LORA_SYSTEMS, help=argparse.SUPPRESS)
     ap.add_argument("--shape", help=argparse.SUPPRESS)
     ap.add_argument("--context", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of one --one cell")
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
     if args.one:
         return one(args)
     import torch
