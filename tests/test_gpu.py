@@ -141,17 +141,41 @@ def test_cuda_transport_dead_worker_raises_within_2s():
 
 # ---- contexts on a CUDA model: layer-wise prefetch, batches sharing a context
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda_attention_lse_kernels_equal_the_math(dtype, causal):
+    """attention_lse on CUDA (flash for bf16, memory-efficient for f32: the kernels torch's private
+    ops give with their log-sum-exp) equals the plain math, for the prefetcher's folded GQA shape,
+    and no kernel refused (no fallback logged)."""
+    from hetero.prefetch import schedule
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    T, n = (37, 37) if causal else (4 * 37, 300)
+    q = torch.randn(1, 2, T, 64, generator=g, device="cuda").to(dtype)
+    k, v = (torch.randn(1, 2, n, 64, generator=g, device="cuda").to(dtype) for _ in range(2))
+    out, lse = schedule.attention_lse(q, k, v, 0.125, causal)
+    ref, ref_lse = schedule.attention_lse_math(q, k, v, 0.125, causal)
+    assert out.shape == q.shape and lse.shape == q.shape[:3] and lse.dtype == torch.float32
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+    torch.testing.assert_close(lse, ref_lse, **tol)
+    assert not any(d.startswith("cuda") for d in schedule._refused)
+
+
 @pytest.mark.parametrize("model_type,dtype", [("llama", torch.float32), ("gemma2", torch.float32),
                                               ("qwen3", torch.bfloat16)])
-def test_cuda_prefetched_continuation_matches_hf(model_type, dtype):
+def test_cuda_prefetched_continuation_matches_hf(model_type, dtype, monkeypatch):
     """continuation='prefetch' on a CUDA model: each layer's cached rows are DMA'd from the
     page-locked arena into two rotating GPU buffers on a copy stream, the new rows go back on an
     offload stream; in pieces of 8 tokens (the buffers rotate across forwards, the second turn
-    reads the rows the first appended) the turns equal HF over the whole conversation, the ops
-    are plan()'s, and the workers' path gives the same tokens."""
+    reads the rows the first appended; full-attention layers in tiles of 32 rows) the turns equal
+    HF over the whole conversation, the ops are plan()'s, and the workers' path gives the same
+    tokens; every layer of the arena is page-locked."""
     from hetero import HeteroConfig
-    from hetero.prefetch.schedule import plan
+    from hetero.prefetch import schedule
     from tests.test_contexts import KW, turns
+
+    monkeypatch.setattr(schedule, "TILE_ROWS", 32)
 
     model = build_model(model_type, dtype=dtype)[0].cuda()
     doc, msg, nxt = (t.cuda() for t in turns(31, 60, 40, 9))
@@ -162,11 +186,13 @@ def test_cuda_prefetched_continuation_matches_hf(model_type, dtype):
             a = gen.generate(msg[None], context=ctx, max_new_tokens=4, **KW)     # 39 tokens fed: 5 pieces
             if mode == "prefetch":
                 assert gen.last_prefetch_log == gen.last_prefetch_plan
-                assert len(gen.last_prefetch_plan) == len(plan([1] * model.config.num_hidden_layers)) * 5
+                assert any(op[0] == "attend" and op[2] > 0 for op in gen.last_prefetch_plan)   # tiles
+                pins = ctx.session._pins
+                assert not pins.refused and pins.pinned == set(range(model.config.num_hidden_layers))
+                assert all(k.is_pinned() and v.is_pinned() for k, v in ctx.session.kv)
             b = gen.generate(nxt[None], context=ctx, max_new_tokens=4, **KW)     # 1 pending + 9, 9 fed: 2
             if mode == "prefetch":
                 assert gen.last_prefetch_log == gen.last_prefetch_plan
-                assert len(gen.last_prefetch_plan) == len(plan([1] * model.config.num_hidden_layers)) * 2
             outs[mode] = (a, b)
     conv = torch.cat([doc, msg])
     ref = model.generate(conv[None], attention_mask=torch.ones_like(conv)[None], max_new_tokens=4, **KW)
@@ -217,6 +243,9 @@ def test_cuda_prefill_offloads_layer_by_layer():
         torch.cuda.reset_peak_memory_stats()
         with gen.prefill(ids, reserve=8) as ctx:
             peak = torch.cuda.max_memory_allocated()
+            pins = ctx.session._pins                     # page-locked layer by layer, each once
+            assert not pins.refused and pins.pinned == set(range(12))
+            assert len(pins.locked) == sum(len(b) for b in pins.bounds.values())
             for layer in (0, 11):
                 k, v = ctx.session.read_rows(layer, 0, S)
                 assert torch.equal(k, ref[layer][0]) and torch.equal(v, ref[layer][1])
