@@ -26,17 +26,21 @@ def test_cuda_model_matches_hf(model_type, dtype):
 
 
 @pytest.mark.parametrize("transport", ["cuda", "host"])
-def test_cuda_lora_cold_and_warm_match_peft(tmp_path, transport):
+def test_cuda_lora_cold_and_warm_match_peft(tmp_path, transport, monkeypatch):
     """LoRA with the model on the GPU: a cold adapter (device copy held back: prefill deltas on the
     CPU workers, copied to the GPU) and a warm one (its device copy) both equal peft's generate;
     decode deltas posted by the GPU (CUDA transport) or through host copies."""
     from hetero import HeteroConfig
     from tests.test_lora import NAMES, assert_same, generate, make_adapters
 
+    from hetero.ipc.transport import CudaTransport
+
     base, pm, _ = make_adapters("llama", tmp_path)
     base, pm = base.cuda(), pm.cuda()
     ids, mask = (t.cuda() for t in padded_batch())
     ref = generate(pm, ids, mask, adapter_names=NAMES)
+    posted, begin = [], CudaTransport.lora_begin
+    monkeypatch.setattr(CudaTransport, "lora_begin", lambda self, *a: (posted.append(a[0]), begin(self, *a))[1])
     with HeteroGenerator(base, config=HeteroConfig(cpu_workers=2, transport=transport)) as gen:
         gen.load_adapter("legal", tmp_path / "legal")
         gen._store.copy_gate.clear()
@@ -47,8 +51,12 @@ def test_cuda_lora_cold_and_warm_match_peft(tmp_path, transport):
         assert gen._store.adapters["code"].ready.wait(30)
         assert all(A.is_cuda for A, _ in gen._store.adapters["code"].device.values())
         warm = generate(gen, ids, mask, adapter_names=NAMES)
+        one = generate(gen, ids[:, -1:], mask[:, -1:], adapter_names=NAMES)     # a one-token prefill: host jobs
     assert_same(cold, ref)
     assert_same(warm, ref)
+    assert_same(one, generate(pm, ids[:, -1:], mask[:, -1:], adapter_names=NAMES))
+    # decode deltas posted by the GPU: every adapted site of both layers, 7 steps, 3 calls
+    assert len(posted) == (3 * 7 * 7 * base.config.num_hidden_layers if transport == "cuda" else 0)
 
 
 # ---- the CUDA transport (hetero/cuda/signal.cu): no host synchronization per layer

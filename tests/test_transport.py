@@ -97,7 +97,8 @@ class HostTransport(CudaTransport):
         seq, rows, _, _, dout, parts = (int(v) for v in self.lparams)
         while not self.lib.hetero_host_lora_released(self.pool.words.ctypes.data, seq, parts):
             time.sleep(0)
-        out.copy_(out.float() + self.lora.delta[:rows, :dout])
+        if self.pool.words[C.ABORT] == 0:
+            out.copy_(out.float() + self.lora.delta[:rows, :dout])
 
     def _event(self):
         return _Done()
@@ -298,25 +299,35 @@ def test_parent_pinned_off_the_workers_cores_and_restored(llama):
     assert os.sched_getaffinity(0) == before
 
 
-@pytest.mark.parametrize("model_type", ["llama", "phi3"])
-def test_cuda_protocol_lora_decode_matches_peft(host_transport, model_type, tmp_path):
+@pytest.mark.parametrize("model_type,split", [("llama", False), ("phi3", False), ("llama", True)])
+def test_cuda_protocol_lora_decode_matches_peft(host_transport, model_type, split, tmp_path, monkeypatch):
     """LoRA deltas of decode steps posted through the CUDA transport's protocol (host build of
-    publish_lora / lora_released; the workers' run_rows over column ranges, zeros for requests
-    whose adapter skips a site): a mixed batch (two adapters, the base model) equals peft's
-    tokens and scores. phi3: fused qkv / gate_up projections."""
+    publish_lora / lora_released; the workers' run_rows, zeros for requests whose adapter skips a
+    site; split: jobs cut in column ranges over both workers): a mixed batch (two adapters, the
+    base model) equals peft's tokens and scores, and so does a one-token prompt (its prefill is
+    not a decode step: host jobs). phi3: fused qkv / gate_up projections."""
+    from hetero.adapters import hooks
     from tests.test_lora import NAMES, assert_same, generate, make_adapters
 
     base, pm, _ = make_adapters(model_type, tmp_path)
+    if split:
+        monkeypatch.setattr(hooks, "MIN_WORK", 1)
+    parts = []
+    monkeypatch.setattr(HostTransport, "lora_begin",
+                        lambda self, site, x, dout, n: (parts.append(n), CudaTransport.lora_begin(self, site, x, dout, n))[1])
     ids, mask = padded_batch()
     ref = generate(pm, ids, mask, adapter_names=NAMES)
-    before = HostTransport.lora_jobs
+    ref1 = generate(pm, ids[:, -1:], mask[:, -1:], adapter_names=NAMES)
     dirs = {n: str(tmp_path / n) for n in ("legal", "code")}
     with HeteroGenerator(base, config=HeteroConfig(cpu_workers=2), adapters=dirs) as gen:
         out = generate(gen, ids, mask, adapter_names=NAMES)
+        # every adapted site of every layer, in each of the 7 decode steps (the prefill's: host jobs)
+        sites = len({s for a in (pm.peft_config["legal"], pm.peft_config["code"]) for s in a.target_modules})
+        assert len(parts) == 7 * sites * base.config.num_hidden_layers
+        assert (max(parts) == 2) == split
+        out1 = generate(gen, ids[:, -1:], mask[:, -1:], adapter_names=NAMES)
     assert_same(out, ref)
-    # every adapted site of every layer, in each of the 7 decode steps (the prefill's go to the host path)
-    sites = len({s for a in (pm.peft_config["legal"], pm.peft_config["code"]) for s in a.target_modules})
-    assert HostTransport.lora_jobs - before == 7 * sites * base.config.num_hidden_layers
+    assert_same(out1, ref1)
 
 
 def test_watchdog_releases_a_stalled_lora_job(tmp_path):
@@ -343,3 +354,26 @@ def test_watchdog_releases_a_stalled_lora_job(tmp_path):
                 ht.close()
         finally:
             s.close()                                               # the pool is broken: no CMD_CLOSE
+
+
+def test_watchdog_ignores_finished_fault_in_jobs():
+    """Page-locking's fault-in jobs (CMD_POPULATE, host-posted during a prefill) leave no word the
+    watchdog reads as an unfinished job: a prefill longer than worker_timeout is not aborted."""
+    from hetero.offload.pinning import ArenaPins
+
+    pool = WorkerPool(1, [], job_timeout=0.3)
+    try:
+        s, _ = _session(pool, FixedPlan(0, 2))
+        try:
+            ht = HostTransport(pool, s)
+            s.use_transport(ht)
+            s._pins = ArenaPins(s, lambda p, n: True, lambda p: None)
+            s._pins.pin(0)                              # posts layer 1's fault-in job
+            s._pins.pin(1)
+            time.sleep(1.0)
+            assert pool.words[C.ABORT] == 0 and pool.broken is None
+            ht.close()
+        finally:
+            s.close()
+    finally:
+        pool.close()

@@ -81,7 +81,7 @@ class LoraBatch:
         din = x.shape[-1]
         x2 = x.reshape(B, -1, din)               # [B, T, in]
         T = x2.shape[1]
-        if T == 1 and self.transport is not None:
+        if T == 1 and self.transport is not None and _decoding():
             return self._apply_posted(site, x2, base, users)
         on_device = [] if T == 1 else [(b, a) for b, a in users if a.device is not None]
         on_cpu = [(b, a) for b, a in users if T == 1 or a.device is None]
@@ -170,6 +170,16 @@ class LoraBatch:
         for b, _, t0, t1 in chunk:
             _add(out3[b, t0:t1], self.store.delta[row:row + t1 - t0, :dout])
             row += t1 - t0
+
+
+def _decoding():
+    """A decode step of the active session (hetero.attention): prefilled, not a prefetched
+    forward. Only there may the GPU post LoRA jobs: a prefill's or prefetched forward's host may
+    post jobs of its own (hetero.offload.pinning), whose numbers would overtake the GPU's."""
+    from hetero.attention import active_session
+
+    s = active_session.get()
+    return s is not None and s.prefilled and s.prefetcher is None
 
 
 def _add(out, delta):

@@ -44,6 +44,9 @@ class AdapterStore:
         self.site_dims = []          # site id -> (in, out)
         self._slots = iter(range(1, 1 << 62))
         self.pool, self.staging, self.views = None, None, None
+        # while a CUDA transport has page-locked and mapped the staging (once, kept across calls):
+        # (its host address, its device address, the function that releases the lock)
+        self.device_map = None
         self.copy_gate = threading.Event()   # cleared: device copies wait (tests, cold-start benchmarks)
         self.copy_gate.set()
         self._copies = queue.Queue()
@@ -63,8 +66,14 @@ class AdapterStore:
         for a in self.adapters.values():
             self._map(a)
 
+    def _unmap_device(self):
+        mapped, self.device_map = self.device_map, None
+        if mapped is not None:
+            mapped[2]()
+
     def _new_staging(self, nworkers):
         if self.staging is not None:
+            self._unmap_device()                 # before the unmap
             self.views = None
             self.staging.close()
         packed = layout.staging(nworkers, self.max_in, self.max_out)
@@ -169,6 +178,7 @@ class AdapterStore:
         self._copies.put(None)
         self.copy_gate.set()
         if self.staging is not None:
+            self._unmap_device()
             self.views = self.x = self.delta = None
             self.staging.close()
             self.staging = None

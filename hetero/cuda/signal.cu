@@ -138,8 +138,10 @@ __global__ void lora_add(T* out, const float* delta, int64_t rows, int64_t dout,
     if (load_word(ctrl, HW_ABORT) != 0) return;
     const volatile float* d = delta;
     const int64_t n = rows * dout, stride = (int64_t)gridDim.x * blockDim.x;
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
-        out[i] = from_f32<T>(to_f32(out[i]) + d[(i / dout) * out_stride + i % dout]);
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const float di = d[(i / dout) * out_stride + i % dout];
+        if (di != 0.f) out[i] = from_f32<T>(to_f32(out[i]) + di);   // a row without the adapter: untouched (-0.0 stays)
+    }
 }
 
 static int blocks_for(int64_t n, int threads) {

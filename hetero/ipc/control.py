@@ -8,8 +8,9 @@
                                       shared-prefix groups and private rows (21-22)
   ARG*  main, before SEQ  workers     LoRA commands: slot / staging dims
   POP_* main, before SEQ  workers     CMD_POPULATE: two byte ranges of the session segment
-                                      (offset, bytes, offset, bytes) and the workers sharing them
-                                      (words 9-13, the attention params' line)
+                                      (offset, bytes, offset, bytes), shared by every worker
+                                      (words 9-12: attention params, never UNITS, which the
+                                      watchdog compares with FIN)
   NAME  main, before OPEN workers     segment name (KV session, adapter or staging), NUL-padded bytes
   TICKET main (before GO), workers   attention units left, tagged with the job number:
          then workers and main         job << 32 | units left (ticket()). Whoever takes a unit
@@ -43,7 +44,7 @@ S_NSPLIT_MAX = 32
 S_GROUPS, S_PRIVATE = 21, 22                    # shared-prefix groups; rows K/V hold per request
 S_RING, S_RING_LAYERS = 35, 36                   # ring rows and ring layers (sliding windows, arena.ring_plan)
 ARG0, ARG1 = 33, 34
-POP_RANGES, POP_PARTS = (9, 10, 11, 12), 13     # CMD_POPULATE's params (the attention params' words)
+POP_RANGES = (9, 10, 11, 12)                    # CMD_POPULATE's params (attention params' words)
 AWAKE = 37
 NAME_WORD, NAME_BYTES = 40, 128                 # lines 5-6
 TICKET = 56                                     # line 7, alone: every taker hits it

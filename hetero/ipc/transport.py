@@ -126,7 +126,8 @@ class Watchdog:
                 if progress != seen:
                     seen, since = progress, now
                 elif now - since > pool.job_timeout:
-                    holders = [r for r in range(pool.n) if w[C.busy_word(r)] == w[C.TICKET] >> 32 or r in behind]
+                    holders = list(behind) if progress[1] == progress[2] else \
+                        [r for r in range(pool.n) if w[C.busy_word(r)] == w[C.TICKET] >> 32]
                     pool.stuck = holders or list(range(pool.n))     # killed at pool.close
                     err = WorkerError(f"CPU workers made no progress on a GPU-posted job for "
                                       f"{pool.job_timeout:g} s (workers holding it: {holders}); "
@@ -173,6 +174,17 @@ class _Lib:
             lib.hetero_error_string.restype = ctypes.c_char_p
             cls._cache[arch] = lib
         return cls._cache[arch]
+
+
+class _Unlock:
+    """Releases a page lock of hetero_register on `device` (AdapterStore.device_map)."""
+
+    def __init__(self, lib, device, ptr):
+        self.lib, self.device, self.ptr = lib, device, ptr
+
+    def __call__(self):
+        with torch.cuda.device(self.device):
+            self.lib.hetero_unregister(ctypes.c_void_p(self.ptr))
 
 
 def _ptr(a):
@@ -235,13 +247,22 @@ class CudaTransport:
         dev = self._register(session.lengths.ctypes.data, -(-end // 4096) * 4096)   # lengths .. part_l
         self.dev = {n: dev + offs[n][0] for n in ("q", "knew", "vnew", "part_o", "part_m", "part_l")}
         if self.lora is not None:               # the LoRA staging (hdr .. delta): x in, deltas out
-            st = self.lora.staging
-            base = ctypes.addressof(ctypes.c_char.from_buffer(st.mm))
-            ldev = self._register(base, -(-st.size // 4096) * 4096)
+            base = self.lora.views["hdr"].ctypes.data            # offset 0 of the staging segment
+            if self.lora.device_map is None or self.lora.device_map[0] != base:
+                self.lora.device_map = (base, self._lock_staging(base), _Unlock(self.lib, self.device, base))
+            ldev = self.lora.device_map[1]
             self.dev.update({n: ldev + self.lora.views[n].ctypes.data - base for n in ("hdr", "x", "delta")})
         c = ctypes.c_void_p()
         self._call(self.lib.hetero_counter_alloc(ctypes.byref(c)), "cudaMalloc")
         self.counter = c.value
+
+    def _lock_staging(self, base):
+        """Page-lock and map the adapter store's staging once (kept across calls: released by the
+        store when it replaces or closes it); its device address."""
+        d = ctypes.c_void_p()
+        size = -(-self.lora.staging.size // 4096) * 4096
+        self._call(self.lib.hetero_register(ctypes.c_void_p(base), size, ctypes.byref(d)), "cudaHostRegister")
+        return d.value
 
     def _register(self, ptr, nbytes):
         d = ctypes.c_void_p()

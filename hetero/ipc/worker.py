@@ -105,9 +105,9 @@ class Worker:
             seg.close()
 
     def populate(self):
-        """CMD_POPULATE: this worker's share of two byte ranges of the session segment (2 MB
-        pieces: whole huge pages where /dev/shm has them), faulted in (shm.populate)."""
-        w, parts = self.words, int(self.words[C.POP_PARTS])
+        """CMD_POPULATE (posted to every worker): this worker's share of two byte ranges of the
+        session segment (2 MB pieces: whole huge pages where /dev/shm has them), faulted in."""
+        w, parts = self.words, self.nworkers
         for i in (0, 2):
             start, n = int(w[C.POP_RANGES[i]]), int(w[C.POP_RANGES[i + 1]])
             per = -(-n // parts)

@@ -93,7 +93,6 @@ class ArenaPins:
         w = pool.words
         for word, value in zip(C.POP_RANGES, (k0, kn, v0, vn)):
             w[word] = value
-        w[C.POP_PARTS] = pool.n
         return pool.submit(C.CMD_POPULATE, pool.n)
 
     def _wait_populate(self):
