@@ -7,6 +7,7 @@ waits on FIN or ABORT with it, and it merges the partials. So word offsets, enco
 merge, the deferred length update (one synchronization per token) and the watchdog are checked
 without a GPU; the CUDA source itself must compile wherever nvcc exists.
 """
+import contextlib
 import ctypes
 import os
 import signal
@@ -231,31 +232,39 @@ def test_watchdog_releases_the_wait_and_raises(how):
     """While the "stream" waits on a job, a stopped worker (no progress for job_timeout) or a
     killed one makes the watchdog write ABORT: the wait returns within the limit, and the next
     call and close() raise; the pool is broken (the next generate replaces it)."""
-    pool = WorkerPool(1, [], job_timeout=0.5)
+    with _watched(0.5) as (pool, s, g, ht):
+        victim = pool.procs[0]
+        os.kill(victim.pid, signal.SIGSTOP)        # the job waits; "killed": dies while it waits
+        if how == "killed":
+            threading.Timer(0.1, os.kill, (victim.pid, signal.SIGKILL)).start()
+        s.stage_kv(torch.randn(2, 2, 1, 32, generator=g), torch.randn(2, 2, 1, 32, generator=g))
+        t0 = time.perf_counter()
+        s.attend(0, torch.randn(2, 4, 1, 32, generator=g), None, 32 ** -0.5, None)   # released by ABORT
+        assert time.perf_counter() - t0 < 2.0
+        assert pool.words[C.ABORT] == 1 and pool.broken and not pool.alive
+        err = WorkerError if how == "stopped" else WorkerDiedError
+        with pytest.raises(err, match="made no progress" if how == "stopped" else "SIGKILL"):
+            s.stage_kv(torch.randn(2, 2, 1, 32, generator=g), torch.randn(2, 2, 1, 32, generator=g))
+        with pytest.raises(err):
+            ht.close()
+    assert all(p.poll() is not None for p in pool.procs)
+
+
+@contextlib.contextmanager
+def _watched(job_timeout):
+    """A one-worker pool, a session and a HostTransport (its watchdog running): (pool, session,
+    its generator, transport); all closed after."""
+    pool = WorkerPool(1, [], job_timeout=job_timeout)
     try:
         s, g = _session(pool, FixedPlan(0, 2))
         try:
             ht = HostTransport(pool, s)
             s.use_transport(ht)
-            victim = pool.procs[0]
-            os.kill(victim.pid, signal.SIGSTOP)        # the job waits; "killed": dies while it waits
-            if how == "killed":
-                threading.Timer(0.1, os.kill, (victim.pid, signal.SIGKILL)).start()
-            s.stage_kv(torch.randn(2, 2, 1, 32, generator=g), torch.randn(2, 2, 1, 32, generator=g))
-            t0 = time.perf_counter()
-            s.attend(0, torch.randn(2, 4, 1, 32, generator=g), None, 32 ** -0.5, None)   # released by ABORT
-            assert time.perf_counter() - t0 < 2.0
-            assert pool.words[C.ABORT] == 1 and pool.broken and not pool.alive
-            err = WorkerError if how == "stopped" else WorkerDiedError
-            with pytest.raises(err, match="made no progress" if how == "stopped" else "SIGKILL"):
-                s.stage_kv(torch.randn(2, 2, 1, 32, generator=g), torch.randn(2, 2, 1, 32, generator=g))
-            with pytest.raises(err):
-                ht.close()
+            yield pool, s, g, ht
         finally:
             s.close()
     finally:
         pool.close()
-    assert all(p.poll() is not None for p in pool.procs)
 
 
 def test_transport_config_is_checked():
@@ -361,19 +370,10 @@ def test_watchdog_ignores_finished_fault_in_jobs():
     watchdog reads as an unfinished job: a prefill longer than worker_timeout is not aborted."""
     from hetero.offload.pinning import ArenaPins
 
-    pool = WorkerPool(1, [], job_timeout=0.3)
-    try:
-        s, _ = _session(pool, FixedPlan(0, 2))
-        try:
-            ht = HostTransport(pool, s)
-            s.use_transport(ht)
-            s._pins = ArenaPins(s, lambda p, n: True, lambda p: None)
-            s._pins.pin(0)                              # posts layer 1's fault-in job
-            s._pins.pin(1)
-            time.sleep(1.0)
-            assert pool.words[C.ABORT] == 0 and pool.broken is None
-            ht.close()
-        finally:
-            s.close()
-    finally:
-        pool.close()
+    with _watched(0.3) as (pool, s, _, ht):
+        s._pins = ArenaPins(s, lambda p, n: True, lambda p: None)
+        s._pins.pin(0)                                  # posts layer 1's fault-in job
+        s._pins.pin(1)
+        time.sleep(1.0)
+        assert pool.words[C.ABORT] == 0 and pool.broken is None
+        ht.close()
