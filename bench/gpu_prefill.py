@@ -133,7 +133,7 @@ def one(args):
                     _sync(dev)
                     out["s"] = time.perf_counter() - t
                     out["peak_gpu_bytes"], out["peak_reserved_bytes"] = _peak(dev, base)
-                    out["pin_s"] = ctx.session.pin_s                 # page-locking the arena, inside "s"
+                    out["pin_s"] = ctx.session.pin_s     # host seconds page-locking (per layer, while the GPU computes)
                     ctx.close()
             else:
                 hf_forward(model, _ids(model, 512, 2), args.one == "offloaded")   # warm
@@ -177,7 +177,7 @@ def _show(name, r, n):
         peak, res = r.get("peak_gpu_bytes"), r.get("peak_reserved_bytes")
         return (f"{name:15s} {r['s']:8.3f} s  {n / r['s']:9.0f} tokens/s"
                 + (f"  peak GPU +{peak / 2**30:6.2f} GiB over the weights (reserved {res / 2**30:6.2f} GiB)"
-                   if peak is not None else "") + (f"  arena pinned in {r['pin_s']:.2f} s" if r.get("pin_s") else ""))
+                   if peak is not None else "") + (f"  host page-locking {r['pin_s']:.2f} s" if r.get("pin_s") else ""))
     return f"{name:15s} " + ("OOM" if r.get("oom") else "failed: " + r.get("error", "")[-300:])
 
 

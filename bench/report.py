@@ -159,7 +159,7 @@ def gpu_prefill_table():
     systems = ("hf", "offloaded", "hetero", "hetero_chunked")
     out = [f"{runs[0]['gpu']}, Llama-3-8B shape (bf16, random weights), one fresh process per cell; seconds "
            "[peak GPU GiB over the weights]:", "",
-           "| prompt | HF (KV on the GPU) | HF offloaded | hetero one pass (of which pinning) | hetero chunked + prefetch |",
+           "| prompt | HF (KV on the GPU) | HF offloaded | hetero one pass (host page-locking) | hetero chunked + prefetch |",
            "|---|---|---|---|---|"]
     for run in runs:
         for row in run["results"]["prefill"]:
