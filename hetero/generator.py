@@ -802,8 +802,7 @@ class HeteroGenerator:
             uncached = [len(q) - n for q, n in zip(seqs, cached)]
             U = max(uncached)
             rows = S + max_new_tokens           # no window can hide a row from a query below it
-            share = (self.config.share_contexts and all(w == 0 or w >= rows for w in self.spec.windows or ())
-                     and not (self.model.device.type == "cuda" and self.config.transport == "cuda"))
+            share = self.config.share_contexts and all(w == 0 or w >= rows for w in self.spec.windows or ())
             groups = {}                                          # id(context) -> (its session, members)
             for b, c in enumerate(contexts):
                 if share and cached[b] >= BK and c.session.layout.ring_layers == 0:
@@ -859,10 +858,6 @@ class HeteroGenerator:
         `lora` (the call's LoraBatch), its decode deltas go through the same transport."""
         want = self.config.transport
         if self.model.device.type != "cuda" or want == "host":
-            return
-        if session.layout.groups:           # transport='cuda' copies the context per request instead
-            log.info("hetero: a batch sharing a context uses host copies (the CUDA extension does not merge "
-                     "shared-prefix partials yet)")
             return
         t = CudaTransport.open(pool, session, self.model.device, quiet=want == "cuda",
                                lora=None if lora is None else lora.store)

@@ -209,9 +209,12 @@ def test_cuda_prefetched_continuation_matches_hf(model_type, dtype, monkeypatch)
         assert torch.equal(x.sequences, y.sequences)
 
 
-def test_cuda_batch_sharing_a_context_matches_hf():
-    """context=[ctx] * 3 on a CUDA model (host copies: the extension does not merge prefix partials)."""
+@pytest.mark.parametrize("transport", ["cuda", "host"])
+def test_cuda_batch_sharing_a_context_matches_hf(transport):
+    """context=[ctx] * 3 on a CUDA model: the shared prefix read once per step; through the CUDA
+    transport (the GPU merges prefix and own partials) or host copies."""
     from hetero import HeteroConfig
+    from hetero.offload.session import KVSession
     from tests.test_contexts import KW, left_pad, turns
 
     model = build_model("llama")[0].cuda()
@@ -219,10 +222,16 @@ def test_cuda_batch_sharing_a_context_matches_hf():
     ids, mask = left_pad(qs)
     full_ids, full_mask = left_pad([torch.cat([doc, q]) for q in qs])
     ref = model.generate(full_ids.cuda(), attention_mask=full_mask.cuda(), max_new_tokens=5, **KW)
-    with HeteroGenerator(model, config=HeteroConfig(cpu_workers=2, profile="off")) as gen, \
+    seen, use = [], KVSession.use_transport
+    with HeteroGenerator(model, config=HeteroConfig(cpu_workers=2, profile="off", transport=transport)) as gen, \
             gen.prefill(doc[None].cuda()) as ctx:
-        out = gen.generate(ids.cuda(), attention_mask=mask.cuda(), context=[ctx] * 3, max_new_tokens=5, **KW)
+        KVSession.use_transport = lambda self, t: (seen.append((t.name, self.layout.groups)), use(self, t))[1]
+        try:
+            out = gen.generate(ids.cuda(), attention_mask=mask.cuda(), context=[ctx] * 3, max_new_tokens=5, **KW)
+        finally:
+            KVSession.use_transport = use
     assert torch.equal(out.sequences, ref.sequences)
+    assert seen == ([("cuda", 1)] if transport == "cuda" else [])
 
 
 def test_cuda_prefill_offloads_layer_by_layer():

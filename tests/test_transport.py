@@ -80,7 +80,7 @@ class HostTransport(CudaTransport):
             time.sleep(0)
         merged = torch.empty(out.shape, dtype=torch.float32)
         self.lib.hetero_host_merge(s.part_o.data_ptr(), s.part_m.data_ptr(), s.part_l.data_ptr(), _p(self.dims),
-                                   int(self.iparams[4]), None if sink is None else sink.data_ptr(),
+                                   int(self.iparams[4] + self.iparams[7]), None if sink is None else sink.data_ptr(),
                                    merged.data_ptr())
         out.copy_(merged)
         HostTransport.launches += 1
@@ -377,3 +377,25 @@ def test_watchdog_ignores_finished_fault_in_jobs():
         time.sleep(1.0)
         assert pool.words[C.ABORT] == 0 and pool.broken is None
         ht.close()
+
+
+@pytest.mark.parametrize("model_type,chunk", [("llama", None), ("llama", 4), ("gemma2", 8)])
+def test_cuda_protocol_batch_sharing_a_context_matches_hf(host_transport, model_type, chunk):
+    """context=[ctx] * 3 through the CUDA transport's protocol (host build): the shared prefix's
+    split partials (slots 0..PSPLIT-1 of each member) and the requests' own are merged together;
+    the session's partial slots (NS) are the layout's nparts. Tokens and scores equal HF over
+    [document, question b]; with chunk 4 the 19-token question takes several pieces."""
+    from tests.test_contexts import KW, hf_batch, left_pad, turns
+
+    model, _ = build_model(model_type, **({"sliding_window": 512} if model_type == "gemma2" else {}))
+    doc, *qs = turns(7, 70, 5, 19, 1)
+    with HeteroGenerator(model, config=HeteroConfig(cpu_workers=2, prefill_chunk=chunk)) as gen, \
+            gen.prefill(doc[None], reserve=60) as ctx:
+        ids, mask = left_pad(qs)
+        out = gen.generate(ids, attention_mask=mask, context=[ctx] * 3, max_new_tokens=5, **KW)
+        used = host_transport[-1]
+        assert used.dims[7] == 2 * 16                                # nparts: own and prefix splits
+    ref = hf_batch(model, [torch.cat([doc, q]) for q in qs], 5)
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.scores, ref.scores):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

@@ -7,7 +7,7 @@ extern "C" {
 
 void hetero_host_publish(int64_t* ctrl, const int64_t* iparams, const double* fparams) {
     JobParams p{iparams[0], iparams[1], iparams[2], iparams[3], iparams[4], iparams[5], fparams[0], fparams[1],
-                iparams[6]};
+                iparams[6], iparams[7]};
     publish_job(ctrl, p);
 }
 

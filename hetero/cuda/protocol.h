@@ -24,10 +24,12 @@ struct JobParams {
     int64_t layer, qlen, window, nsplit, units;
     double scale, softcap;
     int64_t active;     // workers 0..active-1 are posted
+    int64_t psplit;     // a shared prefix's splits (their partials: slots 0..psplit-1; the own: psplit..)
 };
 
 // Shapes of one layer's round trip (see signal.cu): batch, q heads, kv heads, this step's query
-// tokens, head dim; the staging's token capacity and padded head dim; split slots.
+// tokens, head dim; the staging's token capacity and padded head dim; partial slots per (request,
+// kv head) (SessionLayout.nparts: the splits of its own rows, and of a shared prefix).
 struct Dims {
     int64_t B, Hq, Hkv, T, D, Tmax, Dp, NS;
 };
@@ -78,6 +80,7 @@ HD void publish_job(volatile int64_t* ctrl, const JobParams& p) {
     store_word(ctrl, HW_QLEN, p.qlen);
     store_word(ctrl, HW_WINDOW, p.window);
     store_word(ctrl, HW_NSPLIT, p.nsplit);
+    store_word(ctrl, HW_PSPLIT, p.psplit);
     store_word(ctrl, HW_UNITS, p.units);
     volatile double* f = reinterpret_cast<volatile double*>(ctrl);
     f[HW_F_SCALE] = p.scale;

@@ -220,8 +220,8 @@ class CudaTransport:
         self._kv, self._sinks = None, {}
         lay = session.layout
         self.dims = np.array([0, lay.q_heads, lay.kv_heads, 0, session.spec.head_dim, lay.tmax, lay.dpad,
-                              lay.nsplit_max], np.int64)      # B, Hq, Hkv, T, D, Tmax, Dp, NS (signal.cu)
-        self.iparams = np.zeros(7, np.int64)    # seq, layer, T, window, nsplit, units, active (JobParams)
+                              lay.nparts], np.int64)          # B, Hq, Hkv, T, D, Tmax, Dp, NS (signal.cu)
+        self.iparams = np.zeros(8, np.int64)    # seq, layer, T, window, nsplit, units, active, psplit (JobParams)
         self.fparams = np.zeros(2, np.float64)  # scale, softcap
         self._args = tuple(map(_ptr, (self.dims, self.iparams, self.fparams, self.lparams)))   # ctypes pointers, once
         try:
@@ -344,7 +344,7 @@ class CudaTransport:
         sink = None if sinks is None else self._sink(job.layer, sinks)
         self.pool.seq += 1
         active = min(self.pool.n, job.workers + 1)   # no parent taker here: its share goes to a worker
-        self.iparams[:] = (self.pool.seq, job.layer, T, job.window, job.nsplit, job.units, active)
+        self.iparams[:] = (self.pool.seq, job.layer, T, job.window, job.nsplit, job.units, active, job.psplit)
         self.fparams[:] = (job.scale, job.softcap)
         self.dims[0], self.dims[3] = B, T
         self._launch(s, q, k, v, out, sink)
