@@ -9,7 +9,8 @@
 # STEPS picks the parts (default all): STEPS="gpu gpu_decode gpu_prefill probe attention ipc contexts" bash bench/device.sh.
 # A device call is limited to 10 minutes: run one step per call (STEPS=gpu, then STEPS=gpu_decode, ...);
 # gpu_decode writes its JSON after every row, so a run cut by the limit still returns what it measured
-# (GPU_DECODE_ARGS="--contexts 8192 65536" narrows it; LoRA decode: GPU_DECODE_ARGS="--contexts 8192 32768
+# (GPU_DECODE_ARGS="--contexts 8192 65536" narrows it; "--systems hetero hetero_all" A/Bs the planner against
+# every worker; LoRA decode: GPU_DECODE_ARGS="--contexts 8192 32768
 # --systems hetero hetero_lora hetero_lora_host peft --out gpu_decode_lora"). gpu_prefill builds an 8B model per cell: run it
 # in parts, each with its own --out, e.g. GPU_PREFILL_ARGS="--contexts 8192 32768 --continue-context 0
 # --out gpu_prefill_a", then "--contexts 65536 131072 --continue-context 0 --out gpu_prefill_b", then

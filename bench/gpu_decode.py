@@ -9,6 +9,8 @@ context length filled synthetically (decode cost does not depend on what it hold
   offloaded    HF, DynamicCache(offloading=True): KV in host memory, prefetched layer by layer
   static       HF, StaticCache on the GPU
 and, asked for with --systems (not in the default set):
+  hetero_all        hetero with HeteroConfig(profile="off"): every worker, the static split rule
+                    (an A/B of the profiled planner's choice in the same run)
   hetero_lora       hetero with a rank-16 peft adapter on all seven projections of every layer, its
                     decode deltas on the CPU workers through the CUDA transport (GPU-posted jobs)
   hetero_lora_host  the same through host copies (a synchronization per projection)
@@ -45,7 +47,7 @@ def sync():
     if DEVICE == "cuda":
         torch.cuda.synchronize()
 SYSTEMS = ("hetero", "hetero_host", "hf", "offloaded", "static")
-LORA_SYSTEMS = ("hetero_lora", "hetero_lora_host", "peft")
+LORA_SYSTEMS = ("hetero_all", "hetero_lora", "hetero_lora_host", "peft")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TARGETS = {"vs_offloaded_64k": 3.0, "of_bound": 1.5, "gpu_memory_growth": 1.05}
 
@@ -127,13 +129,14 @@ def run_hf(model, L, steps, kind):
     return decode_loop(model, cache, L, steps), None
 
 
-def run_hetero(model, L, steps, transport, lora=False):
+def run_hetero(model, L, steps, transport, lora=False, profile="auto"):
     import torch
 
     from hetero import HeteroConfig, HeteroGenerator
     from hetero.generator import _active
 
-    with HeteroGenerator(with_lora(model) if lora else model, config=HeteroConfig(transport=transport)) as gen:
+    config = HeteroConfig(transport=transport, profile=profile)
+    with HeteroGenerator(with_lora(model) if lora else model, config=config) as gen:
         model = gen.model                                    # the base model (peft's layers hooked)
         batch = gen._lora_batch(["a"], 1) if lora else None
         with gen.kv_context(pads=[0], real_lens=[L], cap=L + steps, lora=batch) as cache, _active(batch):
@@ -165,7 +168,8 @@ def one(args):
         if args.one.startswith("hetero"):
             out["times"], out["info"] = run_hetero(model, args.context, args.steps,
                                                    "host" if args.one.endswith("_host") else "cuda",
-                                                   lora="lora" in args.one)
+                                                   lora="lora" in args.one,
+                                                   profile="off" if args.one == "hetero_all" else "auto")
         else:
             out["times"], out["info"] = run_hf(model, args.context, args.steps, args.one)
         out["peak_gpu_bytes"] = torch.cuda.max_memory_allocated() if DEVICE == "cuda" else 0
