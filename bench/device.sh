@@ -14,7 +14,9 @@
 # --systems hetero hetero_lora hetero_lora_host peft --out gpu_decode_lora"). gpu_prefill builds an 8B model per cell: run it
 # in parts, each with its own --out, e.g. GPU_PREFILL_ARGS="--contexts 8192 32768 --continue-context 0
 # --out gpu_prefill_a", then "--contexts 65536 131072 --continue-context 0 --out gpu_prefill_b", then
-# "--contexts --out gpu_prefill_c" (the 512-token continuation over 64K only).
+# "--contexts --out gpu_prefill_c" (the 512-token continuation over 64K only). The longest prompt:
+# "--contexts 262144 --systems hf hetero_chunked --chunk auto --continue-context 0 --out gpu_prefill_256k",
+# then 524288 (a 64 GiB arena) alone.
 # At most 8 files come back from $OUT: one log per step and one JSON per benchmark.
 set -uo pipefail
 OUT=${OUT:-/tmp/hetero_device}
