@@ -20,7 +20,7 @@ from hetero.context import Context
 from hetero.errors import AdapterError, CapacityError, GeneratorClosedError, UnsupportedModelError, WorkerError
 from hetero.ipc import shm
 from hetero.ipc.pool import WorkerPool
-from hetero.ipc.transport import CudaTransport
+from hetero.ipc.transport import CudaTransport, PinnedTransport
 from hetero.model_spec import inspect_model
 from hetero.cpu_attention.planner import ProfiledPlanner, StaticPlanner
 from hetero.cpu_attention import kernel
@@ -854,10 +854,14 @@ class HeteroGenerator:
 
     def _choose_transport(self, session, pool, lora=None):
         """A CUDA model's decode round trip: the CUDA extension where HeteroConfig.transport and the
-        batch allow (see hetero.ipc.transport), else the host copies of the CPU transport. With
-        `lora` (the call's LoraBatch), its decode deltas go through the same transport."""
+        batch allow (see hetero.ipc.transport), else host copies through page-locked buffers
+        (PinnedTransport). With `lora` (the call's LoraBatch), its decode deltas go through the
+        CUDA transport too."""
         want = self.config.transport
-        if self.model.device.type != "cuda" or want == "host":
+        if self.model.device.type != "cuda":
+            return
+        if want == "host":
+            session.use_transport(PinnedTransport(self.model.device))
             return
         t = CudaTransport.open(pool, session, self.model.device, quiet=want == "cuda",
                                lora=None if lora is None else lora.store)
@@ -865,7 +869,9 @@ class HeteroGenerator:
             session.use_transport(t)
             if lora is not None:
                 lora.use_transport(t)
-        elif want == "cuda":
+        elif want != "cuda":
+            session.use_transport(PinnedTransport(self.model.device))
+        else:
             raise UnsupportedModelError(f"HeteroConfig.transport='cuda': the CUDA extension is unavailable "
                                         f"({CudaTransport.why})")
 

@@ -399,3 +399,40 @@ def test_cuda_protocol_batch_sharing_a_context_matches_hf(host_transport, model_
     assert torch.equal(out.sequences, ref.sequences)
     for a, b in zip(out.scores, ref.scores):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("model_type,dtype,chunk,contexts", [("llama", torch.float32, 4, False),
+                                                              ("qwen3", torch.bfloat16, None, False),
+                                                              ("gemma2", torch.float32, None, True)])
+def test_pinned_fallback_matches_hf(monkeypatch, model_type, dtype, chunk, contexts):
+    """The CUDA fallback's data flow (PinnedTransport: q/k/v through bounce buffers, the staging
+    written from them, the output back through another) on a CPU model: HF's tokens and scores,
+    with chunked steps (T = 4) and a batch sharing a context."""
+    from hetero.ipc.transport import PinnedTransport
+    from tests.test_contexts import KW, hf_batch, left_pad, turns
+
+    used = []
+
+    def choose(self, session, pool, lora=None):
+        used.append(PinnedTransport(torch.device("cpu")))
+        session.use_transport(used[-1])
+
+    monkeypatch.setattr(_Gen, "_choose_transport", choose)
+    model, _ = build_model(model_type, dtype=dtype, **({"sliding_window": 512} if model_type == "gemma2" else {}))
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    with HeteroGenerator(model, config=HeteroConfig(cpu_workers=2, prefill_chunk=chunk)) as gen:
+        if contexts:
+            doc, *qs = turns(7, 70, 5, 19, 1)
+            with gen.prefill(doc[None], reserve=60) as ctx:
+                ids, mask = left_pad(qs)
+                out = gen.generate(ids, attention_mask=mask, context=[ctx] * 3, max_new_tokens=5, **KW)
+            ref = hf_batch(model, [torch.cat([doc, q]) for q in qs], 5)
+        else:
+            ids, mask = padded_batch(lengths=(20, 14, 9) if chunk else (12, 8, 5))
+            kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                      return_dict_in_generate=True, output_scores=True)
+            out, ref = gen.generate(ids, **kw), model.generate(ids, **kw)
+    assert used and all(t._bufs for t in used[-1:])             # the bounce buffers were used
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.scores, ref.scores):
+        torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)

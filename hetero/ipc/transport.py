@@ -2,7 +2,12 @@
 
   CpuTransport   the host copies q and the new k/v into the session's staging area, publishes
                  the job (WorkerPool), takes units itself, waits, and merges the partials (torch).
-                 Every CPU model; a CUDA model's fallback when the extension cannot be used.
+                 Every CPU model.
+  PinnedTransport  a CUDA model's fallback where the extension cannot be used (no nvcc, an old
+                 driver, transport="host"): the same, with q/k/v copied in through page-locked
+                 buffers with asynchronous DMAs and one event wait per layer (the workers need
+                 them before the job is posted; the host copies had three), and the output copied
+                 back asynchronously (no wait; the host copies had one).
   CudaTransport  one call enqueues on the model's current stream (hetero/cuda/signal.cu):
                  copy-out + signal (the GPU writes q/k/v into the page-locked, mapped staging
                  area and publishes the job in the control segment), a wait for the job's FIN,
@@ -42,10 +47,16 @@ class CpuTransport:
 
     def attention(self, s, job, query, sinks):
         """One layer's job (params in `job`) for query [B, Hq, T, D] -> [B, T, Hq, D] on query's device."""
-        B, Hq, T, D = query.shape
-        Hkv = s.spec.kv_heads
+        T, D = query.shape[2], query.shape[3]
         s.pool.drain()                               # no job may still read what is written next
         s.q[:, :, :T, :D].copy_(query)               # columns D..Dp-1 stay zero
+        return self._run(s, job, query.shape, sinks).to(query.device, query.dtype)
+
+    @staticmethod
+    def _run(s, job, shape, sinks):
+        """Post the job whose q/k/v are staged, take units, wait, merge: [B, T, Hq, D] f32 (CPU)."""
+        B, Hq, T, D = shape
+        Hkv = s.spec.kv_heads
         w, f = s.pool.words, s.pool.floats
         w[C.LAYER], w[C.QLEN], w[C.WINDOW], w[C.NSPLIT] = job.layer, T, job.window, job.nsplit
         w[C.PSPLIT] = job.psplit
@@ -57,7 +68,7 @@ class CpuTransport:
         out = merge_partials(s.part_o[:, :, :ns, :rows, :D], s.part_m[:, :, :ns, :rows],
                              s.part_l[:, :, :ns, :rows], sink)     # [B, Hkv, G*T, D]
         out = out.view(B, Hkv, Hq // Hkv, T, D).reshape(B, Hq, T, D)      # q head = h*G + g
-        return out.transpose(1, 2).to(query.device, query.dtype)
+        return out.transpose(1, 2)
 
     def step_done(self, s, T):
         """The step's last layer was called: its T new rows are in the cache."""
@@ -68,6 +79,49 @@ class CpuTransport:
 
     def close(self):
         pass
+
+
+class PinnedTransport(CpuTransport):
+    """See the module doc. Page-locked bounce buffers (torch's pinned host memory, no nvcc): q/k/v
+    in [B, H, T, D] come over in asynchronous DMAs and one event wait, the host copies them into
+    the staging area, and the merged output goes back through another, asynchronously (the next
+    layer refills a buffer only after its own wait, which the stream orders after the copies
+    that read it). On a CPU device (the tests) the same flow, with plain copies."""
+    name = "host"
+
+    def __init__(self, device):
+        self.device, self._kv, self._bufs = device, None, {}
+
+    def _buffer(self, name, shape, dtype):
+        n = int(np.prod(shape))
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != dtype:
+            buf = self._bufs[name] = torch.empty(n, dtype=dtype, pin_memory=self.device.type == "cuda")
+        return buf[:n].view(shape)
+
+    def stage(self, s, key, value):
+        self._kv = (key, value)                      # copied with q, at the layer's attention call
+
+    def attention(self, s, job, query, sinks):
+        """query [B, Hq, T, D] -> [B, T, Hq, D] on query's device."""
+        T, D = query.shape[2], query.shape[3]
+        key, value = self._kv
+        self._kv = None
+        ins = [self._buffer(n, t.shape, dt) for n, t, dt in (("q", query, torch.float32), ("k", key, s.spec.dtype),
+                                                              ("v", value, s.spec.dtype))]
+        for buf, t in zip(ins, (query, key, value)):
+            buf.copy_(t.to(buf.dtype), non_blocking=True)
+        if query.is_cuda:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(query.device))
+            done.synchronize()                       # the one wait per layer: the workers read them next
+        s.pool.drain()                               # no job may still read the staging area
+        for dst, buf in zip((s.q, s.knew, s.vnew), ins):
+            dst[:, :, :T, :D].copy_(buf)             # columns D..Dp-1 stay zero
+        out = self._run(s, job, query.shape, sinks)  # [B, T, Hq, D] f32, merged on the CPU
+        back = self._buffer("out", out.shape, torch.float32)
+        back.copy_(out)
+        return back.to(query.device, non_blocking=True).to(query.dtype)
 
 
 def merge_partials(o, m, l, sink=None):
