@@ -777,7 +777,7 @@ class HeteroGenerator:
         """generate() for a batch whose request b continues contexts[b] (read, not changed): the
         requests continuing one context form a shared-prefix group that reads the context's
         whole blocks in place (KVSession prefix_groups; not a context with sliding-window rings,
-        nor with share_contexts=False, nor for the CUDA extension); the call's own session holds
+        nor with share_contexts=False); the call's own session holds
         each request's rows past them (pstart), copied from its context (all of them for a
         request in no group). Request b's sequence is [its context's tokens (pending ones too),
         its new tokens], left-padded to the longest; the steps that feed them count, per

@@ -39,7 +39,7 @@ def host_lib():
         vp, i64p, f64p = ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_double)
         lib.hetero_host_publish.argtypes = [vp, i64p, f64p]
         lib.hetero_host_released.argtypes = [vp, ctypes.c_int64]
-        lib.hetero_host_merge.argtypes = [vp, vp, vp, i64p, ctypes.c_int64, vp, vp]
+        lib.hetero_host_merge.argtypes = [vp, vp, vp, i64p, i64p, f64p, vp, vp]
         lib.hetero_host_copy_out.argtypes = [vp, vp, vp, vp, vp, vp, i64p, ctypes.c_int64]
         lib.hetero_host_publish_lora.argtypes = [vp, vp, i64p]
         lib.hetero_host_lora_released.argtypes = [vp, ctypes.c_int64, ctypes.c_int64]
@@ -80,7 +80,7 @@ class HostTransport(CudaTransport):
             time.sleep(0)
         merged = torch.empty(out.shape, dtype=torch.float32)
         self.lib.hetero_host_merge(s.part_o.data_ptr(), s.part_m.data_ptr(), s.part_l.data_ptr(), _p(self.dims),
-                                   int(self.iparams[4] + self.iparams[7]), None if sink is None else sink.data_ptr(),
+                                   _p(self.iparams), _p(self.fparams), None if sink is None else sink.data_ptr(),
                                    merged.data_ptr())
         out.copy_(merged)
         HostTransport.launches += 1
@@ -379,37 +379,60 @@ def test_watchdog_ignores_finished_fault_in_jobs():
         ht.close()
 
 
-@pytest.mark.parametrize("model_type,chunk", [("llama", None), ("llama", 4), ("gemma2", 8)])
-def test_cuda_protocol_batch_sharing_a_context_matches_hf(host_transport, model_type, chunk):
-    """context=[ctx] * 3 through the CUDA transport's protocol (host build): the shared prefix's
-    split partials (slots 0..PSPLIT-1 of each member) and the requests' own are merged together;
-    the session's partial slots (NS) are the layout's nparts. Tokens and scores equal HF over
-    [document, question b]; with chunk 4 the 19-token question takes several pieces."""
+class _Splits:
+    """A planner giving every step `splits` splits (of its own rows and of a shared prefix) and one worker."""
+
+    def __init__(self, splits):
+        self.splits = splits
+
+    def plan(self, lengths, T, layout):
+        return 1, min(self.splits, layout.nsplit_max)
+
+
+@pytest.mark.parametrize("transport", ["host_build", "pinned"])
+@pytest.mark.parametrize("splits,chunk", [(1, None), (3, 4), (16, None)])
+def test_contexts_batch_through_the_gpu_transports_matches_hf(monkeypatch, transport, splits, chunk):
+    """Batches of contexts through the CUDA transport's protocol (host build: the shared prefix's
+    split partials, slots 0..PSPLIT-1, merged with each request's own by protocol.h's merge) and
+    through the fallback's data flow (PinnedTransport): two shared contexts, a request in no group
+    (a context shorter than a block), a context continued twice; 1, 3 and 16 splits (16 + 16: all
+    of the layout's nparts), steps of 1 and of 4 tokens. Tokens and scores equal HF."""
+    from hetero.ipc.transport import PinnedTransport
     from tests.test_contexts import KW, hf_batch, left_pad, turns
 
-    model, _ = build_model(model_type, **({"sliding_window": 512} if model_type == "gemma2" else {}))
-    doc, *qs = turns(7, 70, 5, 19, 1)
+    made = []
+
+    def choose(self, session, pool, lora=None):
+        t = HostTransport(pool, session) if transport == "host_build" else PinnedTransport(torch.device("cpu"))
+        made.append((t, session.layout))
+        session.use_transport(t)
+
+    monkeypatch.setattr(_Gen, "_choose_transport", choose)
+    monkeypatch.setattr(_Gen, "_ensure_planner", lambda self, pool: _Splits(splits))
+    model, _ = build_model("llama")
+    doc, doc2, small, *qs = turns(7, 70, 100, 10, 5, 19, 1, 7)
     with HeteroGenerator(model, config=HeteroConfig(cpu_workers=2, prefill_chunk=chunk)) as gen, \
-            gen.prefill(doc[None], reserve=60) as ctx:
+            gen.prefill(doc[None], reserve=60) as ctx, gen.prefill(doc2[None], reserve=60) as ctx2, \
+            gen.prefill(small[None], reserve=60) as ctx3:
         ids, mask = left_pad(qs)
-        out = gen.generate(ids, attention_mask=mask, context=[ctx] * 3, max_new_tokens=5, **KW)
-        used = host_transport[-1]
-        assert used.dims[7] == 2 * 16                                # nparts: own and prefix splits
-    ref = hf_batch(model, [torch.cat([doc, q]) for q in qs], 5)
+        out = gen.generate(ids, attention_mask=mask, context=[ctx, ctx2, ctx3, ctx], max_new_tokens=5, **KW)
+    t, layout = made[-1]
+    assert layout.groups == 2
+    if transport == "host_build":
+        assert t.dims[7] == layout.nparts and int(t.iparams[7]) == splits      # NS and PSPLIT posted
+    ref = hf_batch(model, [torch.cat([d, q]) for d, q in zip([doc, doc2, small, doc], qs)], 5)
     assert torch.equal(out.sequences, ref.sequences)
     for a, b in zip(out.scores, ref.scores):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
-
-@pytest.mark.parametrize("model_type,dtype,chunk,contexts", [("llama", torch.float32, 4, False),
-                                                              ("qwen3", torch.bfloat16, None, False),
-                                                              ("gemma2", torch.float32, None, True)])
-def test_pinned_fallback_matches_hf(monkeypatch, model_type, dtype, chunk, contexts):
+@pytest.mark.parametrize("model_type,dtype,chunk", [("llama", torch.float32, 4), ("qwen3", torch.bfloat16, None),
+                                                    ("gemma2", torch.float32, None)])
+def test_pinned_fallback_matches_hf(monkeypatch, model_type, dtype, chunk):
     """The CUDA fallback's data flow (PinnedTransport: q/k/v through bounce buffers, the staging
     written from them, the output back through another) on a CPU model: HF's tokens and scores,
-    with chunked steps (T = 4) and a batch sharing a context."""
+    with chunked steps (T = 4). (Pinned memory, the asynchronous copies and the event wait run on
+    a GPU only: tests/test_gpu.py.)"""
     from hetero.ipc.transport import PinnedTransport
-    from tests.test_contexts import KW, hf_batch, left_pad, turns
 
     used = []
 
@@ -421,18 +444,38 @@ def test_pinned_fallback_matches_hf(monkeypatch, model_type, dtype, chunk, conte
     model, _ = build_model(model_type, dtype=dtype, **({"sliding_window": 512} if model_type == "gemma2" else {}))
     tol = 1e-4 if dtype == torch.float32 else 0.1
     with HeteroGenerator(model, config=HeteroConfig(cpu_workers=2, prefill_chunk=chunk)) as gen:
-        if contexts:
-            doc, *qs = turns(7, 70, 5, 19, 1)
-            with gen.prefill(doc[None], reserve=60) as ctx:
-                ids, mask = left_pad(qs)
-                out = gen.generate(ids, attention_mask=mask, context=[ctx] * 3, max_new_tokens=5, **KW)
-            ref = hf_batch(model, [torch.cat([doc, q]) for q in qs], 5)
-        else:
-            ids, mask = padded_batch(lengths=(20, 14, 9) if chunk else (12, 8, 5))
-            kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
-                      return_dict_in_generate=True, output_scores=True)
-            out, ref = gen.generate(ids, **kw), model.generate(ids, **kw)
-    assert used and all(t._bufs for t in used[-1:])             # the bounce buffers were used
+        ids, mask = padded_batch(lengths=(20, 14, 9) if chunk else (12, 8, 5))
+        kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                  return_dict_in_generate=True, output_scores=True)
+        out, ref = gen.generate(ids, **kw), model.generate(ids, **kw)
+    assert len(used) == 1 and set(used[0]._bufs) == {"q", "k", "v", "out"}
     assert torch.equal(out.sequences, ref.sequences)
     for a, b in zip(out.scores, ref.scores):
         torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+
+
+def test_a_cuda_model_without_the_extension_gets_the_pinned_fallback(monkeypatch, caplog):
+    """_choose_transport on a (pretend) CUDA model: transport="host" and "auto" without the
+    extension take PinnedTransport, "cuda" without it raises, a CPU model keeps CpuTransport."""
+    from hetero.errors import UnsupportedModelError
+    from hetero.ipc.transport import PinnedTransport
+
+    model, _ = build_model("llama")
+    monkeypatch.setattr(CudaTransport, "open", classmethod(lambda cls, *a, **k: None))
+    with HeteroGenerator(model, config=HeteroConfig(cpu_workers=1)) as gen:
+        s = KVSession(gen._ensure_pool(), gen.spec, pads=[0], real_lens=[4], cap=40)
+        try:
+            gen._choose_transport(s, s.pool)
+            assert type(s.transport) is CpuTransport                  # a CPU model
+            monkeypatch.setattr(type(model), "device", property(lambda self: torch.device("cuda", 0)))
+            for want in ("host", "auto"):
+                gen.config = HeteroConfig(cpu_workers=1, transport=want)
+                s.use_transport(CpuTransport())
+                gen._choose_transport(s, s.pool)
+                assert type(s.transport) is PinnedTransport and s.transport.device == torch.device("cuda", 0)
+            gen.config = HeteroConfig(cpu_workers=1, transport="cuda")
+            with pytest.raises(UnsupportedModelError, match="unavailable"):
+                gen._choose_transport(s, s.pool)
+        finally:
+            s.use_transport(CpuTransport())
+            s.close()

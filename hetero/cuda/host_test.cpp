@@ -6,9 +6,7 @@
 extern "C" {
 
 void hetero_host_publish(int64_t* ctrl, const int64_t* iparams, const double* fparams) {
-    JobParams p{iparams[0], iparams[1], iparams[2], iparams[3], iparams[4], iparams[5], fparams[0], fparams[1],
-                iparams[6], iparams[7]};
-    publish_job(ctrl, p);
+    publish_job(ctrl, job_params(iparams, fparams));
 }
 
 int hetero_host_released(const int64_t* ctrl, int64_t units) { return job_released(ctrl, units); }
@@ -26,8 +24,9 @@ static Dims dims_of(const int64_t* d) { return Dims{d[0], d[1], d[2], d[3], d[4]
 
 // The merge kernel's loop on the host: out [B, T, Hq, D] f32; sinks [Hq] or null.
 void hetero_host_merge(const float* part_o, const float* part_m, const float* part_l, const int64_t* dims,
-                       int64_t nsplit, const float* sinks, float* out) {
+                       const int64_t* iparams, const double* fparams, const float* sinks, float* out) {
     const Dims s = dims_of(dims);
+    const int64_t nsplit = merge_slots(job_params(iparams, fparams));
     for (int64_t b = 0; b < s.B; ++b)
         for (int64_t t = 0; t < s.T; ++t)
             for (int64_t qh = 0; qh < s.Hq; ++qh) {

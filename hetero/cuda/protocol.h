@@ -27,6 +27,16 @@ struct JobParams {
     int64_t psplit;     // a shared prefix's splits (their partials: slots 0..psplit-1; the own: psplit..)
 };
 
+// JobParams from the host's arrays (signal.cu's entry point and the host build read them alike):
+// iparams = seq, layer, T, window, nsplit, units, active, psplit; fparams = scale, softcap.
+HD JobParams job_params(const int64_t* i, const double* f) {
+    return JobParams{i[0], i[1], i[2], i[3], i[4], i[5], f[0], f[1], i[6], i[7]};
+}
+
+// The split partials an output row merges: the shared prefix's (slots 0..psplit-1), then the
+// request's own (KVSession.attend; the CPU transport merges the same slots).
+HD int64_t merge_slots(const JobParams& p) { return p.psplit + p.nsplit; }
+
 // Shapes of one layer's round trip (see signal.cu): batch, q heads, kv heads, this step's query
 // tokens, head dim; the staging's token capacity and padded head dim; partial slots per (request,
 // kv head) (SessionLayout.nparts: the splits of its own rows, and of a shared prefix).

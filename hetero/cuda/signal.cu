@@ -98,8 +98,7 @@ static cudaError_t step(cudaStream_t stream, const void* q, const void* k, const
     wait_job<<<1, 1, 0, stream>>>(ctrl, p.units);
     int mthreads = s.D < 128 ? 64 : 128;
     merge_partials<T><<<(unsigned)(s.B * s.T * s.Hq), mthreads, 0, stream>>>(   // prefix and own splits
-        (const float*)part_o, (const float*)part_m, (const float*)part_l, s, p.psplit + p.nsplit, sinks, (T*)out,
-        ctrl);
+        (const float*)part_o, (const float*)part_m, (const float*)part_l, s, merge_slots(p), sinks, (T*)out, ctrl);
     return cudaGetLastError();
 }
 
@@ -205,8 +204,7 @@ int hetero_attention_step(void* stream, int dtype, const void* q, const void* k,
                           const float* sinks, void* out, const int64_t* dims, void* ctrl, const int64_t* iparams,
                           const double* fparams, void* blocks_done) {
     Dims s{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7]};
-    JobParams p{iparams[0], iparams[1], iparams[2], iparams[3], iparams[4], iparams[5], fparams[0], fparams[1],
-                iparams[6], iparams[7]};
+    JobParams p = job_params(iparams, fparams);
     cudaStream_t st = (cudaStream_t)stream;
     volatile int64_t* c = (volatile int64_t*)ctrl;
     unsigned int* bd = (unsigned int*)blocks_done;

@@ -16,8 +16,8 @@
                  one synchronization per token, which HF's generate loop makes anyway).
                  A Watchdog thread releases the stream (ABORT) when a worker dies or stalls,
                  and the error is raised at the next call.
-Both publish the same words in the same order (hetero/cuda/protocol.h is the GPU's side; a
-host build of it runs against real workers in the tests on every machine).
+All three publish the same words in the same order (hetero/cuda/protocol.h is the GPU's side;
+a host build of it runs against real workers in the tests on every machine).
 """
 import ctypes
 import logging
