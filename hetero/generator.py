@@ -20,7 +20,8 @@ from hetero.context import Context
 from hetero.errors import AdapterError, CapacityError, GeneratorClosedError, UnsupportedModelError, WorkerError
 from hetero.ipc import shm
 from hetero.ipc.pool import WorkerPool
-from hetero.ipc.transport import CudaTransport, PinnedTransport
+from hetero.ipc.cuda_transport import CudaTransport
+from hetero.ipc.transport import PinnedTransport
 from hetero.model_spec import inspect_model
 from hetero.cpu_attention.planner import ProfiledPlanner, StaticPlanner
 from hetero.cpu_attention import kernel

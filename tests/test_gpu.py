@@ -31,7 +31,7 @@ def test_cuda_lora_cold_and_warm_match_peft(tmp_path, transport, monkeypatch):
     CPU workers, copied to the GPU) and a warm one (its device copy) both equal peft's generate;
     decode deltas posted by the GPU (CUDA transport) or through host copies."""
     from hetero import HeteroConfig
-    from hetero.ipc.transport import CudaTransport
+    from hetero.ipc.cuda_transport import CudaTransport
     from tests.test_lora import NAMES, assert_same, generate, make_adapters
 
     base, pm, _ = make_adapters("llama", tmp_path)

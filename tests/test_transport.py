@@ -24,7 +24,8 @@ from hetero.errors import WorkerDiedError, WorkerError
 from hetero.generator import HeteroGenerator as _Gen
 from hetero.ipc import control as C
 from hetero.ipc.pool import WorkerPool
-from hetero.ipc.transport import CpuTransport, CudaTransport, _ptr as _p
+from hetero.ipc.cuda_transport import CudaTransport, _ptr as _p
+from hetero.ipc.transport import CpuTransport
 from hetero.offload.session import KVSession
 from tests.conftest import build_model, padded_batch
 from tests.test_kernel import FixedPlan
