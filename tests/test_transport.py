@@ -44,6 +44,8 @@ def host_lib():
         lib.hetero_host_copy_out.argtypes = [vp, vp, vp, vp, vp, vp, i64p, ctypes.c_int64]
         lib.hetero_host_publish_lora.argtypes = [vp, vp, i64p]
         lib.hetero_host_lora_released.argtypes = [vp, ctypes.c_int64, ctypes.c_int64]
+        lib.hetero_host_lora_copy_out.argtypes = [vp, vp, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+        lib.hetero_host_lora_add.argtypes = [vp, vp, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
         _HOST.append(lib)
     return _HOST[0]
 
@@ -89,7 +91,8 @@ class HostTransport(CudaTransport):
     def _launch_lora_post(self, code, x):
         # the LoRA copy-out kernel's loop (x widened to f32 into the staging), then publish_lora
         rows, din = x.shape
-        self.lora.x[:rows, :din] = x.float()
+        xf = x.float().contiguous()
+        self.lib.hetero_host_lora_copy_out(xf.data_ptr(), self.lora.x.data_ptr(), rows, din, self.lora.x.shape[1])
         v = self.lora.views
         self.lib.hetero_host_publish_lora(self.pool.words.ctypes.data, v["hdr"].ctypes.data, _p(self.lparams))
         HostTransport.lora_jobs += 1
@@ -99,8 +102,11 @@ class HostTransport(CudaTransport):
         seq, rows, _, _, dout, parts = (int(v) for v in self.lparams)
         while not self.lib.hetero_host_lora_released(self.pool.words.ctypes.data, seq, parts):
             time.sleep(0)
-        if self.pool.words[C.ABORT] == 0:
-            out.copy_(out.float() + self.lora.delta[:rows, :dout])
+        if self.pool.words[C.ABORT] == 0:               # the add kernel's loop, in f32, cast back
+            acc = out.float().contiguous()
+            self.lib.hetero_host_lora_add(acc.data_ptr(), self.lora.delta.data_ptr(), rows, dout,
+                                          self.lora.delta.shape[1])
+            out.copy_(acc)
 
     def _event(self):
         return _Done()

@@ -20,6 +20,15 @@ int hetero_host_lora_released(const int64_t* ctrl, int64_t seq, int64_t parts) {
     return lora_released(ctrl, seq, parts);
 }
 
+// The LoRA kernels' loops on the host, in f32: x [rows, din] -> x_st; out [rows, dout] += delta.
+void hetero_host_lora_copy_out(const float* x, float* x_st, int64_t rows, int64_t din, int64_t in_stride) {
+    for (int64_t i = 0; i < rows * din; ++i) x_st[row_offset(i, din, in_stride)] = x[i];
+}
+
+void hetero_host_lora_add(float* out, const float* delta, int64_t rows, int64_t dout, int64_t out_stride) {
+    for (int64_t i = 0; i < rows * dout; ++i) out[i] = lora_sum(out[i], delta[row_offset(i, dout, out_stride)]);
+}
+
 static Dims dims_of(const int64_t* d) { return Dims{d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]}; }
 
 // The merge kernel's loop on the host: out [B, T, Hq, D] f32; sinks [Hq] or null.

@@ -128,6 +128,14 @@ HD void publish_lora(volatile int64_t* ctrl, volatile int64_t* hdr, const LoraPa
     fence_system();
 }
 
+// Element i of a row-major [rows, cols] tensor -> its offset in a [.., stride] staging array (the
+// LoRA staging's x [ROWS, in] and delta [ROWS, out]).
+HD int64_t row_offset(int64_t i, int64_t cols, int64_t stride) { return (i / cols) * stride + i % cols; }
+
+// out + delta as the LoRA add kernel computes it (in f32): a zero delta leaves out untouched (a
+// request whose adapter skips the site keeps even a -0.0).
+HD float lora_sum(float out, float delta) { return delta != 0.f ? out + delta : out; }
+
 // Whether LoRA job `seq` is finished (workers 0..parts-1 published DONE = seq), or the watchdog
 // aborted waiting.
 HD bool lora_released(const volatile int64_t* ctrl, int64_t seq, int64_t parts) {

@@ -114,7 +114,7 @@ __global__ void lora_copy_out_signal(const T* x, float* x_st, int64_t in_stride,
                                      volatile int64_t* ctrl, LoraParams p, unsigned int* blocks_done) {
     const int64_t n = p.rows * p.din, stride = (int64_t)gridDim.x * blockDim.x;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
-        x_st[(i / p.din) * in_stride + i % p.din] = to_f32(x[i]);
+        x_st[row_offset(i, p.din, in_stride)] = to_f32(x[i]);
     __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -139,8 +139,8 @@ __global__ void lora_add(T* out, const float* delta, int64_t rows, int64_t dout,
     const volatile float* d = delta;
     const int64_t n = rows * dout, stride = (int64_t)gridDim.x * blockDim.x;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        const float di = d[(i / dout) * out_stride + i % dout];
-        if (di != 0.f) out[i] = from_f32<T>(to_f32(out[i]) + di);   // a row without the adapter: untouched (-0.0 stays)
+        const float di = d[row_offset(i, dout, out_stride)];
+        if (di != 0.f) out[i] = from_f32<T>(lora_sum(to_f32(out[i]), di));
     }
 }
 
