@@ -864,11 +864,11 @@ class HeteroGenerator:
         if want == "host":
             session.use_transport(PinnedTransport(self.model.device))
             return
-        t = CudaTransport.open(pool, session, self.model.device, quiet=want == "cuda",
-                               lora=None if lora is None else lora.store)
+        store = None if lora is None else lora.store         # None: no adapter loaded (every request base)
+        t = CudaTransport.open(pool, session, self.model.device, quiet=want == "cuda", lora=store)
         if t is not None:
             session.use_transport(t)
-            if lora is not None:
+            if store is not None:
                 lora.use_transport(t)
         elif want != "cuda":
             session.use_transport(PinnedTransport(self.model.device))

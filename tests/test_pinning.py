@@ -2,6 +2,8 @@
 partition, and ArenaPins on a real session with real workers faulting in pages, its
 cudaHostRegister replaced by a recorder (what a GPU would be asked to lock, and when)."""
 import ctypes
+import os
+import signal
 import time
 
 import pytest
@@ -142,3 +144,22 @@ def test_a_fault_in_job_waited_for_by_another_job_is_not_waited_for_again():
             assert time.perf_counter() - t < 1.0 and pool.broken is None and pool.alive
     finally:
         pool.close()
+
+
+def test_closing_after_the_pool_closed_with_a_fault_in_job_in_flight():
+    """A session closed after its pool (a Context outliving a replaced pool) with a fault-in job
+    still in flight on a dead worker: nothing waits on the closed pool, every lock is released."""
+    spec = ModelSpec(model_type="t", layers=3, q_heads=2, kv_heads=1, head_dim=64, dtype=torch.float32,
+                     max_positions=None, sliding=(False,) * 3)
+    unlocked = []
+    pool = WorkerPool(1, [])
+    s = KVSession(pool, spec, pads=[0], real_lens=[64], cap=128)
+    s._pins = pins = ArenaPins(s, lambda p, n: True, unlocked.append)
+    pins.pin(0)
+    assert pins.populating is not None
+    n = len(pins.locked)
+    os.kill(pool.procs[0].pid, signal.SIGKILL)
+    pool.procs[0].wait()
+    pool.close()
+    s.close()
+    assert len(unlocked) == n > 0 and s._pins is None

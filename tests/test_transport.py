@@ -483,6 +483,12 @@ def test_a_cuda_model_without_the_extension_gets_the_pinned_fallback(monkeypatch
             gen.config = HeteroConfig(cpu_workers=1, transport="cuda")
             with pytest.raises(UnsupportedModelError, match="unavailable"):
                 gen._choose_transport(s, s.pool)
+            # with the extension, a call naming no loaded adapter (a LoraBatch without a store)
+            opened = []
+            monkeypatch.setattr(CudaTransport, "open", classmethod(
+                lambda cls, *a, **k: opened.append(k["lora"]) or CpuTransport()))
+            gen._choose_transport(s, s.pool, gen._lora_batch([None], 1))
+            assert opened == [None]
         finally:
             s.use_transport(CpuTransport())
             s.close()

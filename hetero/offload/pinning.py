@@ -100,7 +100,9 @@ class ArenaPins:
         drains a job in flight: its number is then gone from pool.inflight)."""
         job, self.populating = self.populating, None
         pool = self.s.pool
-        if job is not None and job[0] is not None and pool.inflight is not None and pool.inflight[0] == job[0]:
+        if job is None or job[0] is None or pool.closed or pool.broken is not None:
+            return                           # a closed or broken pool: nothing to wait for
+        if pool.inflight is not None and pool.inflight[0] == job[0]:
             pool.drain()
 
     def pin(self, layer):
