@@ -123,45 +123,64 @@ def contexts_table():
     return "\n".join(out)
 
 
+GPU_DECODE_SYSTEMS = [("hetero", "hetero (CUDA transport)"), ("hetero_host", "hetero (host copies)"),
+                      ("hetero_all", "hetero, every worker"), ("hetero_lora", "hetero + LoRA (CUDA)"),
+                      ("hetero_lora_host", "hetero + LoRA (host)"), ("hf", "HF dynamic"), ("peft", "HF + peft"),
+                      ("offloaded", "HF offloaded"), ("static", "HF static")]
+
+
 def gpu_decode_table():
-    """bench/results/gpu_decode*.json (one run per file): ms/token per system and context. The
-    bound is recomputed with HF's static cache at the shortest context as the base layers' time
-    (the files before that change used HF's dynamic cache, bound by kernel launches)."""
-    runs = [r for r in (_load(n) for n in ("gpu_decode.json", "gpu_decode_long.json")) if r]
+    """bench/results/gpu_decode*.json (one run per file, any subset of systems): ms/token per
+    system and context, a row per (file, context); columns only for the systems some file ran.
+    The bound takes the run's base layers' time (HF static cache at 256 tokens) where it recorded
+    one, else HF static at the shortest context of all runs (the first files used HF's dynamic
+    cache there, bound by kernel launches)."""
+    names = sorted(os.path.basename(p) for p in glob.glob(os.path.join(RESULTS, "gpu_decode*.json")))
+    runs = [(n[:-5], r) for n, r in ((n, _load(n)) for n in names) if r]
     if not runs:
         return ""
-    systems = ("hetero", "hetero_host", "hf", "offloaded", "static")
-    rows = [(run, row) for run in runs for shape in run["results"].values() for row in shape["rows"]]
-    base = min(row["static"]["ms"] for _, row in rows if "ms" in row.get("static", {}))
-    run0 = runs[0]
+    rows = [(name, run, shape, row) for name, run in runs for shape in run["results"].values() for row in shape["rows"]]
+    ran = [(k, title) for k, title in GPU_DECODE_SYSTEMS if any(k in row for *_, row in rows)]
+    statics = [row["static"]["ms"] for *_, row in rows if "ms" in row.get("static", {})]
+    fallback = min(statics) if statics else 0.0
+    run0 = runs[0][1]
     out = [f"{run0['gpu']}, {run0['cores']} host cores, Llama-3-8B shape (bf16, random weights), batch 1, "
            f"median of {run0['steps'] - 2} steps; bound = KV bytes / the all-core host read bandwidth "
-           f"measured in the same run + {base:.1f} ms (HF static cache at the shortest context):", "",
-           "| context | hetero (CUDA transport) | hetero (host copies) | HF dynamic | HF offloaded | HF static "
-           "| host read GB/s | bound | hetero / bound | offloaded / hetero | peak GPU GiB hetero / HF |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for run, row in sorted(rows, key=lambda x: x[1]["context"]):
-        ms = {k: row[k]["ms"] if "ms" in row.get(k, {}) else None for k in systems}
+           "measured in the same run + the base layers' time:", "",
+           "| run | context | " + " | ".join(title for _, title in ran) +
+           " | host read GB/s | bound | hetero / bound | offloaded / hetero | peak GPU GiB hetero / HF dynamic |",
+           "|" + "---|" * (len(ran) + 7)]
+
+    def ms(row, k):
+        return row[k]["ms"] if "ms" in row.get(k, {}) else None
+
+    for name, run, shape, row in sorted(rows, key=lambda x: (x[3]["context"], x[0])):
+        static_base = "HF static cache at 256" in run.get("note", "")     # else HF dynamic's: not a base
+        base = shape.get("base_ms") if static_base and shape.get("base_ms") else fallback
         bound = row["kv_bytes"] / (run["host_read_gbps"] * 1e9) * 1e3 + base
-        cell = [f"{ms[k]:.1f}" if ms[k] else "OOM" for k in systems]
-        het = ms["hetero"]
-        out.append(f"| {row['context'] // 1024}K | " + " | ".join(cell) + f" | {run['host_read_gbps']:.0f} | "
-                   f"{bound:.1f} | {het / bound:.2f} | {ms['offloaded'] / het:.2f}x | "
-                   f"{row['hetero']['peak_gpu_bytes'] / 2**30:.1f} / {row['hf']['peak_gpu_bytes'] / 2**30:.1f} |")
+        cells = [f"{ms(row, k):.1f}" if ms(row, k) else ("OOM" if row.get(k, {}).get("oom") else "–") for k, _ in ran]
+        het, off = ms(row, "hetero"), ms(row, "offloaded")
+        peaks = [row.get(k, {}).get("peak_gpu_bytes") for k in ("hetero", "hf")]
+        out.append(f"| {name} | {row['context'] // 1024}K | " + " | ".join(cells) +
+                   f" | {run['host_read_gbps']:.0f} | {bound:.1f} | " + (f"{het / bound:.2f}" if het else "–") +
+                   " | " + (f"{off / het:.2f}x" if het and off else "–") + " | " +
+                   " / ".join(f"{p / 2**30:.1f}" if p else "–" for p in peaks) + " |")
     return "\n".join(out)
 
 
 def gpu_prefill_table():
     """bench/results/gpu_prefill_*.json: seconds and peak GPU memory over the weights per system."""
-    runs = [r for r in (_load(os.path.basename(p)) for p in sorted(glob.glob(os.path.join(RESULTS, "gpu_prefill_*.json")))) if r]
-    if not runs:
+    names = sorted(os.path.basename(p) for p in glob.glob(os.path.join(RESULTS, "gpu_prefill_*.json")))
+    named = [(n[:-5], r) for n, r in ((n, _load(n)) for n in names) if r]
+    if not named:
         return ""
+    runs = [r for _, r in named]
     systems = ("hf", "offloaded", "hetero", "hetero_chunked")
     out = [f"{runs[0]['gpu']}, Llama-3-8B shape (bf16, random weights), one fresh process per cell; seconds "
-           "[peak GPU GiB over the weights]:", "",
-           "| prompt | HF (KV on the GPU) | HF offloaded | hetero one pass (host page-locking) | hetero chunked + prefetch |",
-           "|---|---|---|---|---|"]
-    for run in runs:
+           "(host page-locking) [peak GPU GiB over the weights]:", "",
+           "| run | prompt | HF (KV on the GPU) | HF offloaded | hetero one pass | hetero chunked + prefetch (chunk) |",
+           "|---|---|---|---|---|---|"]
+    for name, run in named:
         for row in run["results"]["prefill"]:
             cells = []
             for k in systems:
@@ -169,9 +188,11 @@ def gpu_prefill_table():
                 if "s" not in r:
                     cells.append("OOM" if r.get("oom") else "-")
                     continue
-                pin = f" ({r['pin_s']:.2f})" if r.get("pin_s") and k == "hetero" else ""
+                pin = f" ({r['pin_s']:.2f})" if r.get("pin_s") else ""
                 cells.append(f"{r['s']:.2f}{pin} [{r['peak_gpu_bytes'] / 2**30:.2f}]")
-            out.append(f"| {row['context'] // 1024}K | " + " | ".join(cells) + " |")
+            if "s" in row.get("hetero_chunked", {}):
+                cells[-1] += f" ({run.get('chunk', '?')})"
+            out.append(f"| {name} | {row['context'] // 1024}K | " + " | ".join(cells) + " |")
     for run in runs:
         c = run["results"].get("continuation")
         if c:
