@@ -18,3 +18,31 @@ def test_gpu_decode_lora_cell_dry_run():
     assert p.returncode == 0 and line, p.stderr[-2000:]
     out = json.loads(line[0][len("RESULT "):])
     assert len(out["times"]) == 3 and all(t > 0 for t in out["times"]) and out["info"]["plan"][0] >= 0
+
+
+def test_report_gpu_tables_take_partial_runs(tmp_path, monkeypatch):
+    """bench/report.py's GPU tables over the committed runs plus a run of a subset of systems (a
+    LoRA decode run, an OOM, a failed cell; a longest-prompt prefill run with an auto chunk)."""
+    import shutil
+
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    import report
+
+    for name in os.listdir(os.path.join(ROOT, "bench", "results")):
+        if name.startswith("gpu_"):
+            shutil.copy(os.path.join(ROOT, "bench", "results", name), tmp_path / name)
+    run = json.load(open(tmp_path / "gpu_decode.json"))
+    row = {"context": 8192, "kv_bytes": 2**30, "hetero": {"ms": 40.0, "peak_gpu_bytes": 16e9},
+           "hetero_lora": {"ms": 45.0}, "peft": {"oom": True}, "hetero_lora_host": {"error": "x"}}
+    run["results"] = {"llama3-8b": {"base_ms": 25.0, "rows": [row]}}
+    run["note"] = "bound = ... + the base layers' time (HF static cache at 256 tokens)"
+    json.dump(run, open(tmp_path / "gpu_decode_lora.json", "w"))
+    pre = json.load(open(tmp_path / "gpu_prefill_a.json"))
+    pre["chunk"] = "auto"
+    pre["results"] = {"prefill": [{"context": 524288, "hf": {"oom": True},
+                                   "hetero_chunked": {"s": 300.0, "pin_s": 9.0, "peak_gpu_bytes": 2**31}}]}
+    json.dump(pre, open(tmp_path / "gpu_prefill_512k.json", "w"))
+    monkeypatch.setattr(report, "RESULTS", str(tmp_path))
+    dec, pre_table = report.gpu_decode_table(), report.gpu_prefill_table()
+    assert "| gpu_decode_lora | 8K | 40.0 |" in dec and "hetero + LoRA (CUDA)" in dec and "OOM" in dec
+    assert "| gpu_prefill_512k | 512K | OOM | - | - | 300.00 (9.00) [2.00] (auto) |" in pre_table
