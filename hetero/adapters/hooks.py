@@ -65,6 +65,7 @@ class LoraBatch:
         self._plans = {}                         # (site, pieces) -> staged unit tables
         self.transport = None                    # a CUDA transport posting the decode jobs (use_transport)
         self._parts = {}                         # site -> workers of its GPU-posted decode job
+        self._bounce = {}                        # name -> a page-locked f32 buffer (host jobs of a GPU model)
 
     def use_transport(self, transport):
         """Decode deltas through `transport` (a CudaTransport mapping the store's staging)."""
@@ -133,10 +134,10 @@ class LoraBatch:
         st, pool = self.store, self.store.pool
         pool.drain()                             # a job still in flight may read the staging area
         din, dout = st.site_dims[site]
+        self._stage_rows(x2, chunk, din)
         pieces, row = [], 0
         for b, a, t0, t1 in chunk:
             _, _, s, r = a.entries[site]
-            st.x[row:row + t1 - t0, :din].copy_(x2[b, t0:t1])
             pieces.append((a.slot, site, row, row + t1 - t0, s, r))
             row += t1 - t0
         key = (site, tuple(pieces))
@@ -166,10 +167,42 @@ class LoraBatch:
     def _collect(self, pending, out3):
         seq, nactive, chunk, dout = pending
         self.store.pool.wait(seq, nactive)
+        n = sum(t1 - t0 for _, _, t0, t1 in chunk)
+        delta = self.store.delta[:n, :dout]
+        if out3.is_cuda:              # one asynchronous copy through a page-locked buffer: the next
+            buf = self._buffer("delta", delta.shape)     # job's _stage_rows waits for it before this
+            buf.copy_(delta)                             # buffer is written again
+            delta = buf.to(out3.device, non_blocking=True)
         row = 0
         for b, _, t0, t1 in chunk:
-            _add(out3[b, t0:t1], self.store.delta[row:row + t1 - t0, :dout])
+            _add(out3[b, t0:t1], delta[row:row + t1 - t0])
             row += t1 - t0
+
+    def _stage_rows(self, x2, chunk, din):
+        """The chunk's rows of x2 [B, T, in] into the staging's x (f32), request-major. From a GPU:
+        one gather and one copy through a page-locked buffer, one wait (the workers read them
+        next), not a synchronous copy per piece."""
+        x = self.store.x
+        if not x2.is_cuda:
+            row = 0
+            for b, _, t0, t1 in chunk:
+                x[row:row + t1 - t0, :din].copy_(x2[b, t0:t1])
+                row += t1 - t0
+            return
+        rows = torch.cat([x2[b, t0:t1] for b, _, t0, t1 in chunk]).float()    # [n, in] on the device
+        buf = self._buffer("x", rows.shape)
+        buf.copy_(rows, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(x2.device))
+        done.synchronize()
+        x[:rows.shape[0], :din].copy_(buf)
+
+    def _buffer(self, name, shape):
+        n = int(np.prod(shape))
+        buf = self._bounce.get(name)
+        if buf is None or buf.numel() < n:
+            buf = self._bounce[name] = torch.empty(n, pin_memory=True)
+        return buf[:n].view(shape)
 
 
 def _decoding():
