@@ -13,6 +13,7 @@ hetero.ipc.transport for the seam it implements.
 """
 import ctypes
 import logging
+import mmap
 import threading
 import time
 
@@ -25,6 +26,7 @@ from hetero.ipc import control as C
 from hetero.ipc.pool import describe_exit
 
 log = logging.getLogger("hetero")
+PAGE = mmap.PAGESIZE
 
 
 class Watchdog:
@@ -181,7 +183,7 @@ class CudaTransport:
         if offs["lengths"][0] != 0:
             raise RuntimeError("the session layout must start with its lengths array")
         end = offs["part_l"][0] + session.part_l.numel() * 4
-        dev = self._register(session.lengths.ctypes.data, -(-end // 4096) * 4096)   # lengths .. part_l
+        dev = self._register(session.lengths.ctypes.data, -(-end // PAGE) * PAGE)   # lengths .. part_l
         self.dev = {n: dev + offs[n][0] for n in ("q", "knew", "vnew", "part_o", "part_m", "part_l")}
         if self.lora is not None:               # the LoRA staging (hdr .. delta): x in, deltas out
             base = self.lora.views["hdr"].ctypes.data            # offset 0 of the staging segment
@@ -197,7 +199,7 @@ class CudaTransport:
         """Page-lock and map the adapter store's staging once (kept across calls: released by the
         store when it replaces or closes it); its device address."""
         d = ctypes.c_void_p()
-        size = -(-self.lora.staging.size // 4096) * 4096
+        size = -(-self.lora.staging.size // PAGE) * PAGE
         self._call(self.lib.hetero_register(ctypes.c_void_p(base), size, ctypes.byref(d)), "cudaHostRegister")
         return d.value
 

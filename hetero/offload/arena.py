@@ -40,6 +40,7 @@ from its own segment (the workers map each group's source beside this one). K/V 
 each request's rows from pstart[b] on, in `private` rows (row j in block (j // BK) % nblk, a
 ring that never wraps: private >= cap - pstart[b] for every request).
 """
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,7 +49,7 @@ from hetero.cpu_attention.kernel import NP_STORAGE
 from hetero.cpu_attention.simd import BK, W
 from hetero.ipc import shm
 
-ALIGN = 4096
+ALIGN = max(4096, mmap.PAGESIZE)   # arrays start on page boundaries (a GPU page-locks them apart)
 
 
 def _round(n, a=ALIGN):

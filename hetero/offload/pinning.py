@@ -15,8 +15,8 @@ the critical path:
 Ranges: each of K, V, Kr, Vr (per layer slot: [B, Hkv, nblk, ...]) is locked in one chunk per
 slot where slots are whole pages (every real shape: a bf16 block of 32 rows of a 64-wide head is
 4 KB), else in one chunk for the whole array, locked with the first layer (a copy spanning two
-separate registrations might not count as page-locked). Arrays start on 4 KB boundaries
-(hetero.offload.arena), so on 4 KB-page hosts no page is locked twice.
+separate registrations might not count as page-locked). Arrays start on page boundaries
+(hetero.offload.arena), so no page is locked twice.
 
 The workers' fault-in job is posted only where no GPU-posted job can be in flight: a call's
 prefill and prefetched forwards come before its first decode step (hetero.ipc.transport).
