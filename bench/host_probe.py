@@ -27,7 +27,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import machine, write_json  # noqa: E402
 
-MADV_POPULATE_WRITE = 23
 
 
 def segment(nbytes):
@@ -47,11 +46,13 @@ def close(seg):
 def populate(seg, threads=8):
     """Fault in every page of seg from `threads` threads (madvise releases no GIL in Python's mmap,
     so through libc)."""
+    from hetero.ipc import shm
+
     libc = ctypes.CDLL(None, use_errno=True)
     base = ctypes.addressof(ctypes.c_char.from_buffer(seg.mm))
     step = -(-seg.size // threads) // (2 << 20) * (2 << 20) or seg.size
     def run(a):
-        libc.madvise(ctypes.c_void_p(base + a), ctypes.c_size_t(min(step, seg.size - a)), MADV_POPULATE_WRITE)
+        libc.madvise(ctypes.c_void_p(base + a), ctypes.c_size_t(min(step, seg.size - a)), shm.MADV_POPULATE_WRITE)
     ts = [threading.Thread(target=run, args=(a,)) for a in range(0, seg.size, step)]
     [t.start() for t in ts]
     [t.join() for t in ts]

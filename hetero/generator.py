@@ -433,10 +433,9 @@ class HeteroGenerator:
         """Open a KV session (shared arena mapped in the workers) for len(pads) requests of `cap` rows,
         route the model's attention to it and yield its HeteroCache (`cache.session`). On exit the
         session is closed and the model's attention implementation restored, whatever happened.
-        lora: the call's LoraBatch (its decode deltas then go through the session's transport). tmax:
-        query tokens per step after
-        the first forward (a chunked prefill's chunk). prefix_groups: [(a Context's session, the
-        requests sharing its first blocks)] (KVSession)."""
+        lora: the call's LoraBatch (its decode deltas then go through the session's transport).
+        tmax: query tokens per step after the first forward (a chunked prefill's chunk).
+        prefix_groups: [(a Context's session, the requests sharing its first blocks)] (KVSession)."""
         with self._exclusive(), self._call_session(pads, real_lens, cap, lora, tmax, prefix_groups) as cache:
             yield cache
 
@@ -858,23 +857,17 @@ class HeteroGenerator:
         batch allow (see hetero.ipc.transport), else host copies through page-locked buffers
         (PinnedTransport). With `lora` (the call's LoraBatch), its decode deltas go through the
         CUDA transport too."""
-        want = self.config.transport
-        if self.model.device.type != "cuda":
-            return
-        if want == "host":
-            session.use_transport(PinnedTransport(self.model.device))
+        want, dev = self.config.transport, self.model.device
+        if dev.type != "cuda":
             return
         store = None if lora is None else lora.store         # None: no adapter loaded (every request base)
-        t = CudaTransport.open(pool, session, self.model.device, quiet=want == "cuda", lora=store)
-        if t is not None:
-            session.use_transport(t)
-            if store is not None:
-                lora.use_transport(t)
-        elif want != "cuda":
-            session.use_transport(PinnedTransport(self.model.device))
-        else:
+        t = None if want == "host" else CudaTransport.open(pool, session, dev, quiet=want == "cuda", lora=store)
+        if t is None and want == "cuda":
             raise UnsupportedModelError(f"HeteroConfig.transport='cuda': the CUDA extension is unavailable "
                                         f"({CudaTransport.why})")
+        session.use_transport(t or PinnedTransport(dev))
+        if t is not None and store is not None:
+            lora.use_transport(t)
 
     def close(self):
         """Stop the workers and free every shared segment; restore the model's modules. Idempotent.

@@ -455,7 +455,7 @@ def test_pinned_fallback_matches_hf(monkeypatch, model_type, dtype, chunk):
         kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
                   return_dict_in_generate=True, output_scores=True)
         out, ref = gen.generate(ids, **kw), model.generate(ids, **kw)
-    assert len(used) == 1 and set(used[0]._bufs) == {"q", "k", "v", "out"}
+    assert len(used) == 1 and set(used[0].bounce._bufs) == {"q", "k", "v", "out"}
     assert torch.equal(out.sequences, ref.sequences)
     for a, b in zip(out.scores, ref.scores):
         torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)

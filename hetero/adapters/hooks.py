@@ -24,7 +24,9 @@ from contextvars import ContextVar
 import numpy as np
 import torch
 
+from hetero.attention import active_session
 from hetero.ipc import control as C
+from hetero.ipc.transport import Bounce
 
 active_batch = ContextVar("hetero_lora_batch", default=None)
 MIN_WORK = 1 << 18     # multiply-adds worth waking one more worker for (~20-50 us of work)
@@ -65,7 +67,7 @@ class LoraBatch:
         self._plans = {}                         # (site, pieces) -> staged unit tables
         self.transport = None                    # a CUDA transport posting the decode jobs (use_transport)
         self._parts = {}                         # site -> workers of its GPU-posted decode job
-        self._bounce = {}                        # name -> a page-locked f32 buffer (host jobs of a GPU model)
+        self._bounce = None                      # page-locked buffers for the host jobs of a GPU model
 
     def use_transport(self, transport):
         """Decode deltas through `transport` (a CudaTransport mapping the store's staging)."""
@@ -170,8 +172,8 @@ class LoraBatch:
         n = sum(t1 - t0 for _, _, t0, t1 in chunk)
         delta = self.store.delta[:n, :dout]
         if out3.is_cuda:              # one asynchronous copy through a page-locked buffer: the next
-            buf = self._buffer("delta", delta.shape)     # job's _stage_rows waits for it before this
-            buf.copy_(delta)                             # buffer is written again
+            buf = self._bounce.get("delta", delta.shape)   # job's _stage_rows waits for it before
+            buf.copy_(delta)                               # this buffer is written again
             delta = buf.to(out3.device, non_blocking=True)
         row = 0
         for b, _, t0, t1 in chunk:
@@ -190,27 +192,17 @@ class LoraBatch:
                 row += t1 - t0
             return
         rows = torch.cat([x2[b, t0:t1] for b, _, t0, t1 in chunk]).float()    # [n, in] on the device
-        buf = self._buffer("x", rows.shape)
+        self._bounce = self._bounce or Bounce(x2.device)
+        buf = self._bounce.get("x", rows.shape)
         buf.copy_(rows, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(x2.device))
-        done.synchronize()
+        torch.cuda.current_stream(x2.device).synchronize()
         x[:rows.shape[0], :din].copy_(buf)
-
-    def _buffer(self, name, shape):
-        n = int(np.prod(shape))
-        buf = self._bounce.get(name)
-        if buf is None or buf.numel() < n:
-            buf = self._bounce[name] = torch.empty(n, pin_memory=True)
-        return buf[:n].view(shape)
 
 
 def _decoding():
     """A decode step of the active session (hetero.attention): prefilled, not a prefetched
     forward. Only there may the GPU post LoRA jobs: a prefill's or prefetched forward's host may
     post jobs of its own (hetero.offload.pinning), whose numbers would overtake the GPU's."""
-    from hetero.attention import active_session
-
     s = active_session.get()
     return s is not None and s.prefilled and s.prefetcher is None
 

@@ -66,6 +66,22 @@ class CpuTransport:
         pass
 
 
+class Bounce:
+    """Page-locked host buffers for copies to and from a GPU, kept by name and grown on demand
+    (plain memory for a CPU device: the same code path in the tests). The caller orders reuse: a
+    buffer is written again only after the stream ran the copies that read it."""
+
+    def __init__(self, device):
+        self.pinned, self._bufs = torch.device(device).type == "cuda", {}
+
+    def get(self, name, shape, dtype=torch.float32):
+        n = int(np.prod(shape))
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != dtype:
+            buf = self._bufs[name] = torch.empty(n, dtype=dtype, pin_memory=self.pinned)
+        return buf[:n].view(shape)
+
+
 class PinnedTransport(CpuTransport):
     """See the module doc. Page-locked bounce buffers (torch's pinned host memory, no nvcc): q/k/v
     in [B, H, T, D] come over in asynchronous DMAs and one event wait, the host copies them into
@@ -75,14 +91,7 @@ class PinnedTransport(CpuTransport):
     name = "host"
 
     def __init__(self, device):
-        self.device, self._kv, self._bufs = device, None, {}
-
-    def _buffer(self, name, shape, dtype):
-        n = int(np.prod(shape))
-        buf = self._bufs.get(name)
-        if buf is None or buf.numel() < n or buf.dtype != dtype:
-            buf = self._bufs[name] = torch.empty(n, dtype=dtype, pin_memory=self.device.type == "cuda")
-        return buf[:n].view(shape)
+        self.device, self._kv, self.bounce = device, None, Bounce(device)
 
     def stage(self, s, key, value):
         self._kv = (key, value)                      # copied with q, at the layer's attention call
@@ -92,19 +101,17 @@ class PinnedTransport(CpuTransport):
         T, D = query.shape[2], query.shape[3]
         key, value = self._kv
         self._kv = None
-        ins = [self._buffer(n, t.shape, dt) for n, t, dt in (("q", query, torch.float32), ("k", key, s.spec.dtype),
-                                                              ("v", value, s.spec.dtype))]
+        ins = [self.bounce.get(n, t.shape, dt) for n, t, dt in (("q", query, torch.float32),
+                                                                 ("k", key, s.spec.dtype), ("v", value, s.spec.dtype))]
         for buf, t in zip(ins, (query, key, value)):
             buf.copy_(t.to(buf.dtype), non_blocking=True)
-        if query.is_cuda:
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(query.device))
-            done.synchronize()                       # the one wait per layer: the workers read them next
+        if query.is_cuda:                            # the one wait per layer: the workers read them next
+            torch.cuda.current_stream(query.device).synchronize()
         s.pool.drain()                               # no job may still read the staging area
         for dst, buf in zip((s.q, s.knew, s.vnew), ins):
             dst[:, :, :T, :D].copy_(buf)             # columns D..Dp-1 stay zero
         out = self._run(s, job, query.shape, sinks)  # [B, T, Hq, D] f32, merged on the CPU
-        back = self._buffer("out", out.shape, torch.float32)
+        back = self.bounce.get("out", out.shape)
         back.copy_(out)
         return back.to(query.device, non_blocking=True).to(query.dtype)
 

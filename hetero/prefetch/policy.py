@@ -10,10 +10,9 @@ Per layer, for T new tokens over L cached rows:
 copy_gbps (host arena -> device buffer, per head as the fetches copy; PCIe on a GPU machine)
 and device_gflops (a full-attention layer's tile: attention_lse over one tile of cached rows; the
 math path of soft-capped models, the masked path of windowed layers and the unblocking and merges
-are not counted) are measured
-once per device and shape (`measure`), in the same process that uses them. The crossover (the T
-above which the device wins) grows with nothing but these two figures and the profile;
-`hetero profile --device` prints it.
+are not counted) are measured once per device and shape (`measure`), in the same process that
+uses them. The crossover (the T above which the device wins) grows with nothing but these two
+figures and the profile; `hetero profile --device` prints it.
 """
 import logging
 import time

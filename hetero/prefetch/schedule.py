@@ -296,7 +296,6 @@ class LayerPrefetcher:
         attended apart and merged by their log-sum-exps (merge_lse): device memory holds one tile,
         whatever the context's length. The T queries of the G = Hq/Hkv heads sharing a KV head
         attend a tile as one [G*T] block (q head h*G + g)."""
-        s, L = self.s, int(self.s.lengths[0])
         key, value = self.new                                             # [1, Hkv, T, D]
         _, Hq, T, D = query.shape
         Hkv = key.shape[1]
@@ -305,7 +304,7 @@ class LayerPrefetcher:
         acc = attention_lse(q, key.repeat_interleave(G, 1), value.repeat_interleave(G, 1), scale, True, softcap)
         acc = (acc[0].reshape(1, Hkv, G * T, D), acc[1].reshape(1, Hkv, G * T))      # q head h*G + g
         qf = q.view(1, Hkv, G * T, D)                                      # [1, Hkv, G*T, D]
-        start = max(L // BK * BK, int(s.pstart[0]))                        # the offload's first row
+        start = self._offload_start()
         tail = (key[:, :, :0], value[:, :, :0])                            # cached rows start..L-1
         k0 = self.first_item[layer]
         for k in range(k0, k0 + self.ntiles[layer]):
@@ -332,12 +331,14 @@ class LayerPrefetcher:
         offload stream, as a prefill's (KVSession.offloading: the host waits for layer - 2's only;
         a strided host-side write ran at 45 MB/s on an H100 host)."""
         self.log.append(("offload", layer, None, None))
-        s = self.s
-        L = int(s.lengths[0])
-        start = max(L // BK * BK, int(s.pstart[0]))              # >= first: first is a block start <= L
+        s, start = self.s, self._offload_start()                 # >= first: first is a block start <= L
         with s.offloading(layer, k, v):
             # rows start..L+T-1: [Hkv, L - start + T, D]
             s.write_rows(layer, 0, k[0, :, start - first:], v[0, :, start - first:], start, whole_blocks=True)
+
+    def _offload_start(self):
+        """The first row a layer's offload writes: the start of the block holding row L."""
+        return max(int(self.s.lengths[0]) // BK * BK, int(self.s.pstart[0]))
 
     def finish(self):
         """After the last layer: every layer's new rows are in the arena (on a GPU, one wait for the
