@@ -28,8 +28,10 @@ else
     export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1
-# the KV cache streams much faster from 2 MB pages (README: Huge pages)
-mount -o remount,huge=advise /dev/shm 2>/dev/null || echo "note: could not remount /dev/shm"
+# the KV cache streams much faster from 2 MB pages (README: Huge pages); a tmpfs defaults to half
+# the RAM, which would cap the arena (the longest prompts) at 64 GiB on a 128 GiB host
+mount -o remount,huge=advise,size=${SHM_SIZE:-90%} /dev/shm 2>/dev/null || echo "note: could not remount /dev/shm"
+df -h /dev/shm | tail -1
 python3 -c "import torch, transformers, numba, posix_ipc
 from hetero.ipc.shm import shmem_huge_pages
 print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__,
