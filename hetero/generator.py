@@ -34,14 +34,32 @@ log = logging.getLogger("hetero")
 
 # generate() keywords passed through to transformers' generate (its processors and stopping criteria)
 GENERATE_KWARGS = frozenset({
-    "do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty",
-    "no_repeat_ngram_size", "min_new_tokens", "eos_token_id", "pad_token_id", "bos_token_id", "streamer",
-    "return_dict_in_generate", "output_scores", "output_logits", "logits_processor", "stopping_criteria",
+    "do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
+    "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "sequence_bias", "suppress_tokens",
+    "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty",
+    "renormalize_logits", "remove_invalid_values", "min_length", "min_new_tokens", "max_time",
+    "eos_token_id", "pad_token_id", "bos_token_id", "streamer", "return_dict_in_generate", "output_scores",
+    "output_logits", "logits_processor", "stopping_criteria",
 })
 DEFAULT_RESERVE = 1024   # KV rows a context keeps free for later calls, unless prefill(reserve=) says
 CONTINUE_CHUNK = 256     # a context's continuations go to the workers in pieces of at most this many tokens
 SHARED_IDLE_SPIN = 400   # ~10 us of polls before a CPU model's worker sleeps (atomics.sleep_until_changed)
 PASS_THROUGH = ("streamer", "logits_processor", "stopping_criteria")  # objects, not GenerationConfig fields
+DEFAULT_NEW_TOKENS = 20  # transformers' default when the model's generation_config sets no max_length
+# generation settings hetero does not run, refused by name whether the call or the model's
+# generation_config sets them: beam search, several sequences per prompt, no KV cache, classifier-
+# free guidance, assisted and contrastive decoding, attention / hidden-state outputs
+UNSUPPORTED_SETTINGS = {
+    "num_beams": lambda v: v is not None and v > 1,
+    "num_beam_groups": lambda v: v is not None and v > 1,
+    "num_return_sequences": lambda v: v is not None and v > 1,
+    "use_cache": lambda v: v is False,
+    "guidance_scale": lambda v: v is not None and v != 1,
+    "prompt_lookup_num_tokens": lambda v: v is not None,
+    "penalty_alpha": lambda v: v is not None and v > 0,
+    "output_attentions": bool,
+    "output_hidden_states": bool,
+}
 
 
 class HeteroGenerator:
@@ -265,8 +283,7 @@ class HeteroGenerator:
                                  "pass tokenizer(padding_side='left')")
             attention_mask = m
         if max_new_tokens is None:
-            gc = self.model.generation_config
-            max_new_tokens = gc.max_new_tokens if gc.max_new_tokens is not None else gc.max_length - input_ids.shape[1]
+            max_new_tokens = self._default_new_tokens(input_ids.shape[1])
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
         total = input_ids.shape[1] + max_new_tokens
@@ -274,6 +291,23 @@ class HeteroGenerator:
             raise CapacityError(f"prompt ({input_ids.shape[1]} positions) + max_new_tokens ({max_new_tokens}) = {total} "
                                 f"exceeds the model's max_position_embeddings ({self.spec.max_positions})")
         return attention_mask, max_new_tokens
+
+    def _default_new_tokens(self, prompt):
+        """max_new_tokens when the call gives none, as transformers decides it: the model's
+        generation_config.max_new_tokens; else what its max_length (prompt included) leaves after a
+        `prompt`-token prompt; without one, 20 (within max_position_embeddings)."""
+        gc = self.model.generation_config
+        if gc.max_new_tokens is not None:
+            return gc.max_new_tokens
+        if gc.max_length is not None:
+            new, why = gc.max_length - prompt, f"the model's generation_config.max_length is {gc.max_length}"
+        else:
+            limit = self.spec.max_positions
+            new = DEFAULT_NEW_TOKENS if limit is None else min(DEFAULT_NEW_TOKENS, limit - prompt)
+            why = f"max_position_embeddings is {limit}"
+        if new < 1:
+            raise ValueError(f"the prompt has {prompt} tokens and {why}: no room for new tokens")
+        return new
 
     def _chunk_size(self, attention_mask):
         """HeteroConfig.prefill_chunk for this prompt: an int, or None (one pass). "auto": one pass
@@ -380,53 +414,55 @@ class HeteroGenerator:
             self._check_contexts(context)
             if extend_context:
                 raise ValueError("extend_context=True needs a single Context; a list of contexts is only read")
-        if context is not None and max_new_tokens is None:
-            gc = self.model.generation_config       # HF's max_length counts the whole sequence
-            if gc.max_new_tokens is not None:
-                max_new_tokens = gc.max_new_tokens
-            elif many or (isinstance(context, Context) and not context.closed):
-                ctxs = context if many else [context]
-                real = [input_ids.shape[-1]] * len(ctxs) if attention_mask is None or attention_mask.ndim != 2 \
-                    else attention_mask.sum(-1).tolist()
-                max_new_tokens = gc.max_length - max(len(c.tokens) + int(n) for c, n in zip(ctxs, real))
+        if context is not None and max_new_tokens is None and (many or (isinstance(context, Context)
+                                                                        and not context.closed)):
+            ctxs = context if many else [context]       # HF's max_length counts the whole sequence
+            real = [input_ids.shape[-1]] * len(ctxs) if attention_mask is None or attention_mask.ndim != 2 \
+                else attention_mask.sum(-1).tolist()
+            max_new_tokens = self._default_new_tokens(max(len(c.tokens) + int(n) for c, n in zip(ctxs, real)))
         attention_mask, max_new_tokens = self._check_inputs(input_ids, attention_mask, max_new_tokens)
+        settings, call = self._generation_settings(max_new_tokens, kwargs)
         lora = self._lora_batch(adapter_names, input_ids.shape[0])
         if context is not None:
-            gen_config, objects = self._generation_config(max_new_tokens, kwargs)
             if many:
-                return self._generate_in_contexts(list(context), input_ids, attention_mask, max_new_tokens,
-                                                  gen_config, objects, lora)
-            return self._generate_in_context(context, input_ids, attention_mask, max_new_tokens, gen_config,
-                                             objects, lora, extend_context is not False)
-        reuse = self._reusable(input_ids, attention_mask, max_new_tokens) if lora is None else None
+                return _without_cache(self._generate_in_contexts(list(context), input_ids, attention_mask,
+                                                                 max_new_tokens, settings, call, lora))
+            return _without_cache(self._generate_in_context(context, input_ids, attention_mask, max_new_tokens,
+                                                            call, lora, extend_context is not False))
+        reuse = self._reusable(input_ids, attention_mask, max_new_tokens, settings) if lora is None else None
         if reuse is not None:                   # the prompts start with live contexts: continue them, read-only
-            gen_config, objects = self._generation_config(max_new_tokens, kwargs)
             ctxs, rest, rest_mask = reuse
-            if len(ctxs) == 1:
-                out = self._generate_in_context(ctxs[0], rest, rest_mask, max_new_tokens, gen_config, objects,
-                                                None, extend=False)
-            else:
-                out = self._generate_in_contexts(ctxs, rest, rest_mask, max_new_tokens, gen_config, objects, None)
-            return _left_pad(out, input_ids.shape[1] + max_new_tokens, gen_config.pad_token_id)
+            if len(ctxs) == 1 and bool(attention_mask.all()):
+                out = self._generate_in_context(ctxs[0], rest, rest_mask, max_new_tokens, call, None, extend=False)
+            else:                               # as wide as input_ids: generate sees input_ids themselves
+                out = self._generate_in_contexts(ctxs, rest, rest_mask, max_new_tokens, settings, call, None,
+                                                 width=input_ids.shape[1])
+            return _without_cache(out)
         chunk = self._chunk(attention_mask)
         tmax = self._staged(chunk) or 1
         pads, real, cap = self._plan_cache(attention_mask, max_new_tokens, tmax=tmax)
-        gen_config, objects = self._generation_config(max_new_tokens, kwargs)
-        with self.kv_context(pads, real, cap, lora=lora, tmax=tmax) as cache, \
-                torch.inference_mode(), _active(lora):
+        with self.kv_context(pads, real, cap, lora=lora, tmax=tmax) as cache, torch.no_grad(), _active(lora):
             if chunk:
                 self.prefill_chunks(cache, input_ids, attention_mask, chunk)
-            return self.model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache,
-                                       generation_config=gen_config, **objects)
+            return _without_cache(self.model.generate(input_ids, attention_mask=attention_mask,
+                                                      past_key_values=cache, **call))
 
-    def _generation_config(self, max_new_tokens, kwargs):
-        """(GenerationConfig, pass-through objects) for one call."""
-        # a checkpoint may ship cache_implementation="static": ours replaces it
-        gen_config = copy.deepcopy(self.model.generation_config)
-        gen_config.cache_implementation = None
-        objects = {k: kwargs.pop(k) for k in PASS_THROUGH if k in kwargs}
-        gen_config.update(max_new_tokens=max_new_tokens, num_beams=1, **kwargs)
-        return gen_config, objects
+    def _generation_settings(self, max_new_tokens, kwargs):
+        """(the call's settings as transformers resolves them: the model's generation_config under the
+        call's arguments, an explicit None included; the keywords for the model's generate). They go
+        to generate as keywords, not as a generation_config, which transformers would refill from the
+        model's wherever a field is None. hetero's cache replaces a cache_implementation the model's
+        generation_config may carry (a checkpoint's "static")."""
+        call = dict(kwargs, max_new_tokens=max_new_tokens, cache_implementation=None)
+        settings = copy.deepcopy(self.model.generation_config)
+        settings.update(**{k: v for k, v in call.items() if k not in PASS_THROUGH})
+        bad = {k: getattr(settings, k, None) for k, refused in UNSUPPORTED_SETTINGS.items()
+               if refused(getattr(settings, k, None))}
+        if bad:
+            raise ValueError(f"hetero's generate does not support {bad} (set in the call or in the model's "
+                             "generation_config); it decodes one sequence per prompt over its own KV cache: "
+                             "greedy or sampling, with logits processors and stopping criteria")
+        return settings, call
 
     @contextlib.contextmanager
     def kv_context(self, pads, real_lens, cap, lora=None, tmax=1, prefix_groups=()):
@@ -512,7 +548,7 @@ class HeteroGenerator:
         if not bool(attention_mask.all()):
             raise ValueError("a context's prompt cannot be padded: pass its tokens only (attention_mask all ones)")
         with self._context_session(attention_mask, reserve) as session:
-            with self._routed(session) as cache, torch.inference_mode():
+            with self._routed(session) as cache, torch.no_grad():
                 chunk = self._chunk(attention_mask)
                 if chunk:                                # all chunks; the last one too
                     self.prefill_chunks(cache, input_ids, attention_mask, chunk, to_end=True)
@@ -612,8 +648,7 @@ class HeteroGenerator:
         ctx.pending = pending
         return self._keep(ctx)
 
-    def _generate_in_context(self, ctx, input_ids, attention_mask, max_new_tokens, gen_config, objects, lora,
-                             extend=True):
+    def _generate_in_context(self, ctx, input_ids, attention_mask, max_new_tokens, call, lora, extend=True):
         """generate() continuing `ctx`: [cached tokens, the last call's unstored token, new tokens].
         extend=False: afterwards the context is as before (its length restored; the rows the call
         appended lie past it and are overwritten later, except in sliding-window rings, which a
@@ -642,14 +677,12 @@ class HeteroGenerator:
             rings = None if extend or not session.layout.ring_layers else (session.Kr.clone(), session.Vr.clone())
             err = None
             try:
-                with self._routed(session, lora) as cache, torch.inference_mode(), \
-                        _active(lora):
+                with self._routed(session, lora) as cache, torch.no_grad(), _active(lora):
                     for layer in cache.layers:
                         layer.seen = cached
                     mask = torch.ones_like(full)
                     self._feed(cache, full, mask, cached, full.shape[1])     # generate's first forward: the rest
-                    out = self.model.generate(full, attention_mask=mask, past_key_values=cache,
-                                              generation_config=gen_config, **objects)
+                    out = self.model.generate(full, attention_mask=mask, past_key_values=cache, **call)
             except BaseException as e:
                 err = e
             try:
@@ -739,12 +772,16 @@ class HeteroGenerator:
         else:
             ctx._close()
 
-    def _reusable(self, input_ids, attention_mask, max_new_tokens):
+    def _reusable(self, input_ids, attention_mask, max_new_tokens, settings):
         """Automatic prefix reuse (HeteroConfig.reuse_contexts): when every request's prompt starts
         with the tokens of a live Context (its cached and pending ones) and goes on past them,
         (the longest such contexts, the new tokens [B, n] left-padded, their mask); else None.
-        Continuing a context reads its exact KV, so the result is the one-shot generate's."""
+        Continuing a context reads its exact KV, and the sequences the continuation feeds generate
+        are input_ids themselves (so not where a pad cell holds another id than the pad: logits
+        processors see every column), so the result is the one-shot generate's."""
         if not self.config.reuse_contexts or not self._contexts:
+            return None
+        if bool((input_ids[attention_mask == 0] != _pad_id(settings)).any()):
             return None
         cached = self.config.context_memory is not None     # unreferenced contexts are a cache (see _sweep)
         tokens = [(k, k.tokens) for k in self._contexts.values() if cached or k.ref() is not None]
@@ -773,14 +810,15 @@ class HeteroGenerator:
             if not isinstance(c, Context) or c.generator is not self or c.closed:
                 raise ValueError(f"context= takes open Contexts from this generator's prefill(), got {c!r}")
 
-    def _generate_in_contexts(self, contexts, input_ids, attention_mask, max_new_tokens, gen_config, objects, lora):
+    def _generate_in_contexts(self, contexts, input_ids, attention_mask, max_new_tokens, settings, call, lora,
+                              width=0):
         """generate() for a batch whose request b continues contexts[b] (read, not changed): the
         requests continuing one context form a shared-prefix group that reads the context's
         whole blocks in place (KVSession prefix_groups; not a context with sliding-window rings,
         nor with share_contexts=False); the call's own session holds
         each request's rows past them (pstart), copied from its context (all of them for a
         request in no group). Request b's sequence is [its context's tokens (pending ones too),
-        its new tokens], left-padded to the longest; the steps that feed them count, per
+        its new tokens], left-padded to the longest (or to `width`); the steps that feed them count, per
         request, the tokens that are not its own (session.skip)."""
         B = input_ids.shape[0]
         if len(contexts) != B:
@@ -790,8 +828,8 @@ class HeteroGenerator:
             new = [input_ids[b, attention_mask[b].bool()].to("cpu") for b in range(B)]      # real new tokens
             seqs = [torch.cat([c.token_ids, c.pending, n]) for c, n in zip(contexts, new)]
             cached = [c.length for c in contexts]
-            S = max(len(q) for q in seqs)
-            pad_id = gen_config.pad_token_id if isinstance(gen_config.pad_token_id, int) else 0
+            S = max(width, max(len(q) for q in seqs))
+            pad_id = _pad_id(settings)
             full = torch.full((B, S), pad_id, dtype=torch.long)                  # [B, S], left-padded
             mask = torch.zeros(B, S, dtype=torch.long)
             for b, q in enumerate(seqs):
@@ -820,8 +858,8 @@ class HeteroGenerator:
             full, mask = full.to(self.model.device), mask.to(self.model.device)
             for c in contexts:
                 self._used(c)
-            with self._call_session(pads, cached, cap, lora, tmax, groups) as cache, \
-                    torch.inference_mode(), _active(lora):
+            with self._call_session(pads, cached, cap, lora, tmax, groups) as cache, torch.no_grad(), \
+                    _active(lora):
                 session = cache.session
                 for b, c in enumerate(contexts):                    # rows past the shared prefix
                     src = c.session
@@ -838,8 +876,7 @@ class HeteroGenerator:
                 while S - a > tmax:                                # continue in pieces of at most tmax tokens
                     self._forward(cache, full, mask, a, a + tmax)
                     a += tmax
-                return self.model.generate(full, attention_mask=mask, past_key_values=cache,
-                                           generation_config=gen_config, **objects)
+                return self.model.generate(full, attention_mask=mask, past_key_values=cache, **call)
 
     def _forward(self, cache, input_ids, attention_mask, a, b):
         """The model over positions [a, b) of input_ids into `cache` (no logits kept but the last)."""
@@ -931,18 +968,15 @@ class _Kept:
         return ctx
 
 
-def _left_pad(out, width, pad_id):
-    """generate's output (a tensor, or a GenerateOutput) with its sequences left-padded to `width`
-    columns (a prompt padded wider than its longest row: as HF returns it)."""
-    seq = out if isinstance(out, torch.Tensor) else out.sequences
-    cols = width - seq.shape[1]
-    if cols <= 0:
-        return out
-    seq = torch.cat([torch.full((seq.shape[0], cols), pad_id if isinstance(pad_id, int) else 0,
-                                dtype=seq.dtype, device=seq.device), seq], 1)
-    if isinstance(out, torch.Tensor):
-        return seq
-    out.sequences = seq
+def _pad_id(settings):
+    """The id a batch of contexts pads its sequences with (the resolved pad_token_id, else 0)."""
+    return settings.pad_token_id if isinstance(settings.pad_token_id, int) else 0
+
+
+def _without_cache(out):
+    """generate's output without its past_key_values: hetero's cache is closed with the call."""
+    if not isinstance(out, torch.Tensor) and getattr(out, "past_key_values", None) is not None:
+        out.past_key_values = None
     return out
 
 

@@ -140,8 +140,9 @@ def measure(pool, group, head_dim, dtype, reps=5):
         t["all", 0] = t["size", L]
         agg = [nbytes / max(t["all", n], 1e-9) / 1e9 for n in range(pool.n + 1)]
         # parent merge of the partials, per (request, kv head) and extra split
-        o = torch.randn(1, Hkv, 16, group, head_dim)
-        m, l = torch.randn(1, Hkv, 16, group), torch.rand(1, Hkv, 16, group) + 1
+        g = torch.Generator().manual_seed(0)     # not the global RNG: a user's seeded sampling follows
+        o = torch.randn(1, Hkv, 16, group, head_dim, generator=g)
+        m, l = torch.randn(1, Hkv, 16, group, generator=g), torch.rand(1, Hkv, 16, group, generator=g) + 1
 
         tm = median_times({s: (lambda s=s: merge_partials(o[:, :, :s], m[:, :, :s], l[:, :, :s]))
                            for s in (1, 2, 16)}, 20, steady=True)

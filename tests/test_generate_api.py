@@ -1,0 +1,154 @@
+"""generate()'s settings resolve as transformers resolves them (the model's generation_config
+under the call's arguments, an explicit None included), what hetero cannot run is refused by
+name, and its outputs are ordinary tensors without a dead cache, as HF's are."""
+import copy
+
+import pytest
+import torch
+
+from hetero import HeteroGenerator
+from tests.conftest import build_model, padded_batch
+
+SCORES = dict(return_dict_in_generate=True, output_scores=True)
+
+
+def same(out, ref):
+    assert torch.equal(out.sequences, ref.sequences)
+    assert len(out.scores) == len(ref.scores)
+    for a, b in zip(out.scores, ref.scores):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture
+def model():
+    """A fresh model per test: the tests edit its generation_config."""
+    return build_model("llama")[0]
+
+
+def test_max_new_tokens_omitted_as_transformers_decides(model):
+    ids, mask = padded_batch()
+    gen = HeteroGenerator(model, cpu_workers=1)
+    with gen:
+        assert model.generation_config.max_length is None             # transformers 5: 20 new tokens
+        out, ref = gen.generate(ids, attention_mask=mask), model.generate(ids, attention_mask=mask)
+        assert out.shape == ref.shape == (3, 12 + 20) and torch.equal(out, ref)
+        ctx = gen.prefill(ids[:1, 4:])
+        assert gen.generate(ids[:1, :2], context=ctx, eos_token_id=None).shape == (1, 8 + 2 + 20)
+        model.generation_config.max_length = 16                       # a checkpoint's: prompt included
+        out, ref = gen.generate(ids, attention_mask=mask), model.generate(ids, attention_mask=mask)
+        assert out.shape == ref.shape == (3, 16) and torch.equal(out, ref)
+        with pytest.raises(ValueError, match="max_length is 16"):
+            gen.generate(torch.cat([ids, ids], 1))
+
+
+def test_explicit_none_overrides_the_models_generation_config(model):
+    ids, mask = padded_batch()
+    gc = model.generation_config
+    eos = int(model.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0)[0, 12 + 2])
+    gc.eos_token_id, gc.pad_token_id = eos, 0                          # row 0 emits it at its 3rd step
+    with HeteroGenerator(model, cpu_workers=1) as gen:
+        for kw in ({"eos_token_id": None},                            # runs to the end, as HF
+                   {"pad_token_id": None, "eos_token_id": eos},       # finished rows padded with eos
+                   {}):
+            kw = dict(kw, max_new_tokens=8, **SCORES)
+            same(gen.generate(ids, attention_mask=mask, **kw), model.generate(ids, attention_mask=mask, **kw))
+        gc.do_sample, gc.top_k = True, 5
+        for kw in ({"top_k": None}, {}):                              # None: no top-k at all
+            torch.manual_seed(3)
+            ref = model.generate(ids, attention_mask=mask, max_new_tokens=8, **kw)
+            torch.manual_seed(3)
+            assert torch.equal(gen.generate(ids, attention_mask=mask, max_new_tokens=8, **kw), ref)
+
+
+def test_settings_hetero_does_not_run_are_refused_by_name(model):
+    ids, mask = padded_batch()
+    base = copy.deepcopy(model.generation_config)
+    with HeteroGenerator(model, cpu_workers=1) as gen:
+        model.generation_config.cache_implementation = "static"       # a checkpoint's: hetero's cache replaces it
+        same(gen.generate(ids, attention_mask=mask, max_new_tokens=4, **SCORES),
+             model.generate(ids, attention_mask=mask, max_new_tokens=4, **SCORES))
+        for field, value in (("num_beams", 2), ("num_return_sequences", 2), ("use_cache", False),
+                             ("guidance_scale", 1.5), ("output_hidden_states", True)):
+            model.generation_config = copy.deepcopy(base)
+            setattr(model.generation_config, field, value)
+            model.generation_config.do_sample = field == "num_return_sequences"
+            with pytest.raises(ValueError, match=f"'{field}'"):       # set in the model's generation_config
+                gen.generate(ids, attention_mask=mask, max_new_tokens=2)
+        model.generation_config = base
+        with pytest.raises(TypeError, match="'num_return_sequences'"):    # or in the call
+            gen.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=True, num_return_sequences=2)
+        assert gen.generate(ids, attention_mask=mask, max_new_tokens=2).shape == (3, 14)   # still usable
+
+
+@pytest.mark.parametrize("kw", [dict(suppress_tokens=[5, 7], begin_suppress_tokens=[9], min_length=16),
+                                dict(bad_words_ids=[[11], [12, 13]], sequence_bias={(14,): 2.0}, forced_eos_token_id=2),
+                                dict(do_sample=True, epsilon_cutoff=3e-3, exponential_decay_length_penalty=(2, 1.5),
+                                     eos_token_id=2, renormalize_logits=True)])
+def test_transformers_logits_processors_by_keyword(model, kw):
+    ids, mask = padded_batch()
+    kw = dict(kw, max_new_tokens=6, pad_token_id=0, **SCORES)
+    with HeteroGenerator(model, cpu_workers=1) as gen:
+        torch.manual_seed(2)
+        ref = model.generate(ids, attention_mask=mask, **kw)
+        torch.manual_seed(2)
+        same(gen.generate(ids, attention_mask=mask, **kw), ref)
+
+
+def test_outputs_are_ordinary_tensors_without_a_cache(model):
+    ids, mask = padded_batch()
+    with HeteroGenerator(model, cpu_workers=1) as gen:
+        out = gen.generate(ids, attention_mask=mask, max_new_tokens=3, **SCORES)
+        with gen.prefill(ids[:1, 4:]) as ctx:
+            ctx_out = gen.generate(ids[:1, :2], context=ctx, max_new_tokens=3, **SCORES)
+    for o in (out, ctx_out):
+        assert o.past_key_values is None                              # hetero's cache closed with the call
+        assert not o.sequences.is_inference() and not o.scores[0].is_inference()
+        o.scores[0].div_(2)                                           # in place, as on HF's outputs
+    loss = model(out.sequences, labels=out.sequences).loss            # and into a training step
+    loss.backward()
+    assert model.lm_head.weight.grad is not None
+
+
+def test_prefix_reuse_returns_hfs_sequences_on_an_early_stop_and_odd_padding(model):
+    """A prompt continuing a live context (automatic reuse) returns exactly HF's sequences: an
+    EOS before max_new_tokens, pad cells holding another id than the pad, a prompt padded wider
+    than its longest row (logits processors, min_length among them, see every column)."""
+    g = torch.Generator().manual_seed(5)
+    doc = torch.randint(3, 160, (40,), generator=g)
+    qs = [torch.randint(3, 160, (n,), generator=g) for n in (5, 3)]
+    calls = []
+    with HeteroGenerator(model, cpu_workers=1) as gen, gen.prefill(doc[None]):
+        real_one, real_many = gen._generate_in_context, gen._generate_in_contexts
+        gen._generate_in_context = lambda *a, **k: calls.append("one") or real_one(*a, **k)
+        gen._generate_in_contexts = lambda *a, **k: calls.append("many") or real_many(*a, **k)
+        full = torch.cat([doc, qs[0]])[None]
+        eos = int(model.generate(full, max_new_tokens=4, pad_token_id=0)[0, -1])
+        kw = dict(max_new_tokens=10, eos_token_id=eos, pad_token_id=0, **SCORES)
+        out, ref = gen.generate(full, **kw), model.generate(full, **kw)
+        assert out.sequences.shape[1] < full.shape[1] + 10 and calls == ["one"]    # reused, stopped early
+        same(out, ref)
+        rows = [torch.cat([doc, q]) for q in qs]
+        W = max(map(len, rows)) + 2                                         # two columns of pads too many
+        for pad_cell in (0, 9):                                             # 9: not the pad id
+            ids = torch.full((2, W), pad_cell)
+            mask = torch.zeros(2, W, dtype=torch.long)
+            for b, r in enumerate(rows):
+                ids[b, W - len(r):], mask[b, W - len(r):] = r, 1
+            kw = dict(max_new_tokens=5, pad_token_id=0, min_length=W + 3, repetition_penalty=1.3, **SCORES)
+            same(gen.generate(ids, attention_mask=mask, **kw), model.generate(ids, attention_mask=mask, **kw))
+        assert calls == ["one", "many"]         # pads of another id: the ordinary path (the one-shot sequences)
+
+
+def test_seeded_sampling_matches_hf_on_the_call_that_measures_the_profile(model, tmp_path, monkeypatch):
+    """The planner's profile is measured inside the first generate on a machine: it draws its
+    synthetic KV from its own generator, so a seeded sampling run is HF's from the first call."""
+    monkeypatch.setenv("HETERO_CACHE_DIR", str(tmp_path))                  # no cached profile
+    ids, mask = padded_batch()
+    kw = dict(do_sample=True, top_k=20, max_new_tokens=6, pad_token_id=0)
+    torch.manual_seed(11)
+    ref = model.generate(ids, attention_mask=mask, **kw)
+    with HeteroGenerator(model, cpu_workers=1) as gen:
+        torch.manual_seed(11)
+        out = gen.generate(ids, attention_mask=mask, **kw)
+    assert list(tmp_path.glob("profile-*.json"))                           # it was measured in this call
+    assert torch.equal(out, ref)
