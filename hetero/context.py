@@ -9,8 +9,9 @@ import torch
 
 
 class Context:
-    def __init__(self, generator, session, token_ids):
+    def __init__(self, generator, session, token_ids, adapter=None):
         self.generator, self.session = generator, session
+        self.adapter = adapter                                 # the LoRA adapter (store.Adapter) of its KV, or None
         self.token_ids = token_ids                             # [n] int64, CPU: tokens whose KV is cached
         self.pending = torch.empty(0, dtype=torch.long)        # generated after them, not yet cached (the
         self.closed = False                                    # last token of a call): fed by the next call

@@ -409,7 +409,13 @@ class HeteroGenerator:
         if unknown:
             raise TypeError(f"generate() got unsupported arguments {unknown}; supported: "
                             f"input_ids, attention_mask, max_new_tokens, {', '.join(sorted(GENERATE_KWARGS))}")
+        if extend_context is not None and not isinstance(extend_context, bool):
+            raise TypeError(f"extend_context must be True, False or None, got {extend_context!r}")
+        if extend_context is not None and context is None:
+            raise ValueError("extend_context= needs context=")
         many = isinstance(context, (list, tuple))
+        if context is not None:
+            adapter_names = self._context_adapters(list(context) if many else [context], adapter_names)
         if many:
             self._check_contexts(context)
             if extend_context:
@@ -446,6 +452,35 @@ class HeteroGenerator:
                 self.prefill_chunks(cache, input_ids, attention_mask, chunk)
             return _without_cache(self.model.generate(input_ids, attention_mask=attention_mask,
                                                       past_key_values=cache, **call))
+
+    def _context_adapters(self, contexts, adapter_names):
+        """adapter_names for a call continuing `contexts`: each request goes on with the LoRA adapter
+        its context was prefilled with (its KV holds that adapter's keys and values); None takes
+        theirs, naming another raises."""
+        own = [c.adapter for c in contexts if isinstance(c, Context) and not c.closed]
+        for a in own:
+            if a is not None and (self._store is None or self._store.adapters.get(a.name) is not a):
+                raise AdapterError(f"a context was prefilled with adapter {a.name!r}, which has been unloaded since")
+        if len(own) != len(contexts):
+            return adapter_names                 # not open Contexts: the call raises on them
+        names = [None if a is None else a.name for a in own]
+        if adapter_names is None:
+            return names if any(names) else None
+        given = [None if n == lora_source.BASE else n for n in adapter_names] \
+            if isinstance(adapter_names, (list, tuple)) else adapter_names
+        if given != names:
+            raise ValueError(f"adapter_names={adapter_names!r}, but the contexts were prefilled with {names} "
+                             "(None: the base model); a context goes on with its own adapter")
+        return adapter_names
+
+    def _adapter_id(self, ctx):
+        """A saved context's adapter record (AdapterStore.digest), or None."""
+        if ctx.adapter is None:
+            return None
+        if self._store.adapters.get(ctx.adapter.name) is not ctx.adapter:
+            raise AdapterError(f"the context was prefilled with adapter {ctx.adapter.name!r}, which has been "
+                               "unloaded since")
+        return self._store.digest(ctx.adapter)
 
     def _generation_settings(self, max_new_tokens, kwargs):
         """(the call's settings as transformers resolves them: the model's generation_config under the
@@ -530,12 +565,13 @@ class HeteroGenerator:
             attention.active_session.reset(token)
 
     # ---- contexts: a request's KV kept between calls
-    def prefill(self, input_ids, attention_mask=None, reserve=None):
+    def prefill(self, input_ids, attention_mask=None, reserve=None, adapter_name=None):
         """Prefill one request (input_ids [1, S]) and keep its KV in shared memory: returns a
         Context that generate(new_ids, context=ctx) continues (the new tokens are prefilled over
         the cached KV on the CPU workers, then decoded), call after call. `reserve`: rows kept
         free for the tokens later calls add (default: 1024, within the model's max positions; a call
-        that needs more raises CapacityError).
+        that needs more raises CapacityError). adapter_name: a loaded LoRA adapter to prefill with
+        (None: the base model, also for a PeftModel); the calls continuing the context use it too.
         Close it (ctx.close(), or `with`) to free its memory; gen.close() closes the rest."""
         if self._closed:
             raise GeneratorClosedError("prefill() called on a closed HeteroGenerator")
@@ -547,15 +583,17 @@ class HeteroGenerator:
             raise ValueError(f"a context holds one request: input_ids must be [1, S], got {tuple(input_ids.shape)}")
         if not bool(attention_mask.all()):
             raise ValueError("a context's prompt cannot be padded: pass its tokens only (attention_mask all ones)")
+        lora = self._lora_batch(None if adapter_name is None else [adapter_name], 1)
         with self._context_session(attention_mask, reserve) as session:
-            with self._routed(session) as cache, torch.no_grad():
+            with self._routed(session, lora) as cache, torch.no_grad(), _active(lora):
                 chunk = self._chunk(attention_mask)
                 if chunk:                                # all chunks; the last one too
                     self.prefill_chunks(cache, input_ids, attention_mask, chunk, to_end=True)
                 else:
                     self._forward(cache, input_ids, attention_mask, 0, input_ids.shape[1])
             session.end_call()
-        return self._keep(Context(self, session, input_ids[0].detach().to("cpu", torch.long).clone()))
+        adapter = lora.adapters[0] if lora is not None else None
+        return self._keep(Context(self, session, input_ids[0].detach().to("cpu", torch.long).clone(), adapter))
 
     def _default_reserve(self, n):
         """prefill/load_context's default reserve for a context of n tokens: DEFAULT_RESERVE rows,
@@ -613,6 +651,9 @@ class HeteroGenerator:
         budget = self.config.context_memory
         if budget is None:
             return
+        if nbytes > budget:
+            raise CapacityError(f"a new context needs {nbytes / 2**20:.1f} MiB, more than all of HeteroConfig."
+                                f"context_memory={budget / 2**20:.1f} MiB (a smaller reserve= needs less)")
         while sum(k.session.layout.nbytes for k in self._contexts.values()) + nbytes > budget:
             idle = [(k.used, key) for key, k in self._contexts.items() if k.ref() is None]
             if not idle:
@@ -626,15 +667,18 @@ class HeteroGenerator:
 
     def load_context(self, path, reserve=None):
         """A Context saved by Context.save, copied into a new arena (no prefill). The file must
-        come from this model (same attention shape and projection weights) and be whole: else
-        ContextFileError, and nothing is left allocated. `reserve` as in prefill()."""
+        come from this model (attention shape, the config fields that shape the KV, weights; its
+        LoRA adapter loaded here with the same weights) and be whole: else ContextFileError, and
+        nothing is left allocated. `reserve` as in prefill()."""
         from hetero.offload import saved
 
         if self._closed:
             raise GeneratorClosedError("load_context() called on a closed HeteroGenerator")
         self._sweep()
         header = saved.read_header(path)
-        saved.check_model(header, self.model, self.spec, path)
+        loaded = self._store.adapters if self._store is not None else {}
+        name = saved.check_model(header, self.model, self.spec, path,
+                                 lambda n: self._store.digest(loaded[n]) if n in loaded else None)
         n = header["length"]
         tokens = torch.tensor(header["tokens"], dtype=torch.long)
         pending = torch.tensor(header["pending"], dtype=torch.long)
@@ -644,7 +688,7 @@ class HeteroGenerator:
         with self._context_session(mask, reserve) as session:
             saved.fill(session, header, path)
             session.finish_prefill()
-        ctx = Context(self, session, tokens)
+        ctx = Context(self, session, tokens, loaded[name] if name is not None else None)
         ctx.pending = pending
         return self._keep(ctx)
 
@@ -784,7 +828,8 @@ class HeteroGenerator:
         if bool((input_ids[attention_mask == 0] != _pad_id(settings)).any()):
             return None
         cached = self.config.context_memory is not None     # unreferenced contexts are a cache (see _sweep)
-        tokens = [(k, k.tokens) for k in self._contexts.values() if cached or k.ref() is not None]
+        tokens = [(k, k.tokens) for k in self._contexts.values()
+                  if (cached or k.ref() is not None) and k.adapter is None]
         picks, rests = [], []
         for b in range(input_ids.shape[0]):
             row = input_ids[b, attention_mask[b].bool()].to("cpu")
@@ -866,6 +911,9 @@ class HeteroGenerator:
                     for layer in range(self.spec.layers):
                         window = session.ring_window[layer]
                         start = max(0, cached[b] - window + 1) // BK * BK if window else pstart[b]
+                        src_window = src.ring_window[layer]       # the source may keep fewer rows (a ring)
+                        if src_window:
+                            start = max(start, max(0, cached[b] - src_window + 1) // BK * BK)
                         k, v = src.read_rows(layer, 0, cached[b], start)
                         session.write_rows(layer, b, k, v, start)
                 session.finish_prefill()                           # lengths = cached
@@ -947,7 +995,7 @@ class _Kept:
     again (a prefix cache under HeteroConfig.context_memory) until it is evicted."""
 
     def __init__(self, ctx):
-        self.session = ctx.session
+        self.session, self.adapter = ctx.session, ctx.adapter
         self.ref = weakref.ref(ctx)
         self.note(ctx)
 
@@ -962,7 +1010,7 @@ class _Kept:
         """The Context (a new one over the same arena when nobody references the old any more)."""
         ctx = self.ref()
         if ctx is None:
-            ctx = Context(generator, self.session, self.token_ids)
+            ctx = Context(generator, self.session, self.token_ids, self.adapter)
             ctx.pending = self.pending
             self.ref = weakref.ref(ctx)
         return ctx

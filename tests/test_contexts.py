@@ -164,7 +164,9 @@ def test_bad_context_files_raise_and_leave_nothing(tmp_path, llama):
         cases = {"truncated": data[:-100], "not a context": b"hello" * 100,
                  "corrupted": data[:-10] + bytes(b ^ 0xFF for b in data[-10:]),
                  "corrupted token": data[:token] + (b"9" if data[token:token + 1] != b"9" else b"8") + data[token + 1:],
-                 "corrupted header": data.replace(b'"length"', b'"lenxth"', 1)}
+                 "corrupted header": data.replace(b'"length"', b'"lenxth"', 1),
+                 "corrupted fingerprint": data.replace(b'"fingerprint": {', b'"fingerprint": ["x", {', 1)
+                 .replace(b'"tokens": [', b'], "tokens": [', 1)}
         for what, blob in cases.items():
             bad = tmp_path / f"{what}.ctx"
             bad.write_bytes(blob)
@@ -177,6 +179,11 @@ def test_bad_context_files_raise_and_leave_nothing(tmp_path, llama):
                 gen2.load_context(good)
         with pytest.raises(ContextFileError, match="cannot read"):
             gen.load_context(tmp_path / "missing.ctx")
+    # the same weights under another RoPE base: other keys, so the KV would be wrong
+    moved, _ = build_model("llama", rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+    with HeteroGenerator(moved, cpu_workers=1) as gen3:
+        with pytest.raises(ContextFileError, match="another config: rope_parameters"):
+            gen3.load_context(good)
 
 
 def test_context_memory_budget_evicts_unreferenced_contexts_first(llama):
@@ -200,6 +207,16 @@ def test_context_memory_budget_evicts_unreferenced_contexts_first(llama):
         assert a_session.lengths is None and not b.closed and not c.closed
         out = gen.generate(turns(9, 4)[0][None], context=b, max_new_tokens=2, pad_token_id=0)
         assert out.shape[1] == 36
+    with HeteroGenerator(llama, config=HeteroConfig(cpu_workers=1)) as probe:
+        with probe.prefill(doc[None], reserve=200) as c:
+            big = c.session.layout.nbytes
+    assert big > size
+    with HeteroGenerator(llama, config=HeteroConfig(cpu_workers=1, context_memory=(size + big) // 2)) as gen:
+        kept = gen.prefill(doc[None], reserve=30).session                 # unreferenced: a prefix cache
+        gc.collect()
+        with pytest.raises(CapacityError, match="more than all of HeteroConfig.context_memory"):
+            gen.prefill(doc[None], reserve=200)       # larger than the whole budget: refused, nothing evicted
+        assert kept.lengths is not None
     with pytest.raises(ValueError, match="context_memory"):
         HeteroConfig(context_memory=0)
 
@@ -244,6 +261,29 @@ def test_saved_context_loads_into_a_smaller_ring(tmp_path):
             assert ctx.session.layout.ring == 64
             out = gen.generate(msg[None], context=ctx, max_new_tokens=4, **KW)
     assert torch.equal(out.sequences, hf(model, torch.cat([doc, msg]), 4).sequences)
+
+
+def test_batch_copies_from_a_context_kept_as_a_smaller_ring():
+    """A context prefilled in 1-token pieces keeps mistral's layers as rings of 64 rows; a batch
+    continuing it under a config with no ring (one-pass) copies the rows the context keeps."""
+    model, _ = build_model("mistral", sliding_window=8)
+    doc, msg = turns(15, 65, 27)
+    with HeteroGenerator(model, config=HeteroConfig(cpu_workers=1, prefill_chunk=1)) as gen:
+        ctx = gen.prefill(doc[None])
+        assert ctx.session.layout.ring_layers
+        gen.config = HeteroConfig(cpu_workers=1)
+        out = gen.generate(torch.stack([msg, msg]), context=[ctx, ctx], max_new_tokens=3, **KW)
+    ref = hf(model, torch.cat([doc, msg]), 3).sequences
+    assert torch.equal(out.sequences, torch.cat([ref, ref]))
+
+
+def test_extend_context_takes_a_bool_with_a_context(llama):
+    ids = turns(16, 10)[0][None]
+    with HeteroGenerator(llama, cpu_workers=1) as gen, gen.prefill(ids) as ctx:
+        with pytest.raises(TypeError, match="extend_context"):
+            gen.generate(ids, context=ctx, extend_context=0, max_new_tokens=2)
+        with pytest.raises(ValueError, match="needs context="):
+            gen.generate(ids, extend_context=True, max_new_tokens=2)
 
 
 def test_unreferenced_contexts_are_freed_by_the_next_prefill(llama):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from hetero import AdapterError, HeteroGenerator
+from hetero import AdapterError, ContextFileError, HeteroGenerator
 from hetero.adapters.hooks import plan_units
 from tests.conftest import build_model, our_segments, padded_batch
 
@@ -209,3 +209,46 @@ def test_missing_peft_is_a_clear_error(tmp_path, monkeypatch):
         with pytest.raises(AdapterError, match=r"need peft.*hetero\[lora\]"):
             gen.load_adapter("legal", tmp_path / "legal")
         assert gen.adapters == []
+
+
+def test_contexts_keep_the_adapter_they_were_prefilled_with(tmp_path):
+    """A context prefilled with an adapter holds that adapter's KV: its continuations use it (equal
+    to peft over the whole prompt), naming another raises, a PeftModel's plain prefill is the
+    base model's, and a saved context needs the same adapter to load."""
+    base, pm, _ = make_adapters("llama", tmp_path)
+    g = torch.Generator().manual_seed(4)
+    doc, q = torch.randint(3, 160, (40,), generator=g), torch.randint(3, 160, (6,), generator=g)
+    full = torch.cat([doc, q])[None]
+    ones = torch.ones_like(full)
+    ref_legal = generate(pm, full, ones, adapter_names=["legal"])
+    ref_base = generate(pm, full, ones, adapter_names=["__base__"])
+    with HeteroGenerator(pm, cpu_workers=1) as gen:
+        legal, plain = gen.prefill(doc[None], adapter_name="legal"), gen.prefill(doc[None])
+        assert_same(generate(gen, q[None], None, context=legal, extend_context=False), ref_legal)
+        assert_same(generate(gen, q[None], None, context=plain, extend_context=False), ref_base)
+        out = generate(gen, torch.stack([q, q]), None, context=[legal, plain])
+        assert torch.equal(out.sequences[0], ref_legal.sequences[0]) and torch.equal(out.sequences[1],
+                                                                                      ref_base.sequences[0])
+        with pytest.raises(ValueError, match="prefilled with"):
+            generate(gen, q[None], None, context=legal, adapter_names=["code"])
+        with pytest.raises(ValueError, match="prefilled with"):
+            generate(gen, q[None], None, context=plain, adapter_names=["legal"])
+        legal.save(tmp_path / "legal.ctx")
+        plain.save(tmp_path / "plain.ctx")
+        with gen.load_context(tmp_path / "legal.ctx") as back:
+            assert_same(generate(gen, q[None], None, context=back), ref_legal)
+    with HeteroGenerator(copy.deepcopy(base), cpu_workers=1, adapters={"code": str(tmp_path / "code")}) as gen:
+        with pytest.raises(ContextFileError, match="has not loaded"):
+            gen.load_context(tmp_path / "legal.ctx")
+        gen.load_adapter("legal", str(tmp_path / "code"))          # the name, with other weights
+        with pytest.raises(ContextFileError, match="weights differ"):
+            gen.load_context(tmp_path / "legal.ctx")
+        gen.unload_adapter("legal")
+        gen.load_adapter("legal", str(tmp_path / "legal"))
+        ctx = gen.load_context(tmp_path / "legal.ctx")
+        assert_same(generate(gen, q[None], None, context=ctx, extend_context=False), ref_legal)
+        gen.unload_adapter("legal")
+        with pytest.raises(AdapterError, match="unloaded"):
+            generate(gen, q[None], None, context=ctx)
+    with HeteroGenerator(copy.deepcopy(base), cpu_workers=1) as gen, gen.load_context(tmp_path / "plain.ctx") as ctx:
+        assert_same(generate(gen, q[None], None, context=ctx), ref_base)     # a PeftModel's base = the model

@@ -139,6 +139,20 @@ class AdapterStore:
         a.entries, a.device = {}, None
         a.seg.close()
 
+    def digest(self, a):
+        """A saved context's record of adapter `a` ({"name", "sha256"}): its name and a hash of its
+        weights by module path (a reload under the same name with other weights differs)."""
+        import hashlib
+
+        path_of = {site: p for p, site in self.sites.items()}
+        h = hashlib.sha256()
+        for site in sorted(a.entries, key=path_of.get):
+            A, BT, scaling, r = a.entries[site]
+            h.update(f"{path_of[site]}:{A.shape}:{BT.shape}:{scaling!r}".encode())
+            h.update(np.ascontiguousarray(A).tobytes())
+            h.update(np.ascontiguousarray(BT).tobytes())
+        return {"name": a.name, "sha256": h.hexdigest()}
+
     def _drop(self, a):
         self.pool.words[C.ARG0] = a.slot
         self.pool.run(C.CMD_ADAPTER_DROP)

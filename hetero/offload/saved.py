@@ -3,7 +3,8 @@
 File layout (little-endian):
   MAGIC (16 bytes) | header length (8 bytes) | header (JSON) | zero padding to a multiple of ALIGN |
   payload: for each layer, K then V of its stored rows as [Hkv, rows, D] in the storage dtype
-The header holds the format version, the model's fingerprint, the tokens, each layer's row range
+The header holds the format version, the model's fingerprint (and the LoRA adapter's the context
+was prefilled with), the tokens, each layer's row range
 (a sliding-window layer keeps only the rows its window still sees), the payload's byte count and
 its CRC-32. Loading checks all of them before it copies anything into a new arena, and closes that
 arena on any error: a truncated, corrupted or mismatched file raises and leaves nothing behind.
@@ -20,26 +21,44 @@ from hetero.cpu_attention.simd import BK
 from hetero.errors import ContextFileError
 
 MAGIC = b"HETERO-CONTEXT\n\0"
-VERSION = 1
+VERSION = 2          # 2: the model config and a LoRA adapter in the fingerprint, weights sampled throughout
 ALIGN = 4096
+SAMPLE = 4096        # values hashed per parameter, evenly spaced (and 64 from each end)
+# config fields that do not shape the KV: names, token ids, output switches, the attention kernel
+IGNORED_CONFIG = frozenset({
+    "architectures", "transformers_version", "dtype", "torch_dtype", "use_cache", "attn_implementation",
+    "output_attentions", "output_hidden_states", "return_dict", "torchscript", "id2label", "label2id",
+    "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
+    "tokenizer_class", "problem_type", "finetuning_task", "task_specific_params", "prefix",
+    "chunk_size_feed_forward", "tie_word_embeddings"})
 
 
-def fingerprint(model, spec):
+def model_config(model):
+    """The model config's fields that shape its KV (RoPE, norms, windows, scaling ...), as JSON values."""
+    fields = json.loads(json.dumps(model.config.to_dict(), default=str))
+    return {k: v for k, v in sorted(fields.items()) if not k.startswith("_") and k not in IGNORED_CONFIG}
+
+
+def fingerprint(model, spec, adapter=None):
     """What must match between the model that saved a context and the one loading it: the
-    attention shape (hetero's ModelSpec) and a hash of the weights (every parameter's name, shape
-    and 64 values from each end: any layer's weights shape the KV; reading all of them would take
-    seconds for a large model). peft's wrapping (`.base_layer`, `lora_` adapters) is left out, so
-    a PeftModel's base matches the plain model; the device does not count."""
+    attention shape (hetero's ModelSpec), the config fields that shape the KV, and a hash of the
+    weights (every parameter's name, shape, 64 values from each end and SAMPLE spread through
+    it: any layer's weights shape the KV; reading all of them would take seconds for a large
+    model). peft's wrapping (`.base_layer`, `lora_` adapters) is left out, so a PeftModel's
+    base matches the plain model; the device does not count. adapter: the LoRA adapter the
+    context was prefilled with ({"name", "sha256"}: AdapterStore.digest), or None."""
     h = hashlib.sha256()
     for name, p in model.named_parameters():
         if "lora_" in name:
             continue
         flat = p.detach().reshape(-1)
+        spread = flat[::max(1, flat.numel() // SAMPLE)][:SAMPLE]
         h.update(f"{name.replace('.base_layer', '')}:{tuple(p.shape)}".encode())
-        h.update(torch.cat([flat[:64], flat[-64:]]).to("cpu", torch.float32).numpy().tobytes())
+        h.update(torch.cat([flat[:64], spread, flat[-64:]]).to("cpu", torch.float32).numpy().tobytes())
     return {"model_type": spec.model_type, "layers": spec.layers, "q_heads": spec.q_heads,
             "kv_heads": spec.kv_heads, "head_dim": spec.head_dim, "dtype": str(spec.dtype),
-            "windows": list(spec.windows or ()), "weights_sha256": h.hexdigest()}
+            "windows": list(spec.windows or ()), "weights_sha256": h.hexdigest(), "config": model_config(model),
+            "adapter": adapter}
 
 
 def _meta_crc(tokens, pending, length, layers):
@@ -72,7 +91,7 @@ def save(ctx, path):
     for raw in _layer_bytes(s, layers):
         crc, payload = zlib.crc32(raw, crc), payload + len(raw)
     header = json.dumps({
-        "version": VERSION, "fingerprint": fingerprint(ctx.generator.model, s.spec),
+        "version": VERSION, "fingerprint": fingerprint(ctx.generator.model, s.spec, ctx.generator._adapter_id(ctx)),
         "tokens": tokens, "pending": pending, "length": n,
         "layers": layers, "payload_bytes": payload, "crc32": crc}).encode()
     head = MAGIC + len(header).to_bytes(8, "little") + header
@@ -113,7 +132,8 @@ def read_header(path):
         ints = lambda xs: all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in xs)  # noqa: E731
         ok = (ints(header["tokens"]) and ints(header["pending"]) and ints([header["length"], header["payload_bytes"],
               header["crc32"]]) and len(header["tokens"]) == header["length"] and header["layers"]
-              and all(ints([lay["start"], lay["rows"]]) for lay in header["layers"]) and "fingerprint" in header)
+              and all(ints([lay["start"], lay["rows"]]) for lay in header["layers"])
+              and isinstance(header["fingerprint"], dict) and isinstance(header["fingerprint"].get("config"), dict))
     except (KeyError, TypeError) as e:
         raise ContextFileError(f"{path}: corrupted header (missing or wrong field: {e})") from e
     if not ok:
@@ -124,12 +144,34 @@ def read_header(path):
     return header
 
 
-def check_model(header, model, spec, path):
+def check_model(header, model, spec, path, adapter_digest):
+    """Raise ContextFileError unless the file was saved from this model (config fields that one
+    side lacks, as another transformers version may, are not compared); its adapter must be
+    loaded with the same weights (adapter_digest(name): the loaded one's AdapterStore.digest, or None).
+    Returns the adapter's name, or None."""
     want, have = header["fingerprint"], fingerprint(model, spec)
-    diff = [k for k in have if want.get(k) != have[k]]
+    diff = [k for k in have if k not in ("config", "adapter") and want.get(k) != have[k]]
     if diff:
         raise ContextFileError(f"{path} was saved from another model: {', '.join(diff)} differ "
                                f"(saved {[want.get(k) for k in diff]}, this model {[have[k] for k in diff]})")
+    cw, ch = want["config"], have["config"]
+    diff = sorted(k for k in set(cw) & set(ch) if cw[k] != ch[k])
+    if diff:
+        raise ContextFileError(f"{path} was saved from a model of another config: "
+                               + ", ".join(f"{k} (saved {cw[k]!r}, this model {ch[k]!r})" for k in diff))
+    adapter = want.get("adapter")
+    if adapter is None:
+        return None
+    if not isinstance(adapter, dict) or not isinstance(adapter.get("name"), str):
+        raise ContextFileError(f"{path}: corrupted header (its adapter entry)")
+    loaded = adapter_digest(adapter["name"])
+    if loaded is None:
+        raise ContextFileError(f"{path} was prefilled with LoRA adapter {adapter['name']!r}, which this generator "
+                               "has not loaded (load_adapter first)")
+    if loaded["sha256"] != adapter.get("sha256"):
+        raise ContextFileError(f"{path} was prefilled with another adapter named {adapter['name']!r} "
+                               "(its weights differ from the one loaded)")
+    return adapter["name"]
 
 
 def fill(session, header, path):
