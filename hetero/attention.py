@@ -100,7 +100,11 @@ def hetero_attention(module, query, key, value, attention_mask, scaling=None, dr
     if session is not None:
         session.take_update(getattr(module, "layer_idx", None), module)
         if session.prefilled:
-            return _decode(session, module, query, sliding_window, scaling, softcap, s_aux), None
+            if query.shape[2] > 1 and getattr(module, "is_causal", True) is False:
+                raise UnsupportedModelError(f"{type(module).__name__} attends bidirectionally; hetero's cached "
+                                            "multi-token steps are causal")
+            out = _decode(session, module, query, sliding_window, scaling, softcap, s_aux)   # [B, T, Hq, D]
+            return out.contiguous(), None          # as sdpa's: a model may .view() it
     if softcap or s_aux is not None:
         out, _ = eager_attention(module, query, key, value, attention_mask, scaling, softcap, s_aux)
     else:

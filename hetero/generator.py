@@ -93,7 +93,7 @@ class HeteroGenerator:
         # references any more keeps its arena until the next prefill/load_context (_sweep) or close()
         self._contexts = {}
         self._parent_affinity = None       # (thread, its affinity) before _pin_parent (a GPU model)
-        self._logits_kw = None             # {"logits_to_keep": 1} when the model's forward takes it
+        self._forward_params = None        # the names the model's forward takes (logits_to_keep, position_ids)
         self._rates = None                 # the model's device's copy and attention rates (hetero.prefetch.policy)
         self.last_prefetch_log = None      # the ops of the last prefetched continuation (hetero.prefetch.schedule)
         self.last_prefetch_plan = None     # and what plan() gave for its forwards
@@ -334,7 +334,35 @@ class HeteroGenerator:
         if C is None:
             return None
         first = int((attention_mask.shape[1] - attention_mask.sum(1)).max()) + C
-        return C if attention_mask.shape[1] > first else None
+        if attention_mask.shape[1] <= first:
+            return None
+        if self.spec.one_pass_only:
+            raise UnsupportedModelError(self._one_pass_only("a chunked prefill (HeteroConfig.prefill_chunk)"))
+        return C
+
+    def _one_pass_only(self, what):
+        return (f"{self.spec.one_pass_only}: hetero runs it as one-pass generate only; {what} would attend "
+                "differently over the cache")
+
+    def _rope_ok(self, width, max_new_tokens, cached=()):
+        """Whether a call computes every key with the LongRoPE factors transformers would use
+        (ModelSpec.rope_switch N: a sequence passing N switches to the long factors and
+        transformers recomputes every key; hetero does not): no sequence passes N in the call
+        (width + max_new_tokens <= N + 1), or every key is computed above N in one forward: the
+        prompt longer than N, and each context's cached rows (`cached`: their counts; 0 for a
+        chunked prefill, whose first chunks lie below N) already past N."""
+        N = self.spec.rope_switch
+        if N is None or width + max_new_tokens <= N + 1:
+            return True
+        return width > N and all(c > N for c in cached)
+
+    def _rope_refused(self):
+        N = self.spec.rope_switch
+        return UnsupportedModelError(
+            f"{self.spec.model_type}'s LongRoPE switches to its long factors once a sequence passes "
+            f"original_max_position_embeddings={N}, and transformers then recomputes every key; hetero keeps "
+            f"its cache: keep prompt + max_new_tokens <= {N + 1}, or give a prompt longer than {N} in one pass "
+            f"(prefill_chunk=None; a context prefilled in one pass past {N} continues fine)")
 
     def _staged(self, chunk):
         """Query tokens per step the workers' staging holds for a prompt prefilled in chunks of
@@ -415,6 +443,8 @@ class HeteroGenerator:
             raise ValueError("extend_context= needs context=")
         many = isinstance(context, (list, tuple))
         if context is not None:
+            if self.spec.one_pass_only:
+                raise UnsupportedModelError(self._one_pass_only("continuing a context"))
             adapter_names = self._context_adapters(list(context) if many else [context], adapter_names)
         if many:
             self._check_contexts(context)
@@ -445,6 +475,8 @@ class HeteroGenerator:
                                                  width=input_ids.shape[1])
             return _without_cache(out)
         chunk = self._chunk(attention_mask)
+        if not self._rope_ok(input_ids.shape[1], max_new_tokens, (0,) if chunk else ()):
+            raise self._rope_refused()
         tmax = self._staged(chunk) or 1
         pads, real, cap = self._plan_cache(attention_mask, max_new_tokens, tmax=tmax)
         with self.kv_context(pads, real, cap, lora=lora, tmax=tmax) as cache, torch.no_grad(), _active(lora):
@@ -557,12 +589,15 @@ class HeteroGenerator:
         self._choose_transport(session, session.pool, lora)
         token = attention.active_session.set(session)
         previous = self.model.config._attn_implementation
+        if self.spec.drops_cache:   # the generic input preparation: the cache stays (the calls are checked: _rope_ok)
+            self.model.prepare_inputs_for_generation = _keeping_cache(self.model)
         try:
             self.model.set_attn_implementation(attention.NAME)
             yield HeteroCache(session)
         finally:
             self.model.set_attn_implementation(previous)
             attention.active_session.reset(token)
+            self.model.__dict__.pop("prepare_inputs_for_generation", None)
 
     # ---- contexts: a request's KV kept between calls
     def prefill(self, input_ids, attention_mask=None, reserve=None, adapter_name=None):
@@ -583,6 +618,10 @@ class HeteroGenerator:
             raise ValueError(f"a context holds one request: input_ids must be [1, S], got {tuple(input_ids.shape)}")
         if not bool(attention_mask.all()):
             raise ValueError("a context's prompt cannot be padded: pass its tokens only (attention_mask all ones)")
+        if self.spec.one_pass_only:
+            raise UnsupportedModelError(self._one_pass_only("a context"))
+        if self._chunk(attention_mask) and not self._rope_ok(input_ids.shape[1], 0, (0,)):
+            raise self._rope_refused()
         lora = self._lora_batch(None if adapter_name is None else [adapter_name], 1)
         with self._context_session(attention_mask, reserve) as session:
             with self._routed(session, lora) as cache, torch.no_grad(), _active(lora):
@@ -674,6 +713,8 @@ class HeteroGenerator:
 
         if self._closed:
             raise GeneratorClosedError("load_context() called on a closed HeteroGenerator")
+        if self.spec.one_pass_only:
+            raise UnsupportedModelError(self._one_pass_only("a context"))
         self._sweep()
         header = saved.read_header(path)
         loaded = self._store.adapters if self._store is not None else {}
@@ -708,6 +749,8 @@ class HeteroGenerator:
                 raise ValueError("context= takes an open Context from this generator's prefill()")
             full = torch.cat([ctx.token_ids, ctx.pending, input_ids[0].to("cpu")]).to(self.model.device)[None]
             session, cached = ctx.session, ctx.length                    # full: [1, S]
+            if not self._rope_ok(full.shape[1], max_new_tokens, (cached,)):
+                raise self._rope_refused()
             need = full.shape[1] + max_new_tokens - 1           # KV rows once the last new token is chosen
             if need > session.layout.cap:
                 raise CapacityError(f"the context holds {cached} tokens and this call adds {full.shape[1] - cached} "
@@ -823,7 +866,7 @@ class HeteroGenerator:
         Continuing a context reads its exact KV, and the sequences the continuation feeds generate
         are input_ids themselves (so not where a pad cell holds another id than the pad: logits
         processors see every column), so the result is the one-shot generate's."""
-        if not self.config.reuse_contexts or not self._contexts:
+        if not self.config.reuse_contexts or not self._contexts or self.spec.one_pass_only:
             return None
         if bool((input_ids[attention_mask == 0] != _pad_id(settings)).any()):
             return None
@@ -841,6 +884,8 @@ class HeteroGenerator:
             rests.append(row[len(best[1]):])
         if len(picks) == 1 and len(input_ids[0]) + max_new_tokens > picks[0].capacity:
             return None                          # no room in the context's arena: an ordinary generate
+        if not self._rope_ok(input_ids.shape[1], max_new_tokens, [p.length for p in picks]):
+            return None
         width = max(len(r) for r in rests)
         ids = torch.zeros(len(rests), width, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -882,6 +927,8 @@ class HeteroGenerator:
             if self.spec.max_positions is not None and S + max_new_tokens > self.spec.max_positions:
                 raise CapacityError(f"{S + max_new_tokens} positions exceed the model's "
                                     f"max_position_embeddings ({self.spec.max_positions})")
+            if not self._rope_ok(S, max_new_tokens, cached):
+                raise self._rope_refused()
             uncached = [len(q) - n for q, n in zip(seqs, cached)]
             U = max(uncached)
             rows = S + max_new_tokens           # no window can hide a row from a query below it
@@ -928,14 +975,14 @@ class HeteroGenerator:
 
     def _forward(self, cache, input_ids, attention_mask, a, b):
         """The model over positions [a, b) of input_ids into `cache` (no logits kept but the last)."""
-        pos = attention_mask.long().cumsum(-1) - 1             # as generate computes position ids
-        pos.masked_fill_(attention_mask == 0, 1)
-        if self._logits_kw is None:
-            self._logits_kw = {"logits_to_keep": 1} if "logits_to_keep" in \
-                inspect.signature(self.model.forward).parameters else {}
-        self.model(input_ids=input_ids[:, a:b], attention_mask=attention_mask[:, :b], position_ids=pos[:, a:b],
-                   past_key_values=cache, use_cache=True, cache_position=torch.arange(a, b, device=input_ids.device),
-                   **self._logits_kw)
+        if self._forward_params is None:
+            self._forward_params = set(inspect.signature(self.model.forward).parameters)
+        kw = {"logits_to_keep": 1} if "logits_to_keep" in self._forward_params else {}
+        if "position_ids" in self._forward_params:          # as generate: only where forward takes them
+            pos = attention_mask.long().cumsum(-1) - 1
+            kw["position_ids"] = pos.masked_fill_(attention_mask == 0, 1)[:, a:b]
+        self.model(input_ids=input_ids[:, a:b], attention_mask=attention_mask[:, :b], past_key_values=cache,
+                   use_cache=True, cache_position=torch.arange(a, b, device=input_ids.device), **kw)
 
     def _choose_transport(self, session, pool, lora=None):
         """A CUDA model's decode round trip: the CUDA extension where HeteroConfig.transport and the
@@ -1014,6 +1061,14 @@ class _Kept:
             ctx.pending = self.pending
             self.ref = weakref.ref(ctx)
         return ctx
+
+
+def _keeping_cache(model):
+    """`model`'s prepare_inputs_for_generation without its family's override that drops the cache
+    (CACHE_DROPPING_MODEL_TYPES): the method of the next class in its MRO."""
+    cls = next(c for c in type(model).__mro__ if "prepare_inputs_for_generation" in c.__dict__
+               and c.__module__.startswith("transformers.models."))
+    return super(cls, model).prepare_inputs_for_generation
 
 
 def _pad_id(settings):

@@ -10,6 +10,12 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # families whose attention modules tile KV heads (query head h reads KV head h mod Hkv, i.e.
 # k.repeat(...) instead of repeat_kv's grouping); handled by permuting the query heads
 TILED_KV_MODEL_TYPES = ("jetmoe",)
+# families whose prepare_inputs_for_generation drops the cache the first time a sequence passes
+# config.original_max_position_embeddings (LongRoPE switches from its short to its long factors,
+# and transformers recomputes every key)
+CACHE_DROPPING_MODEL_TYPES = ("phi3", "phimoe", "phi4_multimodal")
+# families whose configured window applies at decode only (their prefill attends without it)
+DECODE_ONLY_WINDOW_MODEL_TYPES = ("moshi",)
 # config fields that mean something this engine cannot run exactly -> what it is
 UNSUPPORTED_FIELDS = {
     "kv_lora_rank": "latent (MLA) KV", "q_lora_rank": "latent (MLA) queries",
@@ -32,6 +38,9 @@ class ModelSpec:
     sliding: tuple  # per layer: True for sliding-window attention layers
     windows: tuple = ()  # per layer: the sliding window in tokens (0: full attention)
     kv_tiled: bool = False  # query head h reads KV head h mod kv_heads (else h // group)
+    one_pass_only: str | None = None  # why multi-token steps over the cache (chunks, contexts) would differ
+    drops_cache: bool = False    # CACHE_DROPPING_MODEL_TYPES: its generate would drop hetero's cache
+    rope_switch: int | None = None  # LongRoPE's factors differ below and above this many positions
 
 
 def inspect_model(model):
@@ -64,7 +73,11 @@ def inspect_model(model):
     head_dim = _field(cfg, "head_dim") or cfg.hidden_size // q_heads
     if q_heads % kv_heads:
         raise UnsupportedModelError(f"{name}: {q_heads} query heads are not a multiple of {kv_heads} KV heads")
-    kv_tiled = _check_attention_modules(model, name, cfg.model_type, q_heads // kv_heads, head_dim)
+    kv_tiled, causal = _check_attention_modules(model, name, cfg.model_type, q_heads // kv_heads, head_dim)
+    original_max = getattr(cfg, "original_max_position_embeddings", None)
+    drops_cache = cfg.model_type in CACHE_DROPPING_MODEL_TYPES and original_max is not None
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
     layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * layers
     other = sorted(set(layer_types) - ATTENTION_LAYER_TYPES)
     if other:
@@ -79,7 +92,19 @@ def inspect_model(model):
         raise UnsupportedModelError(f"{name} is in {dtype}; supported: float32, bfloat16, float16")
     return ModelSpec(model_type=cfg.model_type, layers=layers, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
                      dtype=dtype, max_positions=getattr(cfg, "max_position_embeddings", None),
-                     sliding=tuple(t == "sliding_attention" for t in layer_types), windows=windows, kv_tiled=kv_tiled)
+                     sliding=tuple(t == "sliding_attention" for t in layer_types), windows=windows, kv_tiled=kv_tiled,
+                     one_pass_only=_one_pass_only(cfg, causal, windows), drops_cache=drops_cache,
+                     rope_switch=original_max if drops_cache and rope_type == "longrope" else None)
+
+
+def _one_pass_only(cfg, causal, windows):
+    """Why a multi-token step over cached KV (a chunked prefill, a context's continuation) cannot
+    attend as the model's one pass does, or None."""
+    if not causal:
+        return f"{cfg.model_type}'s self-attention is bidirectional (an encoder; is_decoder=False)"
+    if cfg.model_type in DECODE_ONLY_WINDOW_MODEL_TYPES and any(windows):
+        return f"{cfg.model_type} applies its sliding window at decode only (its prefill attends without it)"
+    return None
 
 
 def _field(cfg, attr):
@@ -101,9 +126,14 @@ def _check_uniform_attention(cfg, name):
 
 
 def _check_attention_modules(model, name, model_type, group, head_dim):
-    """Every attention layer must have the config's head size and query grouping. Returns True
-    when the KV heads are tiled (TILED_KV_MODEL_TYPES); anything else that differs is refused."""
-    tiled = False
+    """Every attention layer must have the config's head size and query grouping. Returns (whether
+    the KV heads are tiled (TILED_KV_MODEL_TYPES), whether every layer is causal); anything else
+    that differs is refused."""
+    tiled, causal = False, True
+    try:                                    # the language model's attention (not an audio or vision encoder's)
+        decoder = {id(m) for m in model.get_decoder().modules()}
+    except Exception:
+        decoder = None
     for path, mod in model.named_modules():
         if not (type(mod).__name__.endswith("Attention") and hasattr(mod, "layer_idx")):
             continue
@@ -111,6 +141,8 @@ def _check_attention_modules(model, name, model_type, group, head_dim):
         if d != head_dim or getattr(mod, "v_head_dim", d) != d:
             raise UnsupportedModelError(f"{name}: {path} has head size {d} (values {getattr(mod, 'v_head_dim', d)}) "
                                         f"but the config says {head_dim}; per-layer head sizes are not supported")
+        if decoder is None or id(mod) in decoder:
+            causal = causal and getattr(mod, "is_causal", True) is not False
         g = getattr(mod, "num_key_value_groups", group)
         if g != group:
             if g == 1 and model_type in TILED_KV_MODEL_TYPES:
@@ -118,4 +150,4 @@ def _check_attention_modules(model, name, model_type, group, head_dim):
             else:
                 raise UnsupportedModelError(f"{name}: {path} groups {g} query heads per KV head but the config "
                                             f"implies {group}; per-layer KV head counts are not supported")
-    return tiled
+    return tiled, causal

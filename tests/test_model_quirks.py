@@ -1,0 +1,122 @@
+"""Families whose generate differs from the common path: Phi-3's LongRoPE (transformers drops the
+cache and recomputes every key when a sequence passes original_max_position_embeddings), models
+that .view() the attention output, encoders run as LMs (bidirectional attention), and a model
+whose forward takes no position ids. Each is exact where hetero runs it, and refused by name
+where it cannot be."""
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from bench.model_sweep import build as sweep_model
+from hetero import HeteroConfig, HeteroGenerator, UnsupportedModelError
+from tests.conftest import VOCAB, build_model, padded_batch
+
+KW = dict(do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_scores=True)
+HD = 16
+CFG = HeteroConfig(cpu_workers=1, profile="off")      # exactness, not the planner's choice: no profile to measure
+N = 64                                          # original_max_position_embeddings
+
+
+def phi3(rope_type):
+    rope = {"rope_type": rope_type, "rope_theta": 10000.0, "partial_rotary_factor": 1.0}
+    if rope_type == "longrope":
+        rope.update(short_factor=[1.0] * (HD // 2), long_factor=[float(4 + i) for i in range(HD // 2)],
+                    original_max_position_embeddings=N)
+    return build_model("phi3", max_position_embeddings=256, original_max_position_embeddings=N,
+                       rope_parameters=rope)[0]
+
+
+def same(out, ref):
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.scores, ref.scores):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def hf(model, ids, mask, new):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=new, **KW)
+
+
+def test_phi3_longrope_runs_where_every_key_has_transformers_factors():
+    """A prompt past N in one pass: transformers drops the (empty) cache at the first forward and
+    computes every key with the long factors; hetero keeps its cache and computes the same. A
+    sequence that passes N mid-call (transformers recomputes the cache), a chunked prefill past N
+    (its first chunks lie below) and a short context continued past N are refused up front."""
+    model = phi3("longrope")
+    ids, mask = padded_batch((100, 90))
+    with HeteroGenerator(model, config=CFG) as gen:
+        same(gen.generate(ids, attention_mask=mask, max_new_tokens=8, **KW), hf(model, ids, mask, 8))
+        short, short_mask = padded_batch((40, 30))
+        same(gen.generate(short, attention_mask=short_mask, max_new_tokens=25, **KW),   # 40 + 25 = N + 1
+             hf(model, short, short_mask, 25))
+        with pytest.raises(UnsupportedModelError, match="original_max_position_embeddings=64"):
+            gen.generate(short, attention_mask=short_mask, max_new_tokens=26)          # passes N mid-call
+        doc = ids[:1, 10:]                                                           # 90 tokens, one pass
+        with gen.prefill(doc[:, :80]) as ctx:
+            same(gen.generate(doc[:, 80:], context=ctx, max_new_tokens=6, **KW), hf(model, doc, None, 6))
+        with gen.prefill(doc[:, :40]) as ctx:                                        # below N: short factors
+            with pytest.raises(UnsupportedModelError, match="LongRoPE"):
+                gen.generate(doc[:, 40:], context=ctx, max_new_tokens=6)
+            same(gen.generate(doc, max_new_tokens=6, **KW), hf(model, doc, None, 6))  # no reuse of ctx: exact
+    with HeteroGenerator(model, config=HeteroConfig(cpu_workers=1, profile="off", prefill_chunk=16)) as gen:
+        with pytest.raises(UnsupportedModelError, match="prefill_chunk=None"):
+            gen.generate(ids, attention_mask=mask, max_new_tokens=4)
+        with pytest.raises(UnsupportedModelError, match="LongRoPE"):
+            gen.prefill(ids[:1])
+
+
+def test_phi3_default_rope_passes_the_switch_point_exactly():
+    """Default RoPE: transformers' cache drop at N recomputes the same keys; hetero keeps its cache
+    (it used to fail there, its cache gone), chunked or not, contexts too."""
+    model = phi3("default")
+    ids, mask = padded_batch((50, 40))
+    ref = hf(model, ids, mask, 30)
+    for chunk in (None, 7):
+        with HeteroGenerator(model, config=HeteroConfig(cpu_workers=1, profile="off", prefill_chunk=chunk)) as gen:
+            same(gen.generate(ids, attention_mask=mask, max_new_tokens=30, **KW), ref)
+            with gen.prefill(ids[:1, :30]) as ctx:
+                same(gen.generate(ids[:1, 30:], context=ctx, max_new_tokens=30, **KW), hf(model, ids[:1], None, 30))
+
+
+def test_multi_token_steps_give_a_contiguous_attention_output():
+    """afmoe .view()s the attention output: a context continued by 8 tokens at once (automatic
+    reuse) needs it contiguous, as sdpa's is."""
+    model = sweep_model("afmoe")[0]
+    ids = torch.randint(3, 100, (1, 20), generator=torch.Generator().manual_seed(0))
+    with HeteroGenerator(model, config=CFG) as gen, gen.prefill(ids[:, :12]):
+        same(gen.generate(ids, max_new_tokens=6, **KW), hf(model, ids, None, 6))
+
+
+def bert_encoder():
+    """BERT built as an encoder (is_decoder=False): bidirectional self-attention."""
+    cfg = AutoConfig.for_model("bert", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, max_position_embeddings=256, is_decoder=False, pad_token_id=0)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+
+
+@pytest.mark.parametrize("build,why", [(bert_encoder, "bidirectional"),
+                                       (lambda: sweep_model("moshi")[0], "decode only")], ids=["bert", "moshi"])
+def test_one_pass_only_models(build, why):
+    """An encoder run as an LM attends bidirectionally; Moshi's prefill attends without the window
+    its decode applies. One-pass generate is HF's (each decode step is one query); contexts and
+    chunked prefill, whose multi-token steps over the cache hetero would attend causally and
+    windowed, are refused."""
+    model = build()
+    ids, mask = padded_batch((20, 12))
+    with HeteroGenerator(model, config=CFG) as gen:
+        same(gen.generate(ids, attention_mask=mask, max_new_tokens=5, **KW), hf(model, ids, mask, 5))
+        with pytest.raises(UnsupportedModelError, match=why):
+            gen.prefill(ids[:1])
+    with HeteroGenerator(model, config=HeteroConfig(cpu_workers=1, profile="off", prefill_chunk=4)) as gen:
+        with pytest.raises(UnsupportedModelError, match=why):
+            gen.generate(ids, attention_mask=mask, max_new_tokens=2)
+
+
+def test_a_forward_without_position_ids_gets_none_in_chunks():
+    """MossTranscribeDiarize's forward takes no position_ids, so generate passes none (the model
+    counts padded positions); a chunked prefill must not pass its own either."""
+    model = sweep_model("moss_transcribe_diarize")[0]
+    ids, mask = padded_batch((20, 13, 7))
+    ref = hf(model, ids, mask, 6)
+    with HeteroGenerator(model, config=HeteroConfig(cpu_workers=1, profile="off", prefill_chunk=3)) as gen:
+        same(gen.generate(ids, attention_mask=mask, max_new_tokens=6, **KW), ref)
