@@ -2,7 +2,10 @@
 `hetero profile`."""
 import argparse
 import os
+import sys
 import time
+
+from hetero.errors import HeteroError
 
 
 class _Clock:
@@ -197,39 +200,54 @@ def profile(args):
     return 0
 
 
+def positive(text):
+    """argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="hetero", description="heterogeneous CPU-GPU long-context inference")
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="the real SmolLM2-135M-Instruct answers questions about a long text: "
                                     "hetero beside HF generate")
-    d.add_argument("--context", type=int, default=3000, help="tokens of the document in each prompt")
-    d.add_argument("--new-tokens", type=int, default=40)
+    d.add_argument("--context", type=positive, default=3000, help="tokens of the document in each prompt")
+    d.add_argument("--new-tokens", type=positive, default=40)
     d.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    d.add_argument("--workers", type=int, default=None)
+    d.add_argument("--workers", type=positive, default=None)
     d.set_defaults(fn=demo)
     c = sub.add_parser("chat", help="multi-turn chat (stdin) with the embedded SmolLM2: each turn prefills "
                                     "only its new tokens over the conversation's cached KV")
     c.add_argument("--model", default=None, help="a transformers causal LM directory (default: SmolLM2-135M-Instruct)")
     c.add_argument("--system", default=None, help="a system message")
-    c.add_argument("--max-new-tokens", type=int, default=128)
+    c.add_argument("--max-new-tokens", type=positive, default=128)
     c.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    c.add_argument("--reserve", type=int, default=None, help="KV rows kept free for the conversation")
+    c.add_argument("--reserve", type=positive, default=None, help="KV rows kept free for the conversation")
     c.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    c.add_argument("--workers", type=int, default=None)
+    c.add_argument("--workers", type=positive, default=None)
     c.set_defaults(fn=chat)
     i = sub.add_parser("info", help="what the engine would use on this machine")
-    i.add_argument("--workers", type=int, default=None)
+    i.add_argument("--workers", type=positive, default=None)
     i.set_defaults(fn=info)
     p = sub.add_parser("profile", help="measure (or show the cached) per-core profile the decode planner uses")
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
-    p.add_argument("--workers", type=int, default=None)
+    p.add_argument("--workers", type=positive, default=None)
     p.add_argument("--force", action="store_true", help="re-measure even if a cached profile matches")
     p.add_argument("--device", default=None, help="the model's device for the continuation crossover "
                                                     "(default: cuda when available, else cpu)")
     p.set_defaults(fn=profile)
     args = ap.parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except (HeteroError, ValueError, OSError) as e:     # a user's input or machine: the message, no traceback
+        print(f"hetero {args.cmd}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -54,6 +54,8 @@ class HeteroConfig:
             raise ValueError(f"HeteroConfig.prefill_chunk must be an int >= 1, None or 'auto', got {self.prefill_chunk!r}")
         _check_int("context_memory", self.context_memory, 1)
         _check_int("spin_budget", self.spin_budget, 1, allow_none=False)
+        if self.spin_budget >= 1 << 62:
+            raise ValueError(f"HeteroConfig.spin_budget must be below 2**62 polls, got {self.spin_budget!r}")
         if not (isinstance(self.ram_fraction, (int, float)) and 0 < self.ram_fraction <= 1):
             raise ValueError(f"HeteroConfig.ram_fraction must be in (0, 1], got {self.ram_fraction!r}")
         for name in ("start_timeout", "worker_timeout"):
@@ -72,8 +74,11 @@ class HeteroConfig:
             raise ValueError(f"HeteroConfig.transport must be 'auto', 'cuda' or 'host', got {self.transport!r}")
         if self.worker_cores is not None:
             usable = os.sched_getaffinity(0)
+            if isinstance(self.worker_cores, (str, bytes)) or not hasattr(self.worker_cores, "__iter__"):
+                raise ValueError(f"HeteroConfig.worker_cores must be a sequence of core numbers, got "
+                                 f"{self.worker_cores!r}")
             cores = tuple(self.worker_cores)
-            bad = [c for c in cores if c not in usable]
+            bad = [c for c in cores if isinstance(c, bool) or not isinstance(c, int) or c not in usable]
             if not cores or bad:
                 raise ValueError(f"HeteroConfig.worker_cores {cores!r}: cores {bad} are not usable by this process "
                                  f"(usable: {sorted(usable)})")

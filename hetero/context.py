@@ -45,6 +45,7 @@ class Context:
         from hetero.offload import saved
 
         with self.generator._lock:                  # not while a call on this generator runs
+            self.generator._refuse_nested("Context.save")
             saved.save(self, path)
 
     def close(self):

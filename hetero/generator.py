@@ -31,6 +31,8 @@ from hetero.offload.cache import HeteroCache
 from hetero.offload.session import KVSession
 
 log = logging.getLogger("hetero")
+_MODEL_LOCKS = weakref.WeakKeyDictionary()    # model -> the lock of the one call it serves (across generators)
+_MODELS_LOCK = threading.Lock()
 
 # generate() keywords passed through to transformers' generate (its processors and stopping criteria)
 GENERATE_KWARGS = frozenset({
@@ -77,6 +79,8 @@ class HeteroGenerator:
         if cpu_workers is not None:
             config = replace(config, cpu_workers=cpu_workers)
         self.config = config
+        if adapters is not None and not isinstance(adapters, dict):
+            raise TypeError(f"adapters= takes {{name: save_pretrained directory}}, got {type(adapters).__name__}")
         peft_model = model if _is_peft_model(model) else None
         if peft_model is not None:
             model = peft_model.get_base_model()
@@ -103,6 +107,9 @@ class HeteroGenerator:
         # Reentrant so a call can close its own context (_recover); _busy refuses a nested call
         self._lock = threading.RLock()
         self._busy = False
+        # dropped without close(): its workers, segments and hooks go when it is collected (the
+        # finalizer holds its attributes, which hold nothing that holds the generator)
+        self._finalizer = weakref.finalize(self, _release, self.__dict__)
         attention.register()
         try:
             self._ensure_pool()
@@ -249,7 +256,9 @@ class HeteroGenerator:
         return self._planner
 
     # ---- validation at the boundary
-    def _check_inputs(self, input_ids, attention_mask, max_new_tokens):
+    def _check_inputs(self, input_ids, attention_mask, max_new_tokens, what="max_new_tokens"):
+        """(attention_mask, max_new_tokens) checked; what: the name of the rows to add, for messages
+        (prefill's and load_context's reserve)."""
         device = self.model.device
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
@@ -261,6 +270,11 @@ class HeteroGenerator:
             raise ValueError(f"empty prompt: input_ids has shape {tuple(input_ids.shape)}")
         if input_ids.device != device:
             raise ValueError(f"input_ids is on {input_ids.device} but the model is on {device}")
+        vocab = getattr(self.model.get_input_embeddings(), "num_embeddings", None)
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or (vocab is not None and high >= vocab):
+            raise ValueError(f"input_ids holds token id {low if low < 0 else high}, outside the model's "
+                             f"vocabulary of {vocab}")
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         else:
@@ -285,10 +299,10 @@ class HeteroGenerator:
         if max_new_tokens is None:
             max_new_tokens = self._default_new_tokens(input_ids.shape[1])
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+            raise ValueError(f"{what} must be a positive int, got {max_new_tokens!r}")
         total = input_ids.shape[1] + max_new_tokens
         if self.spec.max_positions is not None and total > self.spec.max_positions:
-            raise CapacityError(f"prompt ({input_ids.shape[1]} positions) + max_new_tokens ({max_new_tokens}) = {total} "
+            raise CapacityError(f"prompt ({input_ids.shape[1]} positions) + {what} ({max_new_tokens}) = {total} "
                                 f"exceeds the model's max_position_embeddings ({self.spec.max_positions})")
         return attention_mask, max_new_tokens
 
@@ -442,6 +456,9 @@ class HeteroGenerator:
         if extend_context is not None and context is None:
             raise ValueError("extend_context= needs context=")
         many = isinstance(context, (list, tuple))
+        if context is not None and not many and not isinstance(context, Context):
+            raise TypeError(f"context= takes a Context (from prefill or load_context) or a list of them, "
+                            f"got {type(context).__name__}")
         if context is not None:
             if self.spec.one_pass_only:
                 raise UnsupportedModelError(self._one_pass_only("continuing a context"))
@@ -574,11 +591,17 @@ class HeteroGenerator:
             if self._busy:
                 raise RuntimeError("generate/prefill called from inside a call of the same HeteroGenerator "
                                    "(a streamer or logits processor?); not supported")
+            with _MODELS_LOCK:
+                model_lock = _MODEL_LOCKS.setdefault(self.model, threading.Lock())
+            if not model_lock.acquire(blocking=False):     # a call sets the model's attention implementation
+                raise RuntimeError("another HeteroGenerator over the same model is running a call (in another "
+                                   "thread); a model serves one call at a time")
             self._busy = True
             try:
                 yield
             finally:
                 self._busy = False
+                model_lock.release()
         finally:
             self._lock.release()
 
@@ -613,7 +636,7 @@ class HeteroGenerator:
         if reserve is None and isinstance(input_ids, torch.Tensor) and input_ids.ndim == 2:
             reserve = self._default_reserve(input_ids.shape[1])
         self._sweep()
-        attention_mask, reserve = self._check_inputs(input_ids, attention_mask, reserve)
+        attention_mask, reserve = self._check_inputs(input_ids, attention_mask, reserve, "reserve")
         if input_ids.shape[0] != 1:
             raise ValueError(f"a context holds one request: input_ids must be [1, S], got {tuple(input_ids.shape)}")
         if not bool(attention_mask.all()):
@@ -631,8 +654,8 @@ class HeteroGenerator:
                 else:
                     self._forward(cache, input_ids, attention_mask, 0, input_ids.shape[1])
             session.end_call()
-        adapter = lora.adapters[0] if lora is not None else None
-        return self._keep(Context(self, session, input_ids[0].detach().to("cpu", torch.long).clone(), adapter))
+            adapter = lora.adapters[0] if lora is not None else None      # kept before the session is let go
+            return self._keep(Context(self, session, input_ids[0].detach().to("cpu", torch.long).clone(), adapter))
 
     def _default_reserve(self, n):
         """prefill/load_context's default reserve for a context of n tokens: DEFAULT_RESERVE rows,
@@ -654,6 +677,7 @@ class HeteroGenerator:
             try:
                 yield session
             except BaseException:
+                self._contexts.pop(id(session), None)     # an interrupt may come right after _keep
                 try:
                     session.close()
                 finally:
@@ -725,13 +749,13 @@ class HeteroGenerator:
         pending = torch.tensor(header["pending"], dtype=torch.long)
         if reserve is None:
             reserve = self._default_reserve(n)
-        mask, reserve = self._check_inputs(tokens[None].to(self.model.device), None, reserve)
+        mask, reserve = self._check_inputs(tokens[None].to(self.model.device), None, reserve, "reserve")
         with self._context_session(mask, reserve) as session:
             saved.fill(session, header, path)
             session.finish_prefill()
-        ctx = Context(self, session, tokens, loaded[name] if name is not None else None)
-        ctx.pending = pending
-        return self._keep(ctx)
+            ctx = Context(self, session, tokens, loaded[name] if name is not None else None)
+            ctx.pending = pending
+            return self._keep(ctx)
 
     def _generate_in_context(self, ctx, input_ids, attention_mask, max_new_tokens, call, lora, extend=True):
         """generate() continuing `ctx`: [cached tokens, the last call's unstored token, new tokens].
@@ -774,7 +798,7 @@ class HeteroGenerator:
                 err = e
             try:
                 session.end_call(check=err is None)          # a GPU's last step settled, its page locks freed
-            except WorkerError as e:
+            except BaseException as e:                       # Ctrl-C too: the context is put back below
                 err = err or e
             if not extend:
                 session.rewind(cached, rings)
@@ -1005,10 +1029,12 @@ class HeteroGenerator:
         """Stop the workers and free every shared segment; restore the model's modules. Idempotent.
         Waits for a call running in another thread."""
         with self._lock:
+            self._refuse_nested("close")
             self._close()
 
     def _close(self):
         self._closed = True
+        self._finalizer.detach()
         for kept in list(self._contexts.values()):
             ctx = kept.ref()
             try:
@@ -1061,6 +1087,21 @@ class _Kept:
             ctx.pending = self.pending
             self.ref = weakref.ref(ctx)
         return ctx
+
+
+def _release(state):
+    """close() for a HeteroGenerator collected without it, from its attributes."""
+    for kept in list(state["_contexts"].values()):
+        try:
+            kept.session.close()
+        except Exception:
+            pass
+    state["_contexts"].clear()
+    state["_hooks"].remove()
+    for name in ("_store", "_pool"):
+        if state[name] is not None:
+            state[name].close()
+            state[name] = None
 
 
 def _keeping_cache(model):

@@ -29,3 +29,11 @@ def test_chat_prefills_only_each_turns_new_tokens(capsys, monkeypatch):
     assert out.count("bot> ") == 2 and len(turns) == 2
     (new1, cached1), (new2, cached2) = turns
     assert cached2 > cached1 + new1 and new2 < cached2          # the second turn continued the first
+
+
+def test_user_errors_are_messages_not_tracebacks(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["info", "--workers", "0"])
+    assert e.value.code == 2 and "must be at least 1" in capsys.readouterr().err
+    assert main(["chat", "--model", "/nonexistent/model"]) == 1          # no traceback: the message
+    assert capsys.readouterr().err.startswith("hetero chat: error: ")

@@ -187,16 +187,23 @@ PARENT = textwrap.dedent("""
 """)
 
 
-def test_parent_killed_leaves_no_segments_and_no_workers():
+@pytest.mark.parametrize("how", ["kill", "group-term"])
+def test_parent_killed_leaves_no_segments_and_no_workers(how):
+    """SIGKILL of the parent, or SIGTERM to its whole process group (a terminal's hangup, `timeout`,
+    systemd): the workers, in a session of their own, see the parent gone and clean up."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    parent = subprocess.Popen([sys.executable, "-c", PARENT.format(root=root)], stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen([sys.executable, "-c", PARENT.format(root=root)], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
     try:
         line = parent.stdout.readline()
         assert line.startswith("PIDS"), line
         workers = [int(p) for p in line.split()[1:]]
         assert len(our_segments(parent.pid)) == 2           # control + KV session
     finally:
-        parent.kill()
+        if how == "kill":
+            parent.kill()
+        else:
+            os.killpg(parent.pid, signal.SIGTERM)
         parent.wait()
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and (our_segments(parent.pid) or any(_alive(p) for p in workers)):

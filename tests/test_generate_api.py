@@ -152,3 +152,26 @@ def test_seeded_sampling_matches_hf_on_the_call_that_measures_the_profile(model,
         out = gen.generate(ids, attention_mask=mask, **kw)
     assert list(tmp_path.glob("profile-*.json"))                           # it was measured in this call
     assert torch.equal(out, ref)
+
+
+def test_bad_input_is_named(llama, llama_gen):
+    from hetero import HeteroConfig
+
+    ids, mask = padded_batch()
+    with pytest.raises(ValueError, match="outside the model's vocabulary of 160"):
+        llama_gen.generate(torch.cat([ids, torch.full((3, 1), 160)], 1), max_new_tokens=2)
+    with pytest.raises(ValueError, match="token id -1"):
+        llama_gen.generate(ids - 1, max_new_tokens=2)
+    for bad in (0, -1, "5"):
+        with pytest.raises(ValueError, match="reserve must be a positive int"):
+            llama_gen.prefill(ids[:1], reserve=bad)
+    with pytest.raises(TypeError, match="context= takes a Context"):
+        llama_gen.generate(ids[:1], context="doc", max_new_tokens=2)
+    with pytest.raises(TypeError, match="adapters= takes"):
+        HeteroGenerator(llama, adapters=5)
+    for bad in (1, (True,), (0.0,)):
+        with pytest.raises(ValueError, match="worker_cores"):
+            HeteroConfig(worker_cores=bad)
+    with pytest.raises(ValueError, match="spin_budget"):
+        HeteroConfig(spin_budget=1 << 63)
+    assert llama_gen.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0).shape == (3, 14)

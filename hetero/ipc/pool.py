@@ -65,6 +65,7 @@ class WorkerPool:
         self.procs, self.seq, self.closed = [], 0, False
         self.pid = os.getpid()    # a forked child's copy (its atexit too) must leave the workers alone
         self.inflight = None      # (seq, active, units, share) of a submitted job not yet waited for
+        self._inflight_go = 0     # its GO value (drain posts it again: an interrupt may have come before the post)
         self.stuck = []           # ranks that made no progress (WorkerError): killed at close
         self.broken = None        # why the pool can run no more jobs (a job failed or stalled)
         self._checked = 0.0       # perf_counter of the last liveness check of every worker
@@ -81,7 +82,9 @@ class WorkerPool:
             for rank, core in enumerate(self.worker_cores):
                 args = [sys.executable, "-m", "hetero.ipc.worker", self.ctrl.name, str(rank), str(nworkers),
                         str(core), str(os.getpid()), str(spin_budget if idle_spin is None else idle_spin)]
-                self.procs.append(subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL))
+                # a session of their own: a signal to the parent's process group (a terminal's hangup,
+                # `kill -TERM -PGID`, systemd) leaves them alive to notice the parent gone and clean up
+                self.procs.append(subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, start_new_session=True))
             self.run(C.CMD_PING, timeout=start_timeout)
         except BaseException:
             self.close()
@@ -108,6 +111,7 @@ class WorkerPool:
         """Wait for a job still in flight (abandoned between submit and wait by an exception or
         Ctrl-C). Callers call it before writing a job's params: workers may still read them."""
         if self.inflight is not None:
+            self._post(self._inflight_go, self.inflight[1])    # a worker that saw this GO value ignores it
             self.wait(*self.inflight)
 
     def submit(self, cmd, active, units=None, share=None):
@@ -131,12 +135,16 @@ class WorkerPool:
             self.words[C.UNITS] = units
             self.words[C.FIN] = 0
             atomics.store(self.words, C.TICKET, C.ticket(self.seq, units))
+        self._inflight_go = C.go(self.seq, cmd)
         self.inflight = (self.seq, active, units, share)   # before GO: an interrupt after it still finds the job
-        if atomics.HAVE_FUTEX:     # a worker idle for more than its spin sleeps on its GO word
-            atomics.post_and_wake(self.words, C.go_word(0), active, C.LINE, C.go(self.seq, cmd), C.ASLEEP_FROM_GO)
-        else:
-            atomics.post(self.words, C.go_word(0), active, C.LINE, C.go(self.seq, cmd))
+        self._post(self._inflight_go, active)
         return self.seq
+
+    def _post(self, go, active):
+        if atomics.HAVE_FUTEX:     # a worker idle for more than its spin sleeps on its GO word
+            atomics.post_and_wake(self.words, C.go_word(0), active, C.LINE, go, C.ASLEEP_FROM_GO)
+        else:
+            atomics.post(self.words, C.go_word(0), active, C.LINE, go)
 
     def _cmd_name(self):
         return CMD_NAMES.get(int(self.words[C.CMD]), "?")
@@ -198,6 +206,7 @@ class WorkerPool:
 
     def _raise_stuck(self, seq, active, units, timeout):
         w = self.words
+        knob = "start_timeout" if seq == 1 else "worker_timeout"     # job 1: the start-up ping
         late = [r for r in range(active) if w[C.done_word(r)] != seq]
         # an attention job waits only for the workers holding its units (or, when nobody took
         # one, for all that have not started: nothing else would take them)
@@ -209,7 +218,7 @@ class WorkerPool:
         self.inflight = None
         self.broken = f"the {self._cmd_name()} job stalled"
         raise WorkerError(f"CPU workers made no progress on the {self._cmd_name()} job for "
-                          f"{timeout:g} s: {states} (HeteroConfig.worker_timeout)")
+                          f"{timeout:g} s: {states} (HeteroConfig.{knob})")
 
     def run(self, cmd, timeout=None, active=None):
         """Run one job on workers 0..active-1 (all by default) and wait for it."""

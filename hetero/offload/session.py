@@ -155,9 +155,9 @@ class KVSession:
         w[C.S_RING], w[C.S_RING_LAYERS] = lay.ring, lay.ring_layers
         w[C.S_GROUPS], w[C.S_PRIVATE] = lay.groups, lay.private
         C.write_name(w, self.seg.name)
-        self.pool.run(C.CMD_OPEN)
-        self.opened = True
+        self.opened = True               # before the job: close() after an interrupt finishes it, then unmaps
         self.pool.session = self
+        self.pool.run(C.CMD_OPEN)
 
     def begin_call(self, pool, planner):
         """Before a call continues this session (a Context): map it in `pool`'s workers if it is
@@ -471,7 +471,7 @@ class KVSession:
             if not self.pool.closed and self.pool.broken is None:     # a dead worker raises here
                 try:
                     self.pool.run(C.CMD_CLOSE)
-                except WorkerError as e:
+                except BaseException as e:    # Ctrl-C too: the segment is still unlinked below
                     failed = failed or e
         try:
             self.wait_offloads()             # no DMA may still write the arena
