@@ -1,4 +1,5 @@
 """HeteroConfig: every engine knob, validated once at the boundary."""
+import numbers
 import os
 from dataclasses import dataclass
 
@@ -78,11 +79,11 @@ class HeteroConfig:
                 raise ValueError(f"HeteroConfig.worker_cores must be a sequence of core numbers, got "
                                  f"{self.worker_cores!r}")
             cores = tuple(self.worker_cores)
-            bad = [c for c in cores if isinstance(c, bool) or not isinstance(c, int) or c not in usable]
+            bad = [c for c in cores if isinstance(c, bool) or not isinstance(c, numbers.Integral) or c not in usable]
             if not cores or bad:
                 raise ValueError(f"HeteroConfig.worker_cores {cores!r}: cores {bad} are not usable by this process "
                                  f"(usable: {sorted(usable)})")
-            object.__setattr__(self, "worker_cores", cores)
+            object.__setattr__(self, "worker_cores", tuple(int(c) for c in cores))
 
     def resolve_workers(self):
         """(number of workers, cores to pin them to, in rank order)."""

@@ -1,4 +1,5 @@
 """HeteroGenerator: HF-style generate() with the KV cache and decode attention on CPU workers."""
+import collections
 import contextlib
 import copy
 import inspect
@@ -61,6 +62,12 @@ UNSUPPORTED_SETTINGS = {
     "penalty_alpha": lambda v: v is not None and v > 0,
     "output_attentions": bool,
     "output_hidden_states": bool,
+    "assistant_early_exit": lambda v: v is not None,
+    "use_mtp": bool,
+    "dola_layers": lambda v: v is not None,
+    "constraints": lambda v: v is not None,
+    "force_words_ids": lambda v: v is not None,
+    "prefill_chunk_size": lambda v: v is not None,      # HF's own chunked prefill (HeteroConfig.prefill_chunk is ours)
 }
 
 
@@ -374,9 +381,9 @@ class HeteroGenerator:
         N = self.spec.rope_switch
         return UnsupportedModelError(
             f"{self.spec.model_type}'s LongRoPE switches to its long factors once a sequence passes "
-            f"original_max_position_embeddings={N}, and transformers then recomputes every key; hetero keeps "
-            f"its cache: keep prompt + max_new_tokens <= {N + 1}, or give a prompt longer than {N} in one pass "
-            f"(prefill_chunk=None; a context prefilled in one pass past {N} continues fine)")
+            f"original_max_position_embeddings={N} (Phi-3's generate then recomputes every key); keys hetero "
+            f"keeps from below it would differ: keep prompt + max_new_tokens <= {N + 1}, or give a prompt longer "
+            f"than {N} in one pass (prefill_chunk=None; a context prefilled in one pass past {N} continues fine)")
 
     def _staged(self, chunk):
         """Query tokens per step the workers' staging holds for a prompt prefilled in chunks of
@@ -451,6 +458,8 @@ class HeteroGenerator:
         if unknown:
             raise TypeError(f"generate() got unsupported arguments {unknown}; supported: "
                             f"input_ids, attention_mask, max_new_tokens, {', '.join(sorted(GENERATE_KWARGS))}")
+        if attention_mask is None and context is None:
+            attention_mask = self._inferred_mask(input_ids, kwargs)
         if extend_context is not None and not isinstance(extend_context, bool):
             raise TypeError(f"extend_context must be True, False or None, got {extend_context!r}")
         if extend_context is not None and context is None:
@@ -462,7 +471,8 @@ class HeteroGenerator:
         if context is not None:
             if self.spec.one_pass_only:
                 raise UnsupportedModelError(self._one_pass_only("continuing a context"))
-            adapter_names = self._context_adapters(list(context) if many else [context], adapter_names)
+            adapter_names = self._context_adapters(list(context) if many else [context], adapter_names,
+                                                   input_ids.shape[0] if isinstance(input_ids, torch.Tensor) else None)
         if many:
             self._check_contexts(context)
             if extend_context:
@@ -502,16 +512,32 @@ class HeteroGenerator:
             return _without_cache(self.model.generate(input_ids, attention_mask=attention_mask,
                                                       past_key_values=cache, **call))
 
-    def _context_adapters(self, contexts, adapter_names):
+    def _inferred_mask(self, input_ids, kwargs):
+        """No attention_mask: as transformers infers one, input_ids != pad where the pad id occurs
+        in the prompt and is no eos id; else None (every token attended)."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int32, torch.int64) \
+                or input_ids.device != self.model.device or input_ids.ndim != 2:
+            return None                          # _check_inputs names the problem
+        gc = self.model.generation_config
+        pad = kwargs["pad_token_id"] if "pad_token_id" in kwargs else gc.pad_token_id
+        eos = kwargs["eos_token_id"] if "eos_token_id" in kwargs else gc.eos_token_id
+        if not isinstance(pad, int) or isinstance(pad, bool):
+            return None
+        if eos is not None and pad in torch.as_tensor(eos).flatten().tolist():
+            return None
+        pads = input_ids == pad
+        return (~pads).long() if bool(pads.any()) else None
+
+    def _context_adapters(self, contexts, adapter_names, batch):
         """adapter_names for a call continuing `contexts`: each request goes on with the LoRA adapter
         its context was prefilled with (its KV holds that adapter's keys and values); None takes
         theirs, naming another raises."""
-        own = [c.adapter for c in contexts if isinstance(c, Context) and not c.closed]
+        own = [c.adapter for c in contexts if isinstance(c, Context) and not c.closed and c.generator is self]
         for a in own:
             if a is not None and (self._store is None or self._store.adapters.get(a.name) is not a):
                 raise AdapterError(f"a context was prefilled with adapter {a.name!r}, which has been unloaded since")
-        if len(own) != len(contexts):
-            return adapter_names                 # not open Contexts: the call raises on them
+        if len(own) != len(contexts) or len(contexts) != batch:
+            return adapter_names                 # not this generator's open Contexts, or not one per request: raised later
         names = [None if a is None else a.name for a in own]
         if adapter_names is None:
             return names if any(names) else None
@@ -595,7 +621,7 @@ class HeteroGenerator:
                 model_lock = _MODEL_LOCKS.setdefault(self.model, threading.Lock())
             if not model_lock.acquire(blocking=False):     # a call sets the model's attention implementation
                 raise RuntimeError("another HeteroGenerator over the same model is running a call (in another "
-                                   "thread); a model serves one call at a time")
+                                   "thread, or the call this one is made from); a model serves one call at a time")
             self._busy = True
             try:
                 yield
@@ -612,7 +638,9 @@ class HeteroGenerator:
         self._choose_transport(session, session.pool, lora)
         token = attention.active_session.set(session)
         previous = self.model.config._attn_implementation
-        if self.spec.drops_cache:   # the generic input preparation: the cache stays (the calls are checked: _rope_ok)
+        patched = self.spec.drops_cache      # the generic input preparation: the cache stays (calls checked: _rope_ok)
+        if patched:
+            before = self.model.__dict__.get("prepare_inputs_for_generation")
             self.model.prepare_inputs_for_generation = _keeping_cache(self.model)
         try:
             self.model.set_attn_implementation(attention.NAME)
@@ -620,7 +648,10 @@ class HeteroGenerator:
         finally:
             self.model.set_attn_implementation(previous)
             attention.active_session.reset(token)
-            self.model.__dict__.pop("prepare_inputs_for_generation", None)
+            if patched:                      # back to what the instance had (usually nothing)
+                self.model.__dict__.pop("prepare_inputs_for_generation", None)
+                if before is not None:
+                    self.model.prepare_inputs_for_generation = before
 
     # ---- contexts: a request's KV kept between calls
     def prefill(self, input_ids, attention_mask=None, reserve=None, adapter_name=None):
@@ -1090,18 +1121,19 @@ class _Kept:
 
 
 def _release(state):
-    """close() for a HeteroGenerator collected without it, from its attributes."""
-    for kept in list(state["_contexts"].values()):
+    """close() for a HeteroGenerator collected without it, from its attributes; each step apart
+    (one failing must not keep the workers alive)."""
+    steps = [kept.session.close for kept in state["_contexts"].values()] + [state["_hooks"].remove]
+    steps += [state[name].close for name in ("_store", "_pool") if state[name] is not None]
+    if state["_parent_affinity"] is not None:         # a GPU model pinned its thread: give the cores back
+        steps.append(lambda: os.sched_setaffinity(*state["_parent_affinity"]))
+    for step in steps:
         try:
-            kept.session.close()
+            step()
         except Exception:
             pass
     state["_contexts"].clear()
-    state["_hooks"].remove()
-    for name in ("_store", "_pool"):
-        if state[name] is not None:
-            state[name].close()
-            state[name] = None
+    state["_store"] = state["_pool"] = state["_parent_affinity"] = None
 
 
 def _keeping_cache(model):
@@ -1120,6 +1152,7 @@ def _pad_id(settings):
 def _without_cache(out):
     """generate's output without its past_key_values: hetero's cache is closed with the call."""
     if not isinstance(out, torch.Tensor) and getattr(out, "past_key_values", None) is not None:
+        collections.OrderedDict.__delitem__(out, "past_key_values")   # a ModelOutput: its mapping, then the field
         out.past_key_values = None
     return out
 

@@ -40,7 +40,7 @@ class ModelSpec:
     kv_tiled: bool = False  # query head h reads KV head h mod kv_heads (else h // group)
     one_pass_only: str | None = None  # why multi-token steps over the cache (chunks, contexts) would differ
     drops_cache: bool = False    # CACHE_DROPPING_MODEL_TYPES: its generate would drop hetero's cache
-    rope_switch: int | None = None  # LongRoPE's factors differ below and above this many positions
+    rope_switch: int | None = None  # LongRoPE (any family): its factors differ below and above this many positions
 
 
 def inspect_model(model):
@@ -74,10 +74,11 @@ def inspect_model(model):
     if q_heads % kv_heads:
         raise UnsupportedModelError(f"{name}: {q_heads} query heads are not a multiple of {kv_heads} KV heads")
     kv_tiled, causal = _check_attention_modules(model, name, cfg.model_type, q_heads // kv_heads, head_dim)
-    original_max = getattr(cfg, "original_max_position_embeddings", None)
-    drops_cache = cfg.model_type in CACHE_DROPPING_MODEL_TYPES and original_max is not None
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    rope = rope if isinstance(rope, dict) else {}
+    rope_type = rope.get("rope_type", rope.get("type"))
+    original_max = getattr(cfg, "original_max_position_embeddings", None) or rope.get("original_max_position_embeddings")
+    drops_cache = cfg.model_type in CACHE_DROPPING_MODEL_TYPES and original_max is not None
     layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * layers
     other = sorted(set(layer_types) - ATTENTION_LAYER_TYPES)
     if other:
@@ -94,7 +95,7 @@ def inspect_model(model):
                      dtype=dtype, max_positions=getattr(cfg, "max_position_embeddings", None),
                      sliding=tuple(t == "sliding_attention" for t in layer_types), windows=windows, kv_tiled=kv_tiled,
                      one_pass_only=_one_pass_only(cfg, causal, windows), drops_cache=drops_cache,
-                     rope_switch=original_max if drops_cache and rope_type == "longrope" else None)
+                     rope_switch=original_max if rope_type == "longrope" else None)
 
 
 def _one_pass_only(cfg, causal, windows):

@@ -38,7 +38,7 @@ def test_max_new_tokens_omitted_as_transformers_decides(model):
         out, ref = gen.generate(ids, attention_mask=mask), model.generate(ids, attention_mask=mask)
         assert out.shape == ref.shape == (3, 16) and torch.equal(out, ref)
         with pytest.raises(ValueError, match="max_length is 16"):
-            gen.generate(torch.cat([ids, ids], 1))
+            gen.generate(torch.cat([ids[:1], ids[:1]], 1))          # row 0: 12 real tokens, twice
 
 
 def test_explicit_none_overrides_the_models_generation_config(model):
@@ -172,6 +172,22 @@ def test_bad_input_is_named(llama, llama_gen):
     for bad in (1, (True,), (0.0,)):
         with pytest.raises(ValueError, match="worker_cores"):
             HeteroConfig(worker_cores=bad)
+    import numpy as np
+
+    assert HeteroConfig(worker_cores=np.array([0])).worker_cores == (0,)
     with pytest.raises(ValueError, match="spin_budget"):
         HeteroConfig(spin_budget=1 << 63)
     assert llama_gen.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0).shape == (3, 14)
+
+
+def test_no_attention_mask_is_inferred_from_the_pad_as_transformers_does(llama, llama_gen):
+    ids, mask = padded_batch()                        # pad 0 on the left, eos 2
+    ref = llama.generate(ids, max_new_tokens=4, pad_token_id=0)          # HF infers ids != 0
+    assert torch.equal(ref, llama.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0))
+    assert torch.equal(llama_gen.generate(ids, max_new_tokens=4, pad_token_id=0), ref)
+
+
+def test_outputs_hold_no_cache_in_their_mapping_either(llama_gen):
+    ids, mask = padded_batch()
+    out = llama_gen.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0, **SCORES)
+    assert "past_key_values" not in out.keys() and all(not hasattr(x, "layers") for x in out.to_tuple())
