@@ -128,3 +128,22 @@ def test_a_forward_without_position_ids_gets_none_in_chunks():
     ref = hf(model, ids, mask, 6)
     with HeteroGenerator(model, config=HeteroConfig(cpu_workers=1, profile="off", prefill_chunk=3)) as gen:
         same(gen.generate(ids, attention_mask=mask, max_new_tokens=6, **KW), ref)
+
+
+def test_an_instance_level_prepare_inputs_is_left_alone():
+    """A user's (or a library's) prepare_inputs_for_generation on the model instance survives a
+    call: untouched on a model whose generate keeps the cache, put back on Phi-3."""
+    for model in (build_model("llama")[0], phi3("default")):
+        calls = []
+        real = model.prepare_inputs_for_generation
+
+        def mine(*args, **kwargs):
+            calls.append(1)
+            return real(*args, **kwargs)
+
+        model.prepare_inputs_for_generation = mine
+        ids, mask = padded_batch((12, 8))
+        with HeteroGenerator(model, config=CFG) as gen:
+            gen.generate(ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0)
+        assert model.__dict__["prepare_inputs_for_generation"] is mine
+        assert calls or model.config.model_type == "phi3"       # phi3: the generic one ran during the call
