@@ -19,87 +19,96 @@ def same(out, ref):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+@pytest.fixture(scope="module")
+def shared():
+    """One model and one generator for the module (a worker pool each costs a second here)."""
+    model = build_model("llama")[0]
+    with HeteroGenerator(model, cpu_workers=1) as gen:
+        yield model, gen
+
+
 @pytest.fixture
-def model():
-    """A fresh model per test: the tests edit its generation_config."""
-    return build_model("llama")[0]
+def model(shared):
+    """The module's model, its generation_config put back after each test (the tests edit it)."""
+    saved = copy.deepcopy(shared[0].generation_config)
+    yield shared[0]
+    shared[0].generation_config = saved
 
 
-def test_max_new_tokens_omitted_as_transformers_decides(model):
+@pytest.fixture
+def gen(shared):
+    return shared[1]
+
+
+def test_max_new_tokens_omitted_as_transformers_decides(model, gen):
     ids, mask = padded_batch()
-    gen = HeteroGenerator(model, cpu_workers=1)
-    with gen:
-        assert model.generation_config.max_length is None             # transformers 5: 20 new tokens
-        out, ref = gen.generate(ids, attention_mask=mask), model.generate(ids, attention_mask=mask)
-        assert out.shape == ref.shape == (3, 12 + 20) and torch.equal(out, ref)
-        ctx = gen.prefill(ids[:1, 4:])
-        assert gen.generate(ids[:1, :2], context=ctx, eos_token_id=None).shape == (1, 8 + 2 + 20)
-        model.generation_config.max_length = 16                       # a checkpoint's: prompt included
-        out, ref = gen.generate(ids, attention_mask=mask), model.generate(ids, attention_mask=mask)
-        assert out.shape == ref.shape == (3, 16) and torch.equal(out, ref)
-        with pytest.raises(ValueError, match="max_length is 16"):
-            gen.generate(torch.cat([ids[:1], ids[:1]], 1))          # row 0: 12 real tokens, twice
+    assert model.generation_config.max_length is None             # transformers 5: 20 new tokens
+    out, ref = gen.generate(ids, attention_mask=mask), model.generate(ids, attention_mask=mask)
+    assert out.shape == ref.shape == (3, 12 + 20) and torch.equal(out, ref)
+    ctx = gen.prefill(ids[:1, 4:])
+    assert gen.generate(ids[:1, :2], context=ctx, eos_token_id=None).shape == (1, 8 + 2 + 20)
+    model.generation_config.max_length = 16                       # a checkpoint's: prompt included
+    out, ref = gen.generate(ids, attention_mask=mask), model.generate(ids, attention_mask=mask)
+    assert out.shape == ref.shape == (3, 16) and torch.equal(out, ref)
+    with pytest.raises(ValueError, match="max_length is 16"):
+        gen.generate(torch.cat([ids[:1], ids[:1]], 1))          # row 0: 12 real tokens, twice
 
 
-def test_explicit_none_overrides_the_models_generation_config(model):
+def test_explicit_none_overrides_the_models_generation_config(model, gen):
     ids, mask = padded_batch()
     gc = model.generation_config
     eos = int(model.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0)[0, 12 + 2])
     gc.eos_token_id, gc.pad_token_id = eos, 0                          # row 0 emits it at its 3rd step
-    with HeteroGenerator(model, cpu_workers=1) as gen:
-        for kw in ({"eos_token_id": None},                            # runs to the end, as HF
-                   {"pad_token_id": None, "eos_token_id": eos},       # finished rows padded with eos
-                   {}):
-            kw = dict(kw, max_new_tokens=8, **SCORES)
-            same(gen.generate(ids, attention_mask=mask, **kw), model.generate(ids, attention_mask=mask, **kw))
-        gc.do_sample, gc.top_k = True, 5
-        for kw in ({"top_k": None}, {}):                              # None: no top-k at all
-            torch.manual_seed(3)
-            ref = model.generate(ids, attention_mask=mask, max_new_tokens=8, **kw)
-            torch.manual_seed(3)
-            assert torch.equal(gen.generate(ids, attention_mask=mask, max_new_tokens=8, **kw), ref)
+    for kw in ({"eos_token_id": None},                            # runs to the end, as HF
+               {"pad_token_id": None, "eos_token_id": eos},       # finished rows padded with eos
+               {}):
+        kw = dict(kw, max_new_tokens=8, **SCORES)
+        same(gen.generate(ids, attention_mask=mask, **kw), model.generate(ids, attention_mask=mask, **kw))
+    gc.do_sample, gc.top_k = True, 5
+    for kw in ({"top_k": None}, {}):                              # None: no top-k at all
+        torch.manual_seed(3)
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=8, **kw)
+        torch.manual_seed(3)
+        assert torch.equal(gen.generate(ids, attention_mask=mask, max_new_tokens=8, **kw), ref)
 
 
-def test_settings_hetero_does_not_run_are_refused_by_name(model):
+def test_settings_hetero_does_not_run_are_refused_by_name(model, gen):
     ids, mask = padded_batch()
     base = copy.deepcopy(model.generation_config)
-    with HeteroGenerator(model, cpu_workers=1) as gen:
-        model.generation_config.cache_implementation = "static"       # a checkpoint's: hetero's cache replaces it
-        same(gen.generate(ids, attention_mask=mask, max_new_tokens=4, **SCORES),
-             model.generate(ids, attention_mask=mask, max_new_tokens=4, **SCORES))
-        for field, value in (("num_beams", 2), ("num_return_sequences", 2), ("use_cache", False),
-                             ("guidance_scale", 1.5), ("output_hidden_states", True)):
-            model.generation_config = copy.deepcopy(base)
-            setattr(model.generation_config, field, value)
-            model.generation_config.do_sample = field == "num_return_sequences"
-            with pytest.raises(ValueError, match=f"'{field}'"):       # set in the model's generation_config
-                gen.generate(ids, attention_mask=mask, max_new_tokens=2)
-        model.generation_config = base
-        with pytest.raises(TypeError, match="'num_return_sequences'"):    # or in the call
-            gen.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=True, num_return_sequences=2)
-        assert gen.generate(ids, attention_mask=mask, max_new_tokens=2).shape == (3, 14)   # still usable
+    model.generation_config.cache_implementation = "static"       # a checkpoint's: hetero's cache replaces it
+    same(gen.generate(ids, attention_mask=mask, max_new_tokens=4, **SCORES),
+         model.generate(ids, attention_mask=mask, max_new_tokens=4, **SCORES))
+    for field, value in (("num_beams", 2), ("num_return_sequences", 2), ("use_cache", False),
+                         ("guidance_scale", 1.5), ("output_hidden_states", True)):
+        model.generation_config = copy.deepcopy(base)
+        setattr(model.generation_config, field, value)
+        model.generation_config.do_sample = field == "num_return_sequences"
+        with pytest.raises(ValueError, match=f"'{field}'"):       # set in the model's generation_config
+            gen.generate(ids, attention_mask=mask, max_new_tokens=2)
+    model.generation_config = base
+    with pytest.raises(TypeError, match="'num_return_sequences'"):    # or in the call
+        gen.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=True, num_return_sequences=2)
+    assert gen.generate(ids, attention_mask=mask, max_new_tokens=2).shape == (3, 14)   # still usable
 
 
 @pytest.mark.parametrize("kw", [dict(suppress_tokens=[5, 7], begin_suppress_tokens=[9], min_length=16),
                                 dict(bad_words_ids=[[11], [12, 13]], sequence_bias={(14,): 2.0}, forced_eos_token_id=2),
                                 dict(do_sample=True, epsilon_cutoff=3e-3, exponential_decay_length_penalty=(2, 1.5),
                                      eos_token_id=2, renormalize_logits=True)])
-def test_transformers_logits_processors_by_keyword(model, kw):
+def test_transformers_logits_processors_by_keyword(model, gen, kw):
     ids, mask = padded_batch()
     kw = dict(kw, max_new_tokens=6, pad_token_id=0, **SCORES)
-    with HeteroGenerator(model, cpu_workers=1) as gen:
-        torch.manual_seed(2)
-        ref = model.generate(ids, attention_mask=mask, **kw)
-        torch.manual_seed(2)
-        same(gen.generate(ids, attention_mask=mask, **kw), ref)
+    torch.manual_seed(2)
+    ref = model.generate(ids, attention_mask=mask, **kw)
+    torch.manual_seed(2)
+    same(gen.generate(ids, attention_mask=mask, **kw), ref)
 
 
-def test_outputs_are_ordinary_tensors_without_a_cache(model):
+def test_outputs_are_ordinary_tensors_without_a_cache(model, gen):
     ids, mask = padded_batch()
-    with HeteroGenerator(model, cpu_workers=1) as gen:
-        out = gen.generate(ids, attention_mask=mask, max_new_tokens=3, **SCORES)
-        with gen.prefill(ids[:1, 4:]) as ctx:
-            ctx_out = gen.generate(ids[:1, :2], context=ctx, max_new_tokens=3, **SCORES)
+    out = gen.generate(ids, attention_mask=mask, max_new_tokens=3, **SCORES)
+    with gen.prefill(ids[:1, 4:]) as ctx:
+        ctx_out = gen.generate(ids[:1, :2], context=ctx, max_new_tokens=3, **SCORES)
     for o in (out, ctx_out):
         assert o.past_key_values is None                              # hetero's cache closed with the call
         assert not o.sequences.is_inference() and not o.scores[0].is_inference()
@@ -109,7 +118,7 @@ def test_outputs_are_ordinary_tensors_without_a_cache(model):
     assert model.lm_head.weight.grad is not None
 
 
-def test_prefix_reuse_returns_hfs_sequences_on_an_early_stop_and_odd_padding(model):
+def test_prefix_reuse_returns_hfs_sequences_on_an_early_stop_and_odd_padding(model, gen, monkeypatch):
     """A prompt continuing a live context (automatic reuse) returns exactly HF's sequences: an
     EOS before max_new_tokens, pad cells holding another id than the pad, a prompt padded wider
     than its longest row (logits processors, min_length among them, see every column)."""
@@ -117,10 +126,10 @@ def test_prefix_reuse_returns_hfs_sequences_on_an_early_stop_and_odd_padding(mod
     doc = torch.randint(3, 160, (40,), generator=g)
     qs = [torch.randint(3, 160, (n,), generator=g) for n in (5, 3)]
     calls = []
-    with HeteroGenerator(model, cpu_workers=1) as gen, gen.prefill(doc[None]):
+    with gen.prefill(doc[None]):
         real_one, real_many = gen._generate_in_context, gen._generate_in_contexts
-        gen._generate_in_context = lambda *a, **k: calls.append("one") or real_one(*a, **k)
-        gen._generate_in_contexts = lambda *a, **k: calls.append("many") or real_many(*a, **k)
+        monkeypatch.setattr(gen, "_generate_in_context", lambda *a, **k: calls.append("one") or real_one(*a, **k))
+        monkeypatch.setattr(gen, "_generate_in_contexts", lambda *a, **k: calls.append("many") or real_many(*a, **k))
         full = torch.cat([doc, qs[0]])[None]
         eos = int(model.generate(full, max_new_tokens=4, pad_token_id=0)[0, -1])
         kw = dict(max_new_tokens=10, eos_token_id=eos, pad_token_id=0, **SCORES)
