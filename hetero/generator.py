@@ -926,7 +926,7 @@ class HeteroGenerator:
         if bool((input_ids[attention_mask == 0] != _pad_id(settings)).any()):
             return None
         cached = self.config.context_memory is not None     # unreferenced contexts are a cache (see _sweep)
-        tokens = [(k, k.tokens) for k in self._contexts.values()
+        tokens = [(k, k.tokens) for k in list(self._contexts.values())          # a snapshot: no lock held yet
                   if (cached or k.ref() is not None) and k.adapter is None]
         picks, rests = [], []
         for b in range(input_ids.shape[0]):
