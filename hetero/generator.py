@@ -452,6 +452,11 @@ class HeteroGenerator:
         the call reads them and leaves them as they were. Requests continuing the same Context
         share its KV in place (HeteroConfig.share_contexts): decode reads it once per step for
         all of them. The sequences returned are left-padded [context tokens, new tokens, output]."""
+        # hetero's cache is closed with the call: the output does not hold it
+        return _without_cache(self._generate(input_ids, attention_mask, max_new_tokens, adapter_names, context,
+                                             extend_context, kwargs))
+
+    def _generate(self, input_ids, attention_mask, max_new_tokens, adapter_names, context, extend_context, kwargs):
         if self._closed:
             raise GeneratorClosedError("generate() called on a closed HeteroGenerator")
         unknown = sorted(set(kwargs) - GENERATE_KWARGS)
@@ -488,10 +493,10 @@ class HeteroGenerator:
         lora = self._lora_batch(adapter_names, input_ids.shape[0])
         if context is not None:
             if many:
-                return _without_cache(self._generate_in_contexts(list(context), input_ids, attention_mask,
-                                                                 max_new_tokens, settings, call, lora))
-            return _without_cache(self._generate_in_context(context, input_ids, attention_mask, max_new_tokens,
-                                                            call, lora, extend_context is not False))
+                return self._generate_in_contexts(list(context), input_ids, attention_mask, max_new_tokens,
+                                                  settings, call, lora)
+            return self._generate_in_context(context, input_ids, attention_mask, max_new_tokens, call, lora,
+                                             extend_context is not False)
         reuse = self._reusable(input_ids, attention_mask, max_new_tokens, settings) if lora is None else None
         if reuse is not None:                   # the prompts start with live contexts: continue them, read-only
             ctxs, rest, rest_mask = reuse
@@ -500,7 +505,7 @@ class HeteroGenerator:
             else:                               # as wide as input_ids: generate sees input_ids themselves
                 out = self._generate_in_contexts(ctxs, rest, rest_mask, max_new_tokens, settings, call, None,
                                                  width=input_ids.shape[1])
-            return _without_cache(out)
+            return out
         chunk = self._chunk(attention_mask)
         if not self._rope_ok(input_ids.shape[1], max_new_tokens, (0,) if chunk else ()):
             raise self._rope_refused()
@@ -509,8 +514,7 @@ class HeteroGenerator:
         with self.kv_context(pads, real, cap, lora=lora, tmax=tmax) as cache, torch.no_grad(), _active(lora):
             if chunk:
                 self.prefill_chunks(cache, input_ids, attention_mask, chunk)
-            return _without_cache(self.model.generate(input_ids, attention_mask=attention_mask,
-                                                      past_key_values=cache, **call))
+            return self.model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache, **call)
 
     def _inferred_mask(self, input_ids, kwargs):
         """No attention_mask: as transformers infers one, input_ids != pad where the pad id occurs
@@ -532,10 +536,8 @@ class HeteroGenerator:
         """adapter_names for a call continuing `contexts`: each request goes on with the LoRA adapter
         its context was prefilled with (its KV holds that adapter's keys and values); None takes
         theirs, naming another raises."""
-        own = [c.adapter for c in contexts if isinstance(c, Context) and not c.closed and c.generator is self]
-        for a in own:
-            if a is not None and (self._store is None or self._store.adapters.get(a.name) is not a):
-                raise AdapterError(f"a context was prefilled with adapter {a.name!r}, which has been unloaded since")
+        own = [self._loaded(c.adapter) for c in contexts if isinstance(c, Context) and not c.closed
+               and c.generator is self]
         if len(own) != len(contexts) or len(contexts) != batch:
             return adapter_names                 # not this generator's open Contexts, or not one per request: raised later
         names = [None if a is None else a.name for a in own]
@@ -548,14 +550,15 @@ class HeteroGenerator:
                              "(None: the base model); a context goes on with its own adapter")
         return adapter_names
 
+    def _loaded(self, adapter):
+        """A context's adapter (or None), checked to be still the one loaded under its name."""
+        if adapter is not None and (self._store is None or self._store.adapters.get(adapter.name) is not adapter):
+            raise AdapterError(f"a context was prefilled with adapter {adapter.name!r}, which has been unloaded since")
+        return adapter
+
     def _adapter_id(self, ctx):
         """A saved context's adapter record (AdapterStore.digest), or None."""
-        if ctx.adapter is None:
-            return None
-        if self._store.adapters.get(ctx.adapter.name) is not ctx.adapter:
-            raise AdapterError(f"the context was prefilled with adapter {ctx.adapter.name!r}, which has been "
-                               "unloaded since")
-        return self._store.digest(ctx.adapter)
+        return None if self._loaded(ctx.adapter) is None else self._store.digest(ctx.adapter)
 
     def _generation_settings(self, max_new_tokens, kwargs):
         """(the call's settings as transformers resolves them: the model's generation_config under the
@@ -674,12 +677,12 @@ class HeteroGenerator:
             raise ValueError("a context's prompt cannot be padded: pass its tokens only (attention_mask all ones)")
         if self.spec.one_pass_only:
             raise UnsupportedModelError(self._one_pass_only("a context"))
-        if self._chunk(attention_mask) and not self._rope_ok(input_ids.shape[1], 0, (0,)):
+        chunk = self._chunk(attention_mask)
+        if chunk and not self._rope_ok(input_ids.shape[1], 0, (0,)):
             raise self._rope_refused()
         lora = self._lora_batch(None if adapter_name is None else [adapter_name], 1)
         with self._context_session(attention_mask, reserve) as session:
             with self._routed(session, lora) as cache, torch.no_grad(), _active(lora):
-                chunk = self._chunk(attention_mask)
                 if chunk:                                # all chunks; the last one too
                     self.prefill_chunks(cache, input_ids, attention_mask, chunk, to_end=True)
                 else:
@@ -1066,25 +1069,7 @@ class HeteroGenerator:
     def _close(self):
         self._closed = True
         self._finalizer.detach()
-        for kept in list(self._contexts.values()):
-            ctx = kept.ref()
-            try:
-                ctx._close() if ctx is not None else kept.session.close()
-            except WorkerError:
-                pass
-        self._contexts.clear()
-        self._hooks.remove()
-        if self._store is not None:
-            self._store.close()
-            self._store = None
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
-        if self._parent_affinity is not None:
-            tid, cores = self._parent_affinity
-            if tid == threading.get_native_id():
-                os.sched_setaffinity(0, cores)
-            self._parent_affinity = None
+        _release(self.__dict__)
 
     def __enter__(self):
         return self
@@ -1121,19 +1106,34 @@ class _Kept:
 
 
 def _release(state):
-    """close() for a HeteroGenerator collected without it, from its attributes; each step apart
-    (one failing must not keep the workers alive)."""
-    steps = [kept.session.close for kept in state["_contexts"].values()] + [state["_hooks"].remove]
+    """What close() frees, from a HeteroGenerator's attributes (also its finalizer's, when it is
+    collected without close()): its contexts, hooks, adapters, workers, and the cores its thread
+    was pinned away from. Every step runs; the first error other than a worker's (the contexts
+    are closed whatever their workers did) is raised after them."""
+    contexts = list(state["_contexts"].values())
+    state["_contexts"].clear()
+    steps = [(lambda kept=kept: _close_kept(kept)) for kept in contexts] + [state["_hooks"].remove]
     steps += [state[name].close for name in ("_store", "_pool") if state[name] is not None]
     if state["_parent_affinity"] is not None:         # a GPU model pinned its thread: give the cores back
-        steps.append(lambda: os.sched_setaffinity(*state["_parent_affinity"]))
+        steps.append(lambda a=state["_parent_affinity"]: os.sched_setaffinity(*a))
+    state["_store"] = state["_pool"] = state["_parent_affinity"] = None
+    first = None
     for step in steps:
         try:
             step()
-        except Exception:
-            pass
-    state["_contexts"].clear()
-    state["_store"] = state["_pool"] = state["_parent_affinity"] = None
+        except Exception as e:
+            if first is None and not isinstance(e, WorkerError):
+                first = e
+    if first is not None:
+        raise first
+
+
+def _close_kept(kept):
+    """A registry entry's arena, closed; its Context, if one is still held, says so when used."""
+    ctx = kept.ref()
+    if ctx is not None:
+        ctx.closed = True
+    kept.session.close()
 
 
 def _keeping_cache(model):
