@@ -645,10 +645,12 @@ class HeteroGenerator:
         if patched:
             before = self.model.__dict__.get("prepare_inputs_for_generation")
             self.model.prepare_inputs_for_generation = _keeping_cache(self.model)
+        hook = self.model.register_forward_pre_hook(lambda *_: session.begin_forward())
         try:
             self.model.set_attn_implementation(attention.NAME)
             yield HeteroCache(session)
         finally:
+            hook.remove()
             self.model.set_attn_implementation(previous)
             attention.active_session.reset(token)
             if patched:                      # back to what the instance had (usually nothing)

@@ -342,6 +342,8 @@ def test_cuda_protocol_lora_decode_matches_peft(host_transport, model_type, spli
         assert len(parts) == 7 * sites * base.config.num_hidden_layers
         assert (max(parts) == 2) == split
         out1 = generate(gen, ids[:, -1:], mask[:, -1:], adapter_names=NAMES)
+        # the one-token prefill posts nothing, not even its last layer's sites after its attention
+        assert len(parts) == 2 * 7 * sites * base.config.num_hidden_layers
     assert_same(out, ref)
     assert_same(out1, ref1)
 

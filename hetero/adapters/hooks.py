@@ -200,11 +200,12 @@ class LoraBatch:
 
 
 def _decoding():
-    """A decode step of the active session (hetero.attention): prefilled, not a prefetched
-    forward. Only there may the GPU post LoRA jobs: a prefill's or prefetched forward's host may
-    post jobs of its own (hetero.offload.pinning), whose numbers would overtake the GPU's."""
+    """A decode step of the active session (hetero.attention): a forward begun after the prefill
+    (not the prefill's own last layer), not a prefetched one. Only there may the GPU post LoRA jobs:
+    a prefill's or prefetched forward's host may post jobs of its own (hetero.offload.pinning),
+    whose numbers would overtake the GPU's."""
     s = active_session.get()
-    return s is not None and s.prefilled and s.prefetcher is None
+    return s is not None and s.stepping and s.prefetcher is None
 
 
 def _add(out, delta):

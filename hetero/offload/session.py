@@ -73,6 +73,7 @@ class KVSession:
         self.ring_window = tuple(w if r else 0 for w, r in zip(windows, ringed))
         self._sinks = {}                              # layer -> (sinks given, their CPU rows; see _sink_rows)
         self.prefilled = False
+        self.stepping = False             # this forward began after the prefill (begin_forward): a step
         self.opened = False
         self.prefetcher = None            # a LayerPrefetcher while a forward attends on the model's device
         self._pins = None                 # the arena's page locks for a GPU's DMAs, per layer (pin_layer)
@@ -196,6 +197,11 @@ class KVSession:
             self.Kr.copy_(rings[0])
             self.Vr.copy_(rings[1])
         self._plan_step(self._planned_T)
+
+    def begin_forward(self):
+        """The model's forward begins (a pre-hook, generator._routed). The prefill's forward turns
+        prefilled on at its last attention layer; the modules after it are still the prefill's."""
+        self.stepping = self.prefilled
 
     def note_update(self, layer):
         """HeteroLayer.update of `layer` ran: its attention call comes next."""
