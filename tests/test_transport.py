@@ -303,16 +303,20 @@ def test_unavailable_extension_falls_back_with_one_log_line(pool, caplog):
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
 def test_parent_pinned_off_the_workers_cores_and_restored(llama):
     """What a GPU model does at pool start (_pin_parent): the calling thread keeps to the cores no
-    worker uses; close() gives it its affinity back."""
-    before = os.sched_getaffinity(0)
+    worker uses, and torch runs no more threads than those cores; close() gives both back."""
+    before, threads = os.sched_getaffinity(0), torch.get_num_threads()
     workers = sorted(before)[1:]
     gen = HeteroGenerator(llama, cpu_workers=1)
     try:
+        torch.set_num_threads(len(before) + 2)        # as a 16-thread torch pinned to one core
         gen._pin_parent(workers)
         assert os.sched_getaffinity(0) == before - set(workers)
+        assert torch.get_num_threads() == len(before) - len(workers)
     finally:
         gen.close()
-    assert os.sched_getaffinity(0) == before
+        after = torch.get_num_threads()
+        torch.set_num_threads(threads)
+    assert os.sched_getaffinity(0) == before and after == len(before) + 2
 
 
 @pytest.mark.parametrize("model_type,split", [("llama", False), ("phi3", False), ("llama", True)])
