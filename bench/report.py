@@ -129,6 +129,19 @@ GPU_DECODE_SYSTEMS = [("hetero", "hetero (CUDA transport)"), ("hetero_host", "he
                       ("offloaded", "HF offloaded"), ("static", "HF static")]
 
 
+def _bound(run, shape, row, fallback):
+    """KV bytes / the run's host read bandwidth + the base layers' time (see gpu_decode_table)."""
+    static_base = "HF static cache at 256" in run.get("note", "")         # else HF dynamic's: not a base
+    base = shape.get("base_ms") if static_base and shape.get("base_ms") else fallback
+    return row["kv_bytes"] / (run["host_read_gbps"] * 1e9) * 1e3 + base
+
+
+def _static_fallback(runs):
+    statics = [row["static"]["ms"] for _, run in runs for shape in run["results"].values()
+               for row in shape["rows"] if "ms" in row.get("static", {})]
+    return min(statics) if statics else 0.0
+
+
 def gpu_decode_table():
     """bench/results/gpu_decode*.json (one run per file, any subset of systems): ms/token per
     system and context, a row per (file, context); columns only for the systems some file ran.
@@ -141,8 +154,7 @@ def gpu_decode_table():
         return ""
     rows = [(name, run, shape, row) for name, run in runs for shape in run["results"].values() for row in shape["rows"]]
     ran = [(k, title) for k, title in GPU_DECODE_SYSTEMS if any(k in row for *_, row in rows)]
-    statics = [row["static"]["ms"] for *_, row in rows if "ms" in row.get("static", {})]
-    fallback = min(statics) if statics else 0.0
+    fallback = _static_fallback(runs)
     run0 = runs[0][1]
     out = [f"{run0['gpu']}, {run0['cores']} host cores, Llama-3-8B shape (bf16, random weights), batch 1, "
            f"median of {run0['steps'] - 2} steps; bound = KV bytes / the all-core host read bandwidth "
@@ -155,9 +167,7 @@ def gpu_decode_table():
         return row[k]["ms"] if "ms" in row.get(k, {}) else None
 
     for name, run, shape, row in sorted(rows, key=lambda x: (x[3]["context"], x[0])):
-        static_base = "HF static cache at 256" in run.get("note", "")     # else HF dynamic's: not a base
-        base = shape.get("base_ms") if static_base and shape.get("base_ms") else fallback
-        bound = row["kv_bytes"] / (run["host_read_gbps"] * 1e9) * 1e3 + base
+        bound = _bound(run, shape, row, fallback)
         cells = [f"{ms(row, k):.1f}" if ms(row, k) else ("OOM" if row.get(k, {}).get("oom") else "–") for k, _ in ran]
         het, off = ms(row, "hetero"), ms(row, "offloaded")
         peaks = [row.get(k, {}).get("peak_gpu_bytes") for k in ("hetero", "hf")]
@@ -166,6 +176,51 @@ def gpu_decode_table():
                    " | " + (f"{off / het:.2f}x" if het and off else "–") + " | " +
                    " / ".join(f"{p / 2**30:.1f}" if p else "–" for p in peaks) + " |")
     return "\n".join(out)
+
+
+def gpu_decode_plot(path):
+    """bench/results/gpu_decode*.json as one figure: ms/token against context, a colour per system,
+    a marker per run (runs come from different leases and code: the table says which)."""
+    names = sorted(os.path.basename(p) for p in glob.glob(os.path.join(RESULTS, "gpu_decode*.json")))
+    runs = [(n[:-5], r) for n, r in ((n, _load(n)) for n in names) if r]
+    if not runs:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fallback = _static_fallback(runs)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colours = dict(zip([k for k, _ in GPU_DECODE_SYSTEMS], plt.cm.tab10.colors))
+    titles = dict(GPU_DECODE_SYSTEMS)
+    markers = dict(zip([n for n, _ in runs], "osD^v<>px*"))
+    seen = set()
+    for name, run in runs:
+        for shape in run["results"].values():
+            ctx = [row["context"] for row in shape["rows"]]
+            for k in titles:
+                pts = [(row["context"], row[k]["ms"]) for row in shape["rows"] if "ms" in row.get(k, {})]
+                if pts:
+                    ax.plot(*zip(*pts), marker=markers[name], color=colours[k], linestyle="-",
+                            label=titles[k] if k not in seen else None)
+                    seen.add(k)
+            ax.plot(ctx, [_bound(run, shape, row, fallback) for row in shape["rows"]], marker=markers[name], color="black",
+                    linestyle=":", label="bound" if "bound" not in seen else None)
+            seen.add("bound")
+    for name, m in markers.items():
+        ax.plot([], [], marker=m, color="grey", linestyle="none", label=f"run {name}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("ms per token")
+    ax.set_title(f"decode on {runs[0][1]['gpu']}, Llama-3-8B shape, bf16, batch 1")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def gpu_prefill_table():
@@ -214,5 +269,6 @@ if __name__ == "__main__":
     print(contexts_table())
     print()
     print(gpu_decode_table())
+    print(f"(plot: {gpu_decode_plot(os.path.join(RESULTS, 'gpu_decode.png'))})")
     print()
     print(gpu_prefill_table())

@@ -620,7 +620,13 @@ def test_a_request_outside_every_group_never_merges_stale_prefix_slots(monkeypat
     real = KVSession._plan_step
     monkeypatch.setattr(KVSession, "_plan_step", lambda self, T: real(self, T) or plans.append((T, self.psplit)))
     cfg = HeteroConfig(cpu_workers=2, profile="off", prefill_chunk=40)
+
+    class ByStep:                        # 1 split for the continuation's steps, 2 for the decode's
+        def plan(self, lengths, T, layout, parent=True):
+            return 2, min(1 if T > 1 else 2, layout.nsplit_max)
+
     with HeteroGenerator(model, config=cfg) as gen, gen.prefill(a_doc[None]) as a, gen.prefill(c_doc[None]) as c:
+        gen._planner = ByStep()
         ids, mask = left_pad([q0, q1])
         out = gen.generate(ids, attention_mask=mask, context=[a, c], max_new_tokens=6, **KW)
     assert len({p for T, p in plans if p}) > 1                    # psplit changes between steps

@@ -272,7 +272,7 @@ def test_kept_outputs_do_not_pin_the_kv_arena(llama, llama_gen):
 class _OneWorker:
     """A planner that leaves every worker but the first idle."""
 
-    def plan(self, lengths, T, layout):
+    def plan(self, lengths, T, layout, parent=True):
         return 1, 1
 
 

@@ -256,7 +256,7 @@ class FixedPlan:
     def __init__(self, n, s):
         self.n, self.s = n, s
 
-    def plan(self, lengths, T, layout):
+    def plan(self, lengths, T, layout, parent=True):
         return self.n, self.s
 
 

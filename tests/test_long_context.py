@@ -15,7 +15,7 @@ class ForcedPlan:
     def __init__(self, workers, splits):
         self.workers, self.splits = workers, splits
 
-    def plan(self, lengths, T, layout):
+    def plan(self, lengths, T, layout, parent=True):
         return self.workers, self.splits
 
 

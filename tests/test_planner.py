@@ -84,10 +84,35 @@ def test_plan_respects_nsplit_max():
     assert s <= 4
 
 
+def h100_host():
+    """The profile measured on the H100 host (16 SPR cores, 15 workers): 6.4 GB/s per taker,
+    73 GB/s for all of them."""
+    prof = synthetic(wake_us=0.6, merge_s=0.09e-6)
+    prof.block_s, prof.unit_s, prof.merge_fixed_s = 2.549e-6, 0.0, 30e-6
+    prof.agg_gbps = [6.4, 13.0, 20.8, 25.8, 31.0, 38.4, 38.8, 44.1, 48.5, 52.7, 53.4, 60.5, 60.2, 65.3, 66.1, 72.7]
+    return prof
+
+
+def test_plan_without_the_parent_spreads_units_over_the_workers():
+    """The CUDA transport: the parent takes no units, the plan's n + 1 takers are workers, at most
+    15. 8 kv heads x 2 splits (the plan with the parent: 16 takers) would leave one of 15 workers
+    two units, the step twice one unit's time; 15 splits give each worker 8 units."""
+    lay = layout(1, 8)
+    planner = P.ProfiledPlanner(h100_host(), 15)
+    assert planner.plan(np.array([65536]), 1, lay) == (15, 2)
+    n, s = planner.plan(np.array([65536]), 1, lay, parent=False)
+    assert n == 15 and (8 * s) % 15 == 0
+    t = P.predict(h100_host(), [65536], 1, 8, 4, 16, max_takers=15)
+    assert t[15, s - 1] < 0.6 * t[15, 1]
+
+
 def test_static_planner_without_profile():
     lay = layout(1, 8)
     assert P.StaticPlanner(15).plan(np.array([32768]), 1, lay) == (15, 2)
     assert P.StaticPlanner(8).plan(np.array([300]), 1, layout(1, 2)) == (8, 1)
+    # units spread evenly: 15 takers without the parent, 3 with it over 8 kv heads
+    assert P.StaticPlanner(15).plan(np.array([32768]), 1, lay, parent=False) == (15, 15)
+    assert P.StaticPlanner(2).plan(np.array([32768]), 1, lay) == (2, 3)
 
 
 def test_profile_cache_roundtrip_and_invalidation(tmp_path, monkeypatch):

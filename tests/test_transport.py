@@ -185,6 +185,25 @@ def _session(pool, planner, dtype=torch.float32, D=32, lengths=(40, 75)):
     return s, g
 
 
+def test_the_plan_follows_the_transports_takers(pool):
+    """The CUDA transport's parent takes no units: the session plans for its workers alone
+    (2 takers over 2 kv heads x 2 requests: 1 split) and again for the parent too when the
+    CPU transport is back (3 takers: 3 splits spread 12 units evenly)."""
+    from hetero.cpu_attention.planner import StaticPlanner
+
+    s, _ = _session(pool, StaticPlanner(2, min_rows=8))
+    try:
+        assert (s.nactive, s.nsplit) == (2, 3)
+        ht = HostTransport(pool, s)
+        s.use_transport(ht)
+        assert (s.nactive, s.nsplit) == (2, 1)
+        s.use_transport(CpuTransport())
+        assert (s.nactive, s.nsplit) == (2, 3)
+        ht.close()
+    finally:
+        s.close()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("workers,nsplit", [(0, 1), (1, 3), (2, 4)])
 def test_cuda_protocol_step_equals_cpu_transport(pool, dtype, workers, nsplit):
@@ -398,7 +417,7 @@ class _Splits:
     def __init__(self, splits):
         self.splits = splits
 
-    def plan(self, lengths, T, layout):
+    def plan(self, lengths, T, layout, parent=True):
         return 1, min(self.splits, layout.nsplit_max)
 
 

@@ -125,23 +125,26 @@ def save_profile(profile):
     return path
 
 
-def predict(profile, lengths, T, kv_heads, rows, nsplit_max):
-    """Predicted step time [n, s] (seconds) for n = 0..workers besides the parent, s = 1..nsplit_max."""
+def predict(profile, lengths, T, kv_heads, rows, nsplit_max, max_takers=None):
+    """Predicted step time [n, s] (seconds) for n = 0..workers besides the parent, s = 1..nsplit_max.
+    Plan n has n + 1 takers of units (the parent too), at most max_takers (the CUDA transport:
+    the parent enqueues the GPU's work instead, and one more worker takes its share)."""
     nblk = (np.asarray(lengths, np.int64) + T + BK - 1) // BK               # [B] blocks per (b, h)
     s = np.arange(1, nsplit_max + 1)[:, None]                             # [S, 1]
     row_factor = max(1.0, rows / profile.fingerprint["group"])            # more query rows: more FMAs
-    blk_s = profile.block_s * row_factor
-    unit = np.ceil(nblk[None, :] / s) * blk_s + profile.unit_s            # [S, B]: one unit's time
-    work = kv_heads * (unit * s).sum(1)                                   # [S]: all units
-    longest, shortest = unit.max(1), unit.min(1)                          # [S]
     nbytes = kv_heads * nblk.sum() * profile.block_bytes
     n = np.arange(profile.workers + 1)[:, None]                           # [N+1, 1] workers
-    a = n + 1                                                             # takers: the parent too
+    a = n + 1 if max_takers is None else np.minimum(n + 1, max_takers)  # takers: the parent too
     wake = np.asarray(profile.dispatch_s)[:, None]                        # [N+1, 1]
     agg = np.asarray(profile.agg_gbps)[:, None] * 1e9
+    # a block's time with `a` takers reading at once: each gets at most 1/a of their bandwidth
+    blk_s = np.maximum(profile.block_s * row_factor, profile.block_bytes * a / agg)[:, :, None]  # [N+1, 1, 1]
+    unit = np.ceil(nblk / s)[None] * blk_s + profile.unit_s               # [N+1, S, B]: one unit's time
+    work = kv_heads * (unit * s[None]).sum(2)                             # [N+1, S]: all units
+    longest, shortest = unit.max(2), unit.min(2)                          # [N+1, S]
     U = len(nblk) * kv_heads * s[:, 0]                                    # [S] units
-    tail = (np.ceil(U / a) - U / a) * shortest[None, :]                   # [N+1, S]: the last round
-    compute = np.maximum((work[None, :] + n * wake) / a + tail, longest[None, :])   # [N+1, S]
+    tail = (np.ceil(U / a) - U / a) * shortest                            # [N+1, S]: the last round
+    compute = np.maximum((work + n * wake) / a + tail, longest)           # [N+1, S]
     extra = (s[:, 0] - 1)[None, :]                                        # [1, S]
     merge = profile.merge_s * len(nblk) * kv_heads * extra + profile.merge_fixed_s * (extra > 0)
     return np.maximum(compute, nbytes / agg) + merge
@@ -152,24 +155,30 @@ class ProfiledPlanner:
         self.profile, self.nworkers = profile, min(nworkers, profile.workers)
         self._memo = {}
 
-    def plan(self, lengths, T, layout):
+    def plan(self, lengths, T, layout, parent=True):
+        """(workers besides the parent, splits); parent: whether the parent takes units too."""
         nblk = tuple(((np.asarray(lengths) + T + BK - 1) // BK).tolist())
-        key = (nblk, T, layout.kv_heads, layout.nsplit_max)
+        key = (nblk, T, layout.kv_heads, layout.nsplit_max, parent)
         if key not in self._memo:
             rows = layout.q_heads // layout.kv_heads * T
-            t = predict(self.profile, lengths, T, layout.kv_heads, rows, layout.nsplit_max)[:self.nworkers + 1]
+            t = predict(self.profile, lengths, T, layout.kv_heads, rows, layout.nsplit_max,
+                        None if parent else self.nworkers)[:self.nworkers + 1]
             n, s = np.unravel_index(int(np.argmin(t)), t.shape)
             self._memo[key] = (int(n), int(s) + 1)
         return self._memo[key]
 
 
 class StaticPlanner:
-    """Without a profile: every worker, and enough splits of >= min_rows rows to feed them and the parent."""
+    """Without a profile: every worker, and the split count (of >= min_rows rows each) whose units
+    spread most evenly over the takers (the parent too, where it takes units): the fewest
+    rounds of units per head of work, ceil(units / takers) / splits; the fewest splits on a tie."""
 
     def __init__(self, nworkers, min_rows=256):
         self.nworkers, self.min_rows = nworkers, min_rows
 
-    def plan(self, lengths, T, layout):
-        want = -(-(self.nworkers + 1) // (layout.batch * layout.kv_heads))
-        nsplit = max(1, min(want, int(np.max(lengths)) // self.min_rows, layout.nsplit_max))
+    def plan(self, lengths, T, layout, parent=True):
+        takers = self.nworkers + 1 if parent else max(1, self.nworkers)
+        most = max(1, min(int(np.max(lengths)) // self.min_rows, layout.nsplit_max))
+        heads = layout.batch * layout.kv_heads
+        nsplit = min(range(1, most + 1), key=lambda s: (-(-heads * s // takers) / s, s))
         return self.nworkers, int(nsplit)

@@ -134,6 +134,7 @@ class CudaTransport:
     """See the module docstring. Build with `CudaTransport.open(pool, session, device)`, which
     returns None (and logs why, once) when the extension cannot be built or loaded."""
     name = "cuda"
+    parent_takes_units = False   # the host thread enqueues the GPU's work: one more worker takes its share
     why = None           # why the last open() failed
     _said = set()
 

@@ -22,6 +22,7 @@ from hetero.ipc import control as C
 
 class CpuTransport:
     name = "cpu"
+    parent_takes_units = True      # the parent takes units beside the workers (the planner counts it)
 
     def stage(self, s, key, value):
         """key/value [B, Hkv, T, D] (any device): the step's new rows, into the staging area."""

@@ -368,20 +368,24 @@ class KVSession:
         """Workers (besides the parent, which takes units too), split count and request order
         (longest first: the longest units are taken first) for the next decode step: lengths
         change once per step, not per layer."""
-        self.nactive, self.nsplit = self.planner.plan(self.lengths - self.pstart, T, self.layout)   # own rows
+        parent = self.transport.parent_takes_units
+        self.nactive, self.nsplit = self.planner.plan(self.lengths - self.pstart, T, self.layout, parent)  # own rows
         self.psplit = 0
         if self.prefix_groups:   # a group's units: one "request" of P rows with its members' m*T query tokens
             P = int(self.pstart.max())
             m = max(len(members) for _, members in self.prefix_groups)
-            n, self.psplit = self.planner.plan(np.array([max(P - m * T, 0)]), m * T, self._prefix_layout)
+            n, self.psplit = self.planner.plan(np.array([max(P - m * T, 0)]), m * T, self._prefix_layout, parent)
             self.nactive = max(self.nactive, n)
         self.order[:] = np.argsort(-self.lengths, kind="stable")
         self._planned_T = T
 
     # ---- decode
     def use_transport(self, transport):
-        """How decode attention reaches the workers (hetero.ipc.transport); CpuTransport by default."""
+        """How decode attention reaches the workers (hetero.ipc.transport); CpuTransport by default.
+        The plan depends on it (whether the parent takes units)."""
         self.transport = transport
+        if self.prefilled:
+            self._plan_step(self._planned_T)
 
     def stage_kv(self, key, value):
         """key/value: [B, Hkv, T, D], the new rows of this step (workers append them)."""
