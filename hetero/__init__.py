@@ -11,7 +11,7 @@ _EXPORTS = {
     "Context": "hetero.context",
     **{name: "hetero.errors" for name in ("HeteroError", "UnsupportedModelError", "CapacityError", "WorkerError",
                                           "WorkerDiedError", "GeneratorClosedError", "AdapterError",
-                                          "ContextFileError")},
+                                          "ContextFileError", "MissingDependencyError")},
 }
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"

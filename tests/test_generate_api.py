@@ -200,3 +200,43 @@ def test_outputs_hold_no_cache_in_their_mapping_either(llama_gen):
     ids, mask = padded_batch()
     out = llama_gen.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0, **SCORES)
     assert "past_key_values" not in out.keys() and all(not hasattr(x, "layers") for x in out.to_tuple())
+
+
+def test_penalty_alpha_without_top_k_is_greedy_as_in_transformers(model, gen):
+    """transformers runs contrastive search only with penalty_alpha > 0 and top_k > 1; else the
+    plain mode, which hetero runs too."""
+    ids, mask = padded_batch()
+    model.generation_config.penalty_alpha = 0.6                     # a checkpoint's
+    kw = dict(attention_mask=mask, max_new_tokens=4, top_k=1, pad_token_id=0, **SCORES)
+    same(gen.generate(ids, **kw), model.generate(ids, **kw))
+    with pytest.raises(ValueError, match="'penalty_alpha'"):
+        gen.generate(ids, **dict(kw, top_k=4))
+
+
+def test_max_time_counts_the_continuations_prefill(gen, monkeypatch):
+    """max_time is the call's: a context's new tokens are prefilled before transformers' loop
+    starts, and that time counts (here a slow prefill uses it all: one token, as transformers
+    stops after a token once the time is over)."""
+    import time
+
+    ids, _ = padded_batch()
+    feed = type(gen)._feed
+    monkeypatch.setattr(type(gen), "_feed", lambda self, *a, **k: (time.sleep(0.5), feed(self, *a, **k))[1])
+    with gen.prefill(ids[:1, 4:]) as ctx:
+        out = gen.generate(ids[:1, :3], context=ctx, max_new_tokens=6, eos_token_id=None, max_time=0.3,
+                           extend_context=False)
+        assert out.shape == (1, 8 + 3 + 1)
+        out = gen.generate(ids[:1, :3], context=ctx, max_new_tokens=6, eos_token_id=None, max_time=30.0,
+                           extend_context=False)
+        assert out.shape == (1, 8 + 3 + 6)
+
+
+def test_a_prompt_filling_every_position_is_named_so(model, gen):
+    from hetero import CapacityError
+
+    M = model.config.max_position_embeddings
+    ids = torch.full((1, M), 5)
+    for call in (lambda: gen.generate(ids, max_new_tokens=1), lambda: gen.prefill(ids)):
+        with pytest.raises(CapacityError, match=rf"prompt \({M} positions\) leaves no room") as e:
+            call()
+        assert "reserve" not in str(e.value) and "max_new_tokens" not in str(e.value)
