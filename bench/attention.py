@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import RESULTS, machine, stream_read_all_gbps, stream_read_gbps, write_json  # noqa: E402
+from bench.common import RESULTS, machine, positive, stream_read_all_gbps, stream_read_gbps, write_json  # noqa: E402
 from hetero.cpu_attention.planner import ProfiledPlanner  # noqa: E402
 from hetero.cpu_attention.simd import BK  # noqa: E402
 from hetero.ipc.pool import WorkerPool  # noqa: E402
@@ -199,10 +199,10 @@ def summarize(payload):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
+    ap.add_argument("--contexts", type=positive, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
-    ap.add_argument("--reps", type=int, default=3, help="timed calls per job in each of 3 rounds")
+    ap.add_argument("--reps", type=positive, default=3, help="timed calls per job in each of 3 rounds")
     ap.add_argument("--out", default="attention")
     args = ap.parse_args()
 

@@ -9,6 +9,7 @@ import time
 import numpy as np
 from numba import njit, prange
 
+from hetero.cli import positive  # noqa: F401 (argparse type of the scripts' counts and sizes)
 from hetero.ipc.shm import shmem_huge_pages
 from hetero.models import load_smollm2, smollm2_gguf  # noqa: F401 (the benchmarks' real model)
 

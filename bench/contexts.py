@@ -33,7 +33,7 @@ from dataclasses import replace
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import machine, write_json  # noqa: E402
+from bench.common import machine, positive, write_json  # noqa: E402
 from bench.decode_cpu import build  # noqa: E402
 from hetero import HeteroGenerator  # noqa: E402
 from hetero.generator import CONTINUE_CHUNK  # noqa: E402
@@ -52,11 +52,11 @@ def first_token_s(fn):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--context", type=int, default=16384)
-    ap.add_argument("--question", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--batch", type=int, default=8, help="questions sharing the context")
-    ap.add_argument("--decode", type=int, default=16, help="tokens decoded per question (N)")
+    ap.add_argument("--context", type=positive, default=16384)
+    ap.add_argument("--question", type=positive, default=64)
+    ap.add_argument("--rounds", type=positive, default=3)
+    ap.add_argument("--batch", type=positive, default=8, help="questions sharing the context")
+    ap.add_argument("--decode", type=positive, default=16, help="tokens decoded per question (N)")
     ap.add_argument("--out", default="contexts.json")
     args = ap.parse_args()
     torch.set_num_threads(len(os.sched_getaffinity(0)))

@@ -27,7 +27,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import machine, smollm2_gguf, stream_read_all_gbps, stream_read_gbps, write_json  # noqa: E402
+from bench.common import machine, positive, smollm2_gguf, stream_read_all_gbps, stream_read_gbps, write_json  # noqa: E402
 
 SYSTEMS = ("hf", "static", "hetero", "llamacpp")
 PROMPT_TEXT = "/usr/share/common-licenses/GPL-3"     # real English for llama.cpp's prefill (random tokens if absent)
@@ -208,18 +208,18 @@ def summarize(runs, systems, contexts, cfg, dtype_bytes):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=["smollm2", "bench"], default="smollm2")
-    ap.add_argument("--contexts", type=int, nargs="+", default=None,
+    ap.add_argument("--contexts", type=positive, nargs="+", default=None,
                     help="default: 1024 4096 7168 (smollm2), 1024 4096 16384 (bench)")
     ap.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
-    ap.add_argument("--steps", type=int, default=24)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=positive, default=24)
+    ap.add_argument("--rounds", type=positive, default=3)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    ap.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)), help="cores (threads) for every system")
-    ap.add_argument("--workers", type=int, default=None, help="hetero CPU workers (default: cores - 1)")
+    ap.add_argument("--cores", type=positive, default=len(os.sched_getaffinity(0)), help="cores (threads) for every system")
+    ap.add_argument("--workers", type=positive, default=None, help="hetero CPU workers (default: cores - 1)")
     ap.add_argument("--busy", action="store_true", help="also measure beside a process spinning on one core")
     ap.add_argument("--out", default=None)
     ap.add_argument("--one", choices=SYSTEMS, help=argparse.SUPPRESS)
-    ap.add_argument("--context", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--context", type=positive, help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.workers = args.workers or max(1, args.cores - 1)
     if args.one:

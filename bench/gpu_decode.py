@@ -31,7 +31,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import machine, run_child, stream_read_all_gbps, write_json  # noqa: E402
+from bench.common import machine, positive, run_child, stream_read_all_gbps, write_json  # noqa: E402
 
 SHAPES = {  # hidden, intermediate, layers, q heads, kv heads, vocab
     "llama3-8b": (4096, 14336, 32, 32, 8, 128256),
@@ -205,14 +205,14 @@ def pcie_gbps(nbytes=1 << 30):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=["llama3-8b"], choices=list(SHAPES))
-    ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 65536, 131072])
+    ap.add_argument("--contexts", type=positive, nargs="+", default=[8192, 32768, 65536, 131072])
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS + LORA_SYSTEMS)
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=positive, default=12)
     ap.add_argument("--out", default="gpu_decode")
     ap.add_argument("--copy-to", default=None, help="also copy the JSON here after every row (a device's $OUT)")
     ap.add_argument("--one", choices=SYSTEMS + LORA_SYSTEMS, help=argparse.SUPPRESS)
     ap.add_argument("--shape", help=argparse.SUPPRESS)
-    ap.add_argument("--context", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--context", type=positive, help=argparse.SUPPRESS)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of one --one cell")
     args = ap.parse_args()
     global DEVICE

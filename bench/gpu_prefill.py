@@ -26,7 +26,7 @@ import time
 from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import machine, run_child, write_json  # noqa: E402
+from bench.common import machine, positive, run_child, write_json  # noqa: E402
 
 SHAPES = {  # hidden, intermediate, layers, q heads, kv heads, vocab
     "llama3-8b": (4096, 14336, 32, 32, 8, 128256),
@@ -186,18 +186,18 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="llama3-8b", choices=list(SHAPES))
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--contexts", type=int, nargs="*", default=[8192, 32768, 65536, 131072],
+    ap.add_argument("--contexts", type=positive, nargs="*", default=[8192, 32768, 65536, 131072],
                     help="prompt lengths (none: only the continuation)")
     ap.add_argument("--systems", nargs="+", default=list(PREFILL), choices=PREFILL)
     ap.add_argument("--chunk", type=lambda v: v if v == "auto" else int(v), default=4096,
                     help="hetero_chunked's prefill_chunk (auto: the longest that fits the GPU; longest-prompt runs)")
     ap.add_argument("--continue-context", type=int, default=65536, help="cached tokens the continuation extends (0: skip)")
-    ap.add_argument("--new", type=int, default=512, help="the continuation's new tokens")
-    ap.add_argument("--timeout", type=int, default=540, help="seconds per cell (a device call has 600)")
+    ap.add_argument("--new", type=positive, default=512, help="the continuation's new tokens")
+    ap.add_argument("--timeout", type=positive, default=540, help="seconds per cell (a device call has 600)")
     ap.add_argument("--out", default="gpu_prefill")
     ap.add_argument("--copy-to", default=None, help="also copy the JSON here after every row (a device's $OUT)")
     ap.add_argument("--one", choices=PREFILL + CONTINUE, help=argparse.SUPPRESS)
-    ap.add_argument("--context", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--context", type=positive, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         return one(args)

@@ -25,7 +25,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import machine, write_json  # noqa: E402
+from bench.common import machine, positive, write_json  # noqa: E402
 
 
 
@@ -207,7 +207,7 @@ def copy_probe():
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gib", type=int, default=4, help="arena size for the register probe")
+    ap.add_argument("--gib", type=positive, default=4, help="arena size for the register probe")
     ap.add_argument("--out", default="host_probe.json")
     ap.add_argument("--copy-to", default=None)
     args = ap.parse_args()

@@ -25,7 +25,7 @@ import numpy as np
 import posix_ipc
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import machine, write_json  # noqa: E402
+from bench.common import machine, positive, write_json  # noqa: E402
 from hetero.config import HeteroConfig  # noqa: E402
 from hetero.ipc import control as C  # noqa: E402
 from hetero.ipc.pool import WorkerPool  # noqa: E402
@@ -132,8 +132,8 @@ def bench_pipe(n, cores, iters):
 def main():
     usable = sorted(os.sched_getaffinity(0))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--iters", type=int, default=20000)
-    ap.add_argument("--workers", type=int, nargs="+", default=list(range(1, max(1, len(usable) - 1) + 1)))
+    ap.add_argument("--iters", type=positive, default=20000)
+    ap.add_argument("--workers", type=positive, nargs="+", default=list(range(1, max(1, len(usable) - 1) + 1)))
     ap.add_argument("--out", default="ipc.json", help="file name under bench/results, or an absolute path")
     args = ap.parse_args()
     _, cores = HeteroConfig().resolve_workers()

@@ -23,7 +23,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import machine, write_json  # noqa: E402
+from bench.common import machine, positive, write_json  # noqa: E402
 from bench.decode_cpu import build, random_kv, run_hetero  # noqa: E402
 from hetero import HeteroGenerator  # noqa: E402
 from hetero.generator import _active as lora_active  # noqa: E402
@@ -55,12 +55,12 @@ def ttft(gen, ids, name):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--context", type=int, default=16384)
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per latency figure (median)")
-    ap.add_argument("--registered", type=int, nargs="+", default=[1, 10, 100, 1000])
-    ap.add_argument("--prompt", type=int, default=1024, help="prompt tokens for time to first token")
-    ap.add_argument("--workers", type=int, default=None)
+    ap.add_argument("--context", type=positive, default=16384)
+    ap.add_argument("--steps", type=positive, default=12)
+    ap.add_argument("--rounds", type=positive, default=3, help="interleaved rounds per latency figure (median)")
+    ap.add_argument("--registered", type=positive, nargs="+", default=[1, 10, 100, 1000])
+    ap.add_argument("--prompt", type=positive, default=1024, help="prompt tokens for time to first token")
+    ap.add_argument("--workers", type=positive, default=None)
     ap.add_argument("--out", default="lora.json")
     args = ap.parse_args()
     model, cfg = build(torch.float32, 4)
