@@ -654,13 +654,14 @@ class HeteroGenerator:
     def _routed(self, session, lora=None):
         """For one call: pick the session's transport, route the model's attention to it and yield
         a HeteroCache over it; restore the model's attention implementation afterwards."""
+        patched = self.spec.drops_cache      # the generic input preparation: the cache stays (calls checked: _rope_ok)
+        keeping = _keeping_cache(self.model) if patched else None
         self._choose_transport(session, session.pool, lora)
         token = attention.active_session.set(session)
         previous = self.model.config._attn_implementation
-        patched = self.spec.drops_cache      # the generic input preparation: the cache stays (calls checked: _rope_ok)
         if patched:
             before = self.model.__dict__.get("prepare_inputs_for_generation")
-            self.model.prepare_inputs_for_generation = _keeping_cache(self.model)
+            self.model.prepare_inputs_for_generation = keeping
         hook = self.model.register_forward_pre_hook(lambda *_: session.begin_forward())
         try:
             self.model.set_attn_implementation(attention.NAME)
@@ -1158,8 +1159,13 @@ def _close_kept(kept):
 def _keeping_cache(model):
     """`model`'s prepare_inputs_for_generation without its family's override that drops the cache
     (CACHE_DROPPING_MODEL_TYPES): the method of the next class in its MRO."""
-    cls = next(c for c in type(model).__mro__ if "prepare_inputs_for_generation" in c.__dict__
-               and c.__module__.startswith("transformers.models."))
+    own = [c for c in type(model).__mro__ if "prepare_inputs_for_generation" in c.__dict__]
+    if not own[0].__module__.startswith("transformers."):
+        raise UnsupportedModelError(
+            f"{own[0].__name__} overrides prepare_inputs_for_generation of a {model.config.model_type} model, whose "
+            "transformers version drops the KV cache past original_max_position_embeddings; hetero replaces "
+            "that method during a call and would skip the override")
+    cls = next(c for c in own if c.__module__.startswith("transformers.models."))
     return super(cls, model).prepare_inputs_for_generation
 
 

@@ -147,3 +147,29 @@ def test_an_instance_level_prepare_inputs_is_left_alone():
             gen.generate(ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0)
         assert model.__dict__["prepare_inputs_for_generation"] is mine
         assert calls or model.config.model_type == "phi3"       # phi3: the generic one ran during the call
+
+
+def test_a_subclass_overriding_phi3s_input_preparation_is_refused_by_name():
+    """hetero replaces Phi-3's prepare_inputs_for_generation during a call (it drops the cache);
+    a user's subclass overriding it would be skipped silently, so the call is refused, the model
+    left as it was; a subclass that does not override it runs."""
+    base = phi3("default")
+
+    class Mine(type(base)):
+        def prepare_inputs_for_generation(self, *args, **kwargs):
+            return super().prepare_inputs_for_generation(*args, **kwargs)
+
+    class Plain(type(base)):
+        pass
+
+    ids, mask = padded_batch((12, 8))
+    base.__class__ = Mine
+    with HeteroGenerator(base, config=CFG) as gen:
+        with pytest.raises(UnsupportedModelError, match="Mine overrides prepare_inputs_for_generation"):
+            gen.generate(ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0)
+        assert "prepare_inputs_for_generation" not in base.__dict__
+        assert base.config._attn_implementation != "hetero"
+    base.__class__ = Plain
+    ref = hf(base, ids, mask, 3)
+    with HeteroGenerator(base, config=CFG) as gen:
+        same(gen.generate(ids, attention_mask=mask, max_new_tokens=3, **KW), ref)
