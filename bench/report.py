@@ -194,7 +194,7 @@ def gpu_decode_plot(path):
     fig, ax = plt.subplots(figsize=(8, 5))
     colours = dict(zip([k for k, _ in GPU_DECODE_SYSTEMS], plt.cm.tab10.colors))
     titles = dict(GPU_DECODE_SYSTEMS)
-    markers = dict(zip([n for n, _ in runs], "osD^v<>px*"))
+    markers = {n: "osD^v<>px*"[k % 10] for k, (n, _) in enumerate(runs)}
     seen = set()
     for name, run in runs:
         for shape in run["results"].values():

@@ -250,9 +250,10 @@ class HeteroGenerator:
         if not free or free == usable:
             return
         if self._parent_affinity is None:
-            self._parent_affinity = (threading.get_native_id(), usable, torch.get_num_threads())
+            threads = torch.get_num_threads()
+            self._parent_affinity = (threading.get_native_id(), usable, threads, min(len(free), threads))
         os.sched_setaffinity(0, free)
-        torch.set_num_threads(min(len(free), torch.get_num_threads()))
+        torch.set_num_threads(self._parent_affinity[3])
 
     def _ensure_planner(self, pool):
         """The decode planner: from the machine's measured profile (cached on disk) unless profile='off'."""
@@ -1134,8 +1135,8 @@ def _release(state):
     steps = [(lambda kept=kept: _close_kept(kept)) for kept in contexts] + [state["_hooks"].remove]
     steps += [state[name].close for name in ("_store", "_pool") if state[name] is not None]
     if state["_parent_affinity"] is not None:         # a GPU model pinned its thread: give the cores back
-        tid, cores, threads = state["_parent_affinity"]
-        steps += [lambda: os.sched_setaffinity(tid, cores), lambda: torch.set_num_threads(threads)]
+        tid, cores, threads, pinned = state["_parent_affinity"]
+        steps += [lambda: _restore_affinity(tid, cores), lambda: _restore_threads(threads, pinned)]
     state["_store"] = state["_pool"] = state["_parent_affinity"] = None
     first = None
     for step in steps:
@@ -1154,6 +1155,21 @@ def _close_kept(kept):
     if ctx is not None:
         ctx.closed = True
     kept.session.close()
+
+
+def _restore_affinity(tid, cores):
+    """Give a pinned thread its cores back (nothing to do once it has exited)."""
+    try:
+        os.sched_setaffinity(tid, cores)
+    except ProcessLookupError:
+        pass
+
+
+def _restore_threads(threads, pinned):
+    """torch's thread count (process-wide) back to `threads`, unless something changed it since
+    this generator set `pinned` (another generator pinned after it, say: its close() restores)."""
+    if torch.get_num_threads() == pinned:
+        torch.set_num_threads(threads)
 
 
 def _keeping_cache(model):

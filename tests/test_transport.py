@@ -338,6 +338,34 @@ def test_parent_pinned_off_the_workers_cores_and_restored(llama):
     assert os.sched_getaffinity(0) == before and after == len(before) + 2
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
+def test_pinned_generators_closed_in_any_order_or_after_their_thread_restore_torch(llama):
+    """torch's thread count is the process's: two generators pinned one after the other and closed
+    in the same order leave it as it was; a generator whose pinning thread has exited closes
+    without an error."""
+    import threading
+
+    before, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    workers = sorted(before)[1:]
+    g1, g2 = HeteroGenerator(llama, cpu_workers=1), HeteroGenerator(llama, cpu_workers=1)
+    try:
+        torch.set_num_threads(len(before))
+        go = threading.Event()
+        t = threading.Thread(target=lambda: (go.wait(), g2._pin_parent(workers)))
+        t.start()                                     # before g1 pins: it keeps every core
+        g1._pin_parent(workers)
+        go.set()
+        t.join()                                      # g2's thread is gone when it closes
+        assert g2._parent_affinity is not None
+        g1.close()
+        g2.close()
+        assert torch.get_num_threads() == len(before) and os.sched_getaffinity(0) == before
+    finally:
+        g1.close()
+        g2.close()
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("model_type,split", [("llama", False), ("phi3", False), ("llama", True)])
 def test_cuda_protocol_lora_decode_matches_peft(host_transport, model_type, split, tmp_path, monkeypatch):
     """LoRA deltas of decode steps posted through the CUDA transport's protocol (host build of

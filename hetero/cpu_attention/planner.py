@@ -134,9 +134,13 @@ def predict(profile, lengths, T, kv_heads, rows, nsplit_max, max_takers=None):
     row_factor = max(1.0, rows / profile.fingerprint["group"])            # more query rows: more FMAs
     nbytes = kv_heads * nblk.sum() * profile.block_bytes
     n = np.arange(profile.workers + 1)[:, None]                           # [N+1, 1] workers
-    a = n + 1 if max_takers is None else np.minimum(n + 1, max_takers)  # takers: the parent too
-    wake = np.asarray(profile.dispatch_s)[:, None]                        # [N+1, 1]
-    agg = np.asarray(profile.agg_gbps)[:, None] * 1e9
+    if max_takers is None:                                                # the parent and n workers take units
+        a, woken = n + 1, n
+    else:                                                                 # workers alone: n + 1, at most max_takers
+        a = np.minimum(n + 1, max_takers)
+        woken = np.minimum(a, profile.workers)
+    wake = np.asarray(profile.dispatch_s)[woken]                          # [N+1, 1]
+    agg = np.asarray(profile.agg_gbps)[a - 1] * 1e9                       # measured with a takers (row a - 1)
     # a block's time with `a` takers reading at once: each gets at most 1/a of their bandwidth
     blk_s = np.maximum(profile.block_s * row_factor, profile.block_bytes * a / agg)[:, :, None]  # [N+1, 1, 1]
     unit = np.ceil(nblk / s)[None] * blk_s + profile.unit_s               # [N+1, S, B]: one unit's time
@@ -144,7 +148,7 @@ def predict(profile, lengths, T, kv_heads, rows, nsplit_max, max_takers=None):
     longest, shortest = unit.max(2), unit.min(2)                          # [N+1, S]
     U = len(nblk) * kv_heads * s[:, 0]                                    # [S] units
     tail = (np.ceil(U / a) - U / a) * shortest                            # [N+1, S]: the last round
-    compute = np.maximum((work + n * wake) / a + tail, longest)           # [N+1, S]
+    compute = np.maximum((work + woken * wake) / a + tail, longest)       # [N+1, S]
     extra = (s[:, 0] - 1)[None, :]                                        # [1, S]
     merge = profile.merge_s * len(nblk) * kv_heads * extra + profile.merge_fixed_s * (extra > 0)
     return np.maximum(compute, nbytes / agg) + merge

@@ -78,10 +78,12 @@ def prefetch_s(rates, spec, L, T):
     return max(copy, attn)
 
 
-def workers_s(profile, spec, L, T, nworkers, nsplit_max=16):
-    """Predicted seconds per layer of the workers' step of T tokens (the planner's best plan)."""
+def workers_s(profile, spec, L, T, nworkers, nsplit_max=16, parent=True):
+    """Predicted seconds per layer of the workers' step of T tokens (the planner's best plan);
+    parent: whether the parent takes units too (not under the CUDA transport)."""
     rows = spec.q_heads // spec.kv_heads * T
-    t = P.predict(profile, np.array([L]), T, spec.kv_heads, rows, nsplit_max)[:nworkers + 1]
+    t = P.predict(profile, np.array([L]), T, spec.kv_heads, rows, nsplit_max,
+                  None if parent else nworkers)[:nworkers + 1]
     return float(t.min())
 
 
@@ -91,7 +93,8 @@ def choose(profile, rates, spec, L, T, nworkers):
     in place; 1.4-2.7x slower on the 2-core VM, 16 to 1024 tokens over 8K), the workers."""
     if profile is None or rates is None or not rates.device.startswith("cuda"):
         return "workers"
-    return "prefetch" if prefetch_s(rates, spec, L, T) < workers_s(profile, spec, L, T, nworkers) else "workers"
+    workers = workers_s(profile, spec, L, T, nworkers, parent=False)     # a GPU model: the CUDA transport's plan
+    return "prefetch" if prefetch_s(rates, spec, L, T) < workers else "workers"
 
 
 def crossover(profile, rates, spec, L, nworkers, tmax=256):
