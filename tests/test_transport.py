@@ -378,7 +378,7 @@ def test_cuda_protocol_lora_decode_matches_peft(host_transport, model_type, spli
 
     base, pm, _ = make_adapters(model_type, tmp_path)
     if split:
-        monkeypatch.setattr(hooks, "MIN_WORK", 1)
+        monkeypatch.setattr(hooks, "MIN_WORK_POSTED", 1)
     parts = []
     monkeypatch.setattr(HostTransport, "lora_begin",
                         lambda self, site, x, dout, n: (parts.append(n), CudaTransport.lora_begin(self, site, x, dout, n))[1])

@@ -30,6 +30,11 @@ from hetero.ipc.transport import Bounce
 
 active_batch = ContextVar("hetero_lora_batch", default=None)
 MIN_WORK = 1 << 18     # multiply-adds worth waking one more worker for (~20-50 us of work)
+# A GPU-posted decode job finds the workers awake (they spin through a GPU decode step), so only
+# its time counts: a job streams its adapters' f32 weights (4 bytes per multiply-add of the
+# shrink and expand), ~6 GB/s per core on the H100 host (its profile), where a rank-16 q_proj
+# job on one worker took ~80 us. 2**15 multiply-adds (128 KB, ~20 us there) per worker.
+MIN_WORK_POSTED = 1 << 15
 
 
 def plan_units(pieces, din, dout, nworkers):
@@ -109,7 +114,7 @@ class LoraBatch:
         parts = self._parts.get(site)
         if parts is None:                         # as plan_units sizes a job, without cutting pieces
             work = sum(a.entries[site][3] * (din + dout) for _, a in users)
-            parts = self._parts[site] = max(1, min(self.store.pool.n, work // MIN_WORK, dout // 64))
+            parts = self._parts[site] = max(1, min(self.store.pool.n, work // MIN_WORK_POSTED, dout // 64))
         job = self.transport.lora_begin(site, x2.reshape(B, din).contiguous(), dout, parts)
         out = base().contiguous()                 # on the stream while the workers work
         self.transport.lora_end(job, out.view(B, dout))
