@@ -1070,6 +1070,10 @@ class HeteroGenerator:
         want, dev = self.config.transport, self.model.device
         if dev.type != "cuda":
             return
+        gpus = {p.device for p in self.model.parameters() if p.device.type == "cuda"}
+        if len(gpus) > 1:          # a device_map over several GPUs: the transports serve one device
+            raise UnsupportedModelError(f"the model is spread over {len(gpus)} GPUs ({sorted(map(str, gpus))}); "
+                                        "hetero runs a model on one GPU (its KV lives in host memory)")
         store = None if lora is None else lora.store         # None: no adapter loaded (every request base)
         t = None if want == "host" else CudaTransport.open(pool, session, dev, quiet=want == "cuda", lora=store)
         if t is None and want == "cuda":

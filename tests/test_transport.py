@@ -425,6 +425,30 @@ def test_watchdog_releases_a_stalled_lora_job(tmp_path):
             s.close()                                               # the pool is broken: no CMD_CLOSE
 
 
+def test_a_failed_gpu_posted_job_adds_nothing_and_is_reported(tmp_path):
+    """A worker failing a GPU-posted LoRA job (here: activations one column too wide) still
+    writes DONE; it also writes ABORT, so the "stream" adds no stale deltas, and closing the
+    transport raises however soon after the job it comes (the watchdog takes one more look)."""
+    from tests.test_lora import make_adapters
+
+    _, pm, _ = make_adapters("llama", tmp_path)
+    with HeteroGenerator(pm, config=HeteroConfig(cpu_workers=1)) as gen:
+        pool, store = gen._ensure_pool(), gen._store
+        s = KVSession(pool, gen.spec, pads=[0], real_lens=[4], cap=40)
+        try:
+            ht = HostTransport(pool, s, store)
+            ht.lora_rows([store.adapters["code"].slot])
+            din, dout = store.site_dims[0]
+            store.delta[:1, :dout] = 1.0                            # what a stale add would add
+            out = torch.zeros(1, dout)
+            ht.lora_end(ht.lora_begin(0, torch.randn(1, din + 1), dout, 1), out)
+            assert pool.words[C.ABORT] == 1 and not out.any()
+            with pytest.raises(WorkerError, match="failed a GPU-posted job"):
+                ht.close()
+        finally:
+            s.close()
+
+
 def test_watchdog_ignores_finished_fault_in_jobs():
     """Page-locking's fault-in jobs (CMD_POPULATE, host-posted during a prefill) leave no word the
     watchdog reads as an unfinished job: a prefill longer than worker_timeout is not aborted."""

@@ -28,8 +28,8 @@
                                       names the workers holding units when a job stalls
   AWAKE main            workers     1: idle workers keep spinning, never sleep (the CUDA transport:
                                       the GPU posts GO and cannot wake a sleeper) (line 4)
-  ABORT main (watchdog)  GPU         nonzero: the GPU's wait for a job's FIN gives up (a worker
-                                      died or stalled; the host raises) (line 8, beside FIN)
+  ABORT main (watchdog), GPU        nonzero: the GPU's wait for a job's FIN gives up (a worker
+        a failing worker              died, stalled or failed its job; the host raises) (line 8, beside FIN)
   ASLEEP worker w         main        1 while w may be blocked in a futex wait on its GO word
                                       (same line, word 4): main then wakes it after posting GO
                                       (atomics.sleep_until_changed / post_and_wake)

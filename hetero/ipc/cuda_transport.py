@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from hetero.cpu_attention.kernel import BF16, F16, F32
-from hetero.errors import WorkerDiedError, WorkerError
+from hetero.errors import HeteroError, WorkerDiedError, WorkerError
 from hetero.ipc import control as C
 from hetero.ipc.pool import describe_exit
 
@@ -40,13 +40,14 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hetero-watchdog", daemon=True)
         pool.words[C.ABORT] = 0
+        self._errs = [int(pool.words[C.err_word(r)]) for r in range(pool.n)]   # a new value: a job failed
         self._thread.start()
 
     def _run(self):
-        pool, w = self.pool, self.pool.words
+        pool, w, errs = self.pool, self.pool.words, self._errs
         seen, since = None, time.monotonic()
-        errs = [int(w[C.err_word(r)]) for r in range(pool.n)]       # a new value: a job failed
-        while not self._stop.wait(self.period):
+        while True:
+            last = self._stop.wait(self.period)     # stop(): one more look (the host drained the GPU first)
             err = None
             for rank, p in enumerate(pool.procs):
                 if p.poll() is not None:
@@ -61,12 +62,12 @@ class Watchdog:
             # ahead of its DONE
             behind = tuple(r for r in range(pool.n) if C.go_seq(int(w[C.go_word(r)])) > int(w[C.done_word(r)]))
             now, progress = time.monotonic(), (int(w[C.TICKET]), int(w[C.FIN]), int(w[C.UNITS]), behind)
-            if err is None and (progress[1] != progress[2] or behind):
+            if err is None and not last and (progress[1] != progress[2] or behind):
                 if progress != seen:
                     seen, since = progress, now
                 elif now - since > pool.job_timeout:
                     holders = list(behind) if progress[1] == progress[2] else \
-                        [r for r in range(pool.n) if w[C.busy_word(r)] == w[C.TICKET] >> 32]
+                        [r for r in range(pool.n) if C.ticket_tag(int(w[C.busy_word(r)])) == int(w[C.TICKET]) >> 32]
                     pool.stuck = holders or list(range(pool.n))     # killed at pool.close
                     err = WorkerError(f"CPU workers made no progress on a GPU-posted job for "
                                       f"{pool.job_timeout:g} s (workers holding it: {holders}); "
@@ -77,6 +78,8 @@ class Watchdog:
                 self.error = err
                 pool.broken = str(err)
                 w[C.ABORT] = 1                                       # release the GPU's waits
+                return
+            if last:
                 return
 
     def check(self):
@@ -143,6 +146,8 @@ class CudaTransport:
         try:
             major, minor = torch.cuda.get_device_capability(device)
             return cls(_Lib.load(major * 10 + minor), pool, session, device, lora)
+        except HeteroError:         # a worker died (the ping): not the extension's fault
+            raise
         except Exception as e:      # no nvcc, a compile error, an old driver: the exact fallback
             cls.why = f"{type(e).__name__}: {str(e).strip()}"
             if not quiet and cls.why not in cls._said:

@@ -178,6 +178,7 @@ class Worker:
             except Exception:
                 traceback.print_exc()
                 atomics.store(w, C.err_word(self.rank), seq)
+                atomics.store(w, C.ABORT, 1)      # a GPU waiting on this job gives up and adds nothing
             atomics.store(w, C.done_word(self.rank), seq)
 
 
