@@ -399,54 +399,50 @@ def test_cuda_protocol_lora_decode_matches_peft(host_transport, model_type, spli
     assert_same(out1, ref1)
 
 
-def test_watchdog_releases_a_stalled_lora_job(tmp_path):
-    """A GPU-posted LoRA job whose worker stops (no DONE for worker_timeout): the watchdog writes
-    ABORT, the "stream"'s wait returns within 2 s, the next call raises, and closing cleans up."""
+@contextlib.contextmanager
+def _lora_job_transport(tmp_path, **cfg):
+    """(pool, adapter store, HostTransport, din, dout of site 0) of a generator over two real peft
+    adapters, request 0 on adapter "code"; the session closed afterwards."""
     from tests.test_lora import make_adapters
 
     _, pm, _ = make_adapters("llama", tmp_path)
-    with HeteroGenerator(pm, config=HeteroConfig(cpu_workers=1, worker_timeout=0.5)) as gen:
+    with HeteroGenerator(pm, config=HeteroConfig(cpu_workers=1, **cfg)) as gen:
         pool, store = gen._ensure_pool(), gen._store
         s = KVSession(pool, gen.spec, pads=[0], real_lens=[4], cap=40)
         try:
             ht = HostTransport(pool, s, store)
             ht.lora_rows([store.adapters["code"].slot])
-            din, dout = store.site_dims[0]
-            os.kill(pool.procs[0].pid, signal.SIGSTOP)
-            job = ht.lora_begin(0, torch.randn(1, din), dout, 1)
-            t0 = time.perf_counter()
-            ht.lora_end(job, torch.zeros(1, dout))                  # released by ABORT
-            assert time.perf_counter() - t0 < 2.0 and pool.words[C.ABORT] == 1 and pool.broken
-            with pytest.raises(WorkerError, match="made no progress"):
-                ht.lora_begin(0, torch.randn(1, din), dout, 1)
-            with pytest.raises(WorkerError):
-                ht.close()
+            yield (pool, store, ht, *store.site_dims[0])
         finally:
-            s.close()                                               # the pool is broken: no CMD_CLOSE
+            s.close()                                               # a broken pool: no CMD_CLOSE
+
+
+def test_watchdog_releases_a_stalled_lora_job(tmp_path):
+    """A GPU-posted LoRA job whose worker stops (no DONE for worker_timeout): the watchdog writes
+    ABORT, the "stream"'s wait returns within 2 s, the next call raises, and closing cleans up."""
+    with _lora_job_transport(tmp_path, worker_timeout=0.5) as (pool, store, ht, din, dout):
+        os.kill(pool.procs[0].pid, signal.SIGSTOP)
+        job = ht.lora_begin(0, torch.randn(1, din), dout, 1)
+        t0 = time.perf_counter()
+        ht.lora_end(job, torch.zeros(1, dout))                  # released by ABORT
+        assert time.perf_counter() - t0 < 2.0 and pool.words[C.ABORT] == 1 and pool.broken
+        with pytest.raises(WorkerError, match="made no progress"):
+            ht.lora_begin(0, torch.randn(1, din), dout, 1)
+        with pytest.raises(WorkerError):
+            ht.close()
 
 
 def test_a_failed_gpu_posted_job_adds_nothing_and_is_reported(tmp_path):
     """A worker failing a GPU-posted LoRA job (here: activations one column too wide) still
     writes DONE; it also writes ABORT, so the "stream" adds no stale deltas, and closing the
     transport raises however soon after the job it comes (the watchdog takes one more look)."""
-    from tests.test_lora import make_adapters
-
-    _, pm, _ = make_adapters("llama", tmp_path)
-    with HeteroGenerator(pm, config=HeteroConfig(cpu_workers=1)) as gen:
-        pool, store = gen._ensure_pool(), gen._store
-        s = KVSession(pool, gen.spec, pads=[0], real_lens=[4], cap=40)
-        try:
-            ht = HostTransport(pool, s, store)
-            ht.lora_rows([store.adapters["code"].slot])
-            din, dout = store.site_dims[0]
-            store.delta[:1, :dout] = 1.0                            # what a stale add would add
-            out = torch.zeros(1, dout)
-            ht.lora_end(ht.lora_begin(0, torch.randn(1, din + 1), dout, 1), out)
-            assert pool.words[C.ABORT] == 1 and not out.any()
-            with pytest.raises(WorkerError, match="failed a GPU-posted job"):
-                ht.close()
-        finally:
-            s.close()
+    with _lora_job_transport(tmp_path) as (pool, store, ht, din, dout):
+        store.delta[:1, :dout] = 1.0                            # what a stale add would add
+        out = torch.zeros(1, dout)
+        ht.lora_end(ht.lora_begin(0, torch.randn(1, din + 1), dout, 1), out)
+        assert pool.words[C.ABORT] == 1 and not out.any()
+        with pytest.raises(WorkerError, match="failed a GPU-posted job"):
+            ht.close()
 
 
 def test_watchdog_ignores_finished_fault_in_jobs():
