@@ -468,11 +468,11 @@ class HeteroGenerator:
         started = time.time()                  # max_time counts from here (see _generation_settings)
         if self._closed:
             raise GeneratorClosedError("generate() called on a closed HeteroGenerator")
-        unknown = sorted(set(kwargs) - GENERATE_KWARGS)
+        unknown = sorted(set(kwargs) - GENERATE_KWARGS - set(UNSUPPORTED_SETTINGS))   # those: refused by value
         if unknown:
             raise TypeError(f"generate() got unsupported arguments {unknown}; supported: "
                             f"input_ids, attention_mask, max_new_tokens, {', '.join(sorted(GENERATE_KWARGS))}")
-        if attention_mask is None and context is None:
+        if attention_mask is None:
             attention_mask = self._inferred_mask(input_ids, kwargs)
         if extend_context is not None and not isinstance(extend_context, bool):
             raise TypeError(f"extend_context must be True, False or None, got {extend_context!r}")
@@ -582,14 +582,16 @@ class HeteroGenerator:
         settings.update(**{k: v for k, v in call.items() if k not in PASS_THROUGH})
         bad = {k: getattr(settings, k, None) for k, refused in UNSUPPORTED_SETTINGS.items()
                if refused(getattr(settings, k, None))}
-        if "penalty_alpha" in bad and not (settings.top_k or 0) > 1:    # transformers: plain greedy or sampling
-            del bad["penalty_alpha"]
+        if "penalty_alpha" in bad and (settings.do_sample is True or not (settings.top_k or 0) > 1):
+            del bad["penalty_alpha"]              # transformers' contrastive search needs both: else greedy/sampling
         if bad:
             raise ValueError(f"hetero's generate does not support {bad} (set in the call or in the model's "
                              "generation_config); it decodes one sequence per prompt over its own KV cache: "
                              "greedy or sampling, with logits processors and stopping criteria")
-        if settings.max_time is not None and started is not None:
-            stop = StoppingCriteriaList(call.get("stopping_criteria") or [])
+        given = call.get("stopping_criteria") or []
+        if settings.max_time is not None and started is not None and \
+                not any(isinstance(c, MaxTimeCriteria) for c in given):       # a user's own takes precedence in HF
+            stop = StoppingCriteriaList(given)
             stop.append(MaxTimeCriteria(settings.max_time, initial_timestamp=started))
             call.update(max_time=None, stopping_criteria=stop)
         return settings, call
@@ -660,8 +662,7 @@ class HeteroGenerator:
         self._choose_transport(session, session.pool, lora)
         token = attention.active_session.set(session)
         previous = self.model.config._attn_implementation
-        if patched:
-            before = self.model.__dict__.get("prepare_inputs_for_generation")
+        if patched:                          # on the instance, which has none of its own (_keeping_cache)
             self.model.prepare_inputs_for_generation = keeping
         hook = self.model.register_forward_pre_hook(lambda *_: session.begin_forward())
         try:
@@ -671,10 +672,8 @@ class HeteroGenerator:
             hook.remove()
             self.model.set_attn_implementation(previous)
             attention.active_session.reset(token)
-            if patched:                      # back to what the instance had (usually nothing)
-                self.model.__dict__.pop("prepare_inputs_for_generation", None)
-                if before is not None:
-                    self.model.prepare_inputs_for_generation = before
+            if patched:
+                del self.model.prepare_inputs_for_generation
 
     # ---- contexts: a request's KV kept between calls
     def prefill(self, input_ids, attention_mask=None, reserve=None, adapter_name=None):
@@ -1179,6 +1178,11 @@ def _restore_threads(threads, pinned):
 def _keeping_cache(model):
     """`model`'s prepare_inputs_for_generation without its family's override that drops the cache
     (CACHE_DROPPING_MODEL_TYPES): the method of the next class in its MRO."""
+    if "prepare_inputs_for_generation" in model.__dict__:
+        raise UnsupportedModelError(
+            f"this {model.config.model_type} model has its own prepare_inputs_for_generation (set on the instance); "
+            "transformers' version of it drops the KV cache past original_max_position_embeddings, and hetero "
+            "replaces it during a call, which would skip yours")
     own = [c for c in type(model).__mro__ if "prepare_inputs_for_generation" in c.__dict__]
     if not own[0].__module__.startswith("transformers."):
         raise UnsupportedModelError(

@@ -34,7 +34,7 @@ def test_bad_inputs_raise_and_generator_stays_usable(llama, llama_gen):
         (ValueError, "left-padded", dict(input_ids=ids, attention_mask=mask.flip(1))),
         (CapacityError, "max_position_embeddings \\(256\\)", dict(input_ids=ids, max_new_tokens=250)),
         (ValueError, "max_new_tokens", dict(input_ids=ids, max_new_tokens=0)),
-        (TypeError, r"unsupported arguments \['num_beams'\]", dict(input_ids=ids, num_beams=4)),
+        (ValueError, r"does not support {'num_beams': 4}", dict(input_ids=ids, num_beams=4)),
     ]
     for exc, msg, kw in bad_calls:
         kw = {"max_new_tokens": 4, **kw}

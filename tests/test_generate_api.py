@@ -86,8 +86,12 @@ def test_settings_hetero_does_not_run_are_refused_by_name(model, gen):
         with pytest.raises(ValueError, match=f"'{field}'"):       # set in the model's generation_config
             gen.generate(ids, attention_mask=mask, max_new_tokens=2)
     model.generation_config = base
-    with pytest.raises(TypeError, match="'num_return_sequences'"):    # or in the call
+    with pytest.raises(ValueError, match="'num_return_sequences'"):   # or in the call
         gen.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=True, num_return_sequences=2)
+    noop = dict(num_beams=1, use_cache=True, output_attentions=False, num_return_sequences=1, penalty_alpha=0.6,
+                top_k=1)                                               # values transformers runs as plain greedy
+    same(gen.generate(ids, attention_mask=mask, max_new_tokens=2, **noop, **SCORES),
+         model.generate(ids, attention_mask=mask, max_new_tokens=2, **noop, **SCORES))
     assert gen.generate(ids, attention_mask=mask, max_new_tokens=2).shape == (3, 14)   # still usable
 
 
@@ -211,6 +215,11 @@ def test_penalty_alpha_without_top_k_is_greedy_as_in_transformers(model, gen):
     same(gen.generate(ids, **kw), model.generate(ids, **kw))
     with pytest.raises(ValueError, match="'penalty_alpha'"):
         gen.generate(ids, **dict(kw, top_k=4))
+    kw = dict(kw, top_k=4, do_sample=True)                             # sampling: penalty_alpha unused
+    torch.manual_seed(5)
+    ref = model.generate(ids, **kw)
+    torch.manual_seed(5)
+    same(gen.generate(ids, **kw), ref)
 
 
 def test_max_time_counts_the_continuations_prefill(gen, monkeypatch):
@@ -229,6 +238,28 @@ def test_max_time_counts_the_continuations_prefill(gen, monkeypatch):
         out = gen.generate(ids[:1, :3], context=ctx, max_new_tokens=6, eos_token_id=None, max_time=30.0,
                            extend_context=False)
         assert out.shape == (1, 8 + 3 + 6)
+
+
+def test_a_users_max_time_criteria_takes_precedence_as_in_transformers(model, gen):
+    from transformers import MaxTimeCriteria, StoppingCriteriaList
+
+    ids, mask = padded_batch()
+    kw = dict(attention_mask=mask, max_new_tokens=6, pad_token_id=0, eos_token_id=None, max_time=0.0,
+              stopping_criteria=StoppingCriteriaList([MaxTimeCriteria(100.0)]))
+    out, ref = gen.generate(ids, **kw), model.generate(ids, **kw)
+    assert out.shape == ref.shape == (3, 12 + 6) and torch.equal(out, ref)
+
+
+def test_a_batch_of_contexts_without_a_mask_infers_it_from_the_pad(model, gen):
+    """As generate without contexts: the left pads of the new tokens are masked (they were
+    attended as tokens), equal to HF over [context, new tokens] with its own inferred mask."""
+    doc = torch.arange(3, 43)[None]
+    q = torch.tensor([[9, 73, 155, 24, 109], [0, 0, 0, 26, 5]])
+    with gen.prefill(doc) as ctx:
+        out = gen.generate(q, context=[ctx, ctx], max_new_tokens=4, pad_token_id=0, eos_token_id=None)
+    full = torch.stack([torch.cat([doc[0], q[0]]), torch.cat([torch.zeros(3, dtype=torch.long), doc[0], q[1, 3:]])])
+    ref = model.generate(full, max_new_tokens=4, pad_token_id=0, eos_token_id=None)
+    assert torch.equal(out[:, -4:], ref[:, -4:])
 
 
 def test_a_prompt_filling_every_position_is_named_so(model, gen):
