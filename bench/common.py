@@ -33,7 +33,24 @@ def machine():
         "shmem_thp": shmem_huge_pages(),   # KV in 2 MB pages unless "never"
         "torch": torch.__version__, "transformers": transformers.__version__,
         "commit": _run(["git", "-C", os.path.dirname(RESULTS), "rev-parse", "--short", "HEAD"]),
+        "source_sha1": source_digest(),    # the code itself: a copied tree's git HEAD may be stale (the device)
     }
+
+
+def source_digest():
+    """sha1 (12 hex) of hetero/'s sources (.py, .cu, .h, .cpp), path by path: which code a run measured."""
+    import hashlib
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hetero")
+    h = hashlib.sha1()
+    for d, _, files in sorted(os.walk(root)):
+        for f in sorted(files):
+            if f.endswith((".py", ".cu", ".h", ".cpp")):
+                path = os.path.join(d, f)
+                h.update(os.path.relpath(path, root).encode())
+                with open(path, "rb") as fh:
+                    h.update(fh.read())
+    return h.hexdigest()[:12]
 
 
 @njit(cache=True, fastmath=True)  # reassociation: vector adds, so memory (not add latency) is the limit
