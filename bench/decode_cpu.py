@@ -221,6 +221,8 @@ def main():
     ap.add_argument("--one", choices=SYSTEMS, help=argparse.SUPPRESS)
     ap.add_argument("--context", type=positive, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.steps < 3:
+        ap.error("--steps must be at least 3 (the first two are warm-up)")
     args.workers = args.workers or max(1, args.cores - 1)
     if args.one:
         return one(args)

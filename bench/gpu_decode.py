@@ -215,6 +215,8 @@ def main():
     ap.add_argument("--context", type=positive, help=argparse.SUPPRESS)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of one --one cell")
     args = ap.parse_args()
+    if args.steps < 3:
+        ap.error("--steps must be at least 3 (the first two are warm-up)")
     global DEVICE
     DEVICE = args.device
     if args.one:

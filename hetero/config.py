@@ -11,7 +11,7 @@ def _check_int(name, value, minimum, allow_none=True):
         raise ValueError(f"HeteroConfig.{name} must be an int >= {minimum}{' or None' if allow_none else ''}, got {value!r}")
 
 
-MAX_WORKERS_PER_CORE = 4      # more worker processes than this per usable core is a mistake, not a plan
+MAX_WORKERS_PER_CORE = 4      # more worker processes than this per CPU of the machine is a mistake, not a plan
 
 
 @dataclass(frozen=True)
@@ -51,10 +51,10 @@ class HeteroConfig:
 
     def __post_init__(self):
         _check_int("cpu_workers", self.cpu_workers, 1)
-        cores = len(os.sched_getaffinity(0))
+        cores = os.cpu_count() or 1            # the machine's: a GPU model's thread is pinned to fewer
         if self.cpu_workers is not None and self.cpu_workers > MAX_WORKERS_PER_CORE * cores:
             raise ValueError(f"HeteroConfig.cpu_workers={self.cpu_workers} is more than {MAX_WORKERS_PER_CORE} per "
-                             f"usable core ({cores} here): each worker is a process pinned to a core")
+                             f"CPU ({cores} here): each worker is a process pinned to a core")
         _check_int("max_cache_tokens", self.max_cache_tokens, 1)
         if not isinstance(self.prefill_chunk, str):
             _check_int("prefill_chunk", self.prefill_chunk, 1)

@@ -104,7 +104,8 @@ class HeteroGenerator:
         # open contexts: id(session) -> (session, weak reference to its Context). A context nobody
         # references any more keeps its arena until the next prefill/load_context (_sweep) or close()
         self._contexts = {}
-        self._parent_affinity = None       # (thread, its affinity) before _pin_parent (a GPU model)
+        self._parent_affinity = None       # _pin_parent (a GPU model): (thread, its affinity, torch threads
+                                           # before, torch threads set)
         self._forward_params = None        # the names the model's forward takes (logits_to_keep, position_ids)
         self._rates = None                 # the model's device's copy and attention rates (hetero.prefetch.policy)
         self.last_prefetch_log = None      # the ops of the last prefetched continuation (hetero.prefetch.schedule)
@@ -473,7 +474,7 @@ class HeteroGenerator:
             raise TypeError(f"generate() got unsupported arguments {unknown}; supported: "
                             f"input_ids, attention_mask, max_new_tokens, {', '.join(sorted(GENERATE_KWARGS))}")
         if attention_mask is None:
-            attention_mask = self._inferred_mask(input_ids, kwargs)
+            attention_mask = self._inferred_mask(input_ids, kwargs, single_context=isinstance(context, Context))
         if extend_context is not None and not isinstance(extend_context, bool):
             raise TypeError(f"extend_context must be True, False or None, got {extend_context!r}")
         if extend_context is not None and context is None:
@@ -525,9 +526,10 @@ class HeteroGenerator:
                 self.prefill_chunks(cache, input_ids, attention_mask, chunk)
             return self.model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache, **call)
 
-    def _inferred_mask(self, input_ids, kwargs):
+    def _inferred_mask(self, input_ids, kwargs, single_context=False):
         """No attention_mask: as transformers infers one, input_ids != pad where the pad id occurs
-        in the prompt and is no eos id; else None (every token attended)."""
+        in the prompt and is no eos id; else None (every token attended). hetero takes left pads
+        only (none in a single context's new tokens): pad ids elsewhere are named."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int32, torch.int64) \
                 or input_ids.device != self.model.device or input_ids.ndim != 2:
             return None                          # _check_inputs names the problem
@@ -539,7 +541,15 @@ class HeteroGenerator:
         if eos is not None and pad in torch.as_tensor(eos).flatten().tolist():
             return None
         pads = input_ids == pad
-        return (~pads).long() if bool(pads.any()) else None
+        if not bool(pads.any()):
+            return None
+        mask = (~pads).long()
+        if single_context or bool((mask[:, 1:] < mask[:, :-1]).any()):
+            raise ValueError(f"input_ids hold pad_token_id {pad} {'' if single_context else 'after a token '}and no "
+                             "attention_mask was given: transformers would mask those tokens, hetero takes left "
+                             "padding only" + ("" if single_context else " (as a context's new tokens: none)")
+                             + "; pass attention_mask (torch.ones_like(input_ids) attends every token)")
+        return mask
 
     def _context_adapters(self, contexts, adapter_names, batch):
         """adapter_names for a call continuing `contexts`: each request goes on with the LoRA adapter
@@ -590,7 +600,7 @@ class HeteroGenerator:
                              "greedy or sampling, with logits processors and stopping criteria")
         given = call.get("stopping_criteria") or []
         if settings.max_time is not None and started is not None and \
-                not any(isinstance(c, MaxTimeCriteria) for c in given):       # a user's own takes precedence in HF
+                not any(type(c) is MaxTimeCriteria for c in given):        # a user's own takes precedence in HF
             stop = StoppingCriteriaList(given)
             stop.append(MaxTimeCriteria(settings.max_time, initial_timestamp=started))
             call.update(max_time=None, stopping_criteria=stop)
@@ -662,18 +672,22 @@ class HeteroGenerator:
         self._choose_transport(session, session.pool, lora)
         token = attention.active_session.set(session)
         previous = self.model.config._attn_implementation
-        if patched:                          # on the instance, which has none of its own (_keeping_cache)
-            self.model.prepare_inputs_for_generation = keeping
-        hook = self.model.register_forward_pre_hook(lambda *_: session.begin_forward())
+        hook = None
         try:
+            if patched:                      # on the instance, which has none of its own (_keeping_cache)
+                self.model.prepare_inputs_for_generation = keeping
+            hook = self.model.register_forward_pre_hook(lambda *_: session.begin_forward())
             self.model.set_attn_implementation(attention.NAME)
             yield HeteroCache(session)
         finally:
-            hook.remove()
-            self.model.set_attn_implementation(previous)
-            attention.active_session.reset(token)
-            if patched:
-                del self.model.prepare_inputs_for_generation
+            try:
+                if hook is not None:
+                    hook.remove()
+                self.model.set_attn_implementation(previous)
+            finally:
+                attention.active_session.reset(token)
+                if patched:
+                    self.model.__dict__.pop("prepare_inputs_for_generation", None)
 
     # ---- contexts: a request's KV kept between calls
     def prefill(self, input_ids, attention_mask=None, reserve=None, adapter_name=None):

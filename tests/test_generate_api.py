@@ -271,3 +271,19 @@ def test_a_prompt_filling_every_position_is_named_so(model, gen):
         with pytest.raises(CapacityError, match=rf"prompt \({M} positions\) leaves no room") as e:
             call()
         assert "reserve" not in str(e.value) and "max_new_tokens" not in str(e.value)
+
+
+def test_pad_ids_hetero_cannot_mask_are_named(gen):
+    """Without an attention_mask transformers masks every pad id; hetero takes left padding only
+    (and none in a context's new tokens): a pad id among the tokens names itself and the way out."""
+    ids, _ = padded_batch()
+    mid = ids[:1].clone()
+    mid[0, 6] = 0
+    with pytest.raises(ValueError, match="pad_token_id 0 after a token"):
+        gen.generate(mid, max_new_tokens=2, pad_token_id=0)
+    with gen.prefill(ids[:1, 4:]) as ctx:
+        for q in (torch.tensor([[0, 9, 24]]), torch.tensor([[9, 0, 24]])):
+            with pytest.raises(ValueError, match="pad_token_id 0 and no attention_mask"):
+                gen.generate(q, context=ctx, max_new_tokens=2, pad_token_id=0)
+        out = gen.generate(q, attention_mask=torch.ones_like(q), context=ctx, max_new_tokens=2, pad_token_id=0)
+        assert out.shape == (1, 8 + 3 + 2)

@@ -104,7 +104,7 @@ HD void publish_job(volatile int64_t* ctrl, const JobParams& p) {
 }
 
 // Whether attention job `units` is finished (every unit's partials written and FIN counted),
-// or the watchdog aborted waiting (ABORT != 0: a worker died or stalled; the host raises).
+// or waiting was aborted (ABORT != 0: a worker died, stalled or failed a job; the host raises).
 HD bool job_released(const volatile int64_t* ctrl, int64_t units) {
     return load_word(ctrl, HW_FIN) == units || load_word(ctrl, HW_ABORT) != 0;
 }

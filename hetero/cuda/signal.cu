@@ -5,9 +5,9 @@
 //                    every block fences its stores (system scope); the last block to finish
 //                    publishes the job in the control segment (params, ticket, GO words).
 //   wait_job         one thread spins until the job's units are all finished (FIN == UNITS)
-//                    or the host watchdog set ABORT.
+//                    or ABORT is set (the host watchdog, or a worker that failed its job).
 //   merge_partials   the split partials (mapped) -> the attention output [B, T, Hq, D] (device).
-// Once the watchdog set ABORT, later layers publish nothing and merge zeros (the host raises).
+// Once ABORT is set, later layers publish nothing and merge zeros (the host raises).
 //
 // Plain CUDA C++ with a C ABI, loaded through ctypes (hetero/cuda/build.py compiles it with
 // nvcc on first use); it links cudart statically and shares torch's primary context and streams.
@@ -108,7 +108,7 @@ static cudaError_t step(cudaStream_t stream, const void* q, const void* k, const
 //   wait_lora             one thread spins until workers 0..parts-1 are DONE with it (or ABORT)
 //   lora_add              out [rows, dout] (device, the base projection's output) += delta
 //                         [.., out_stride] f32 (mapped), in f32 and cast back, as peft adds its
-//                         f32 adapters; nothing once the watchdog set ABORT (the host raises)
+//                         f32 adapters; nothing once ABORT is set (the host raises)
 template <typename T>
 __global__ void lora_copy_out_signal(const T* x, float* x_st, int64_t in_stride, volatile int64_t* hdr,
                                      volatile int64_t* ctrl, LoraParams p, unsigned int* blocks_done) {

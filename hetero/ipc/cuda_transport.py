@@ -8,7 +8,8 @@ hetero.ipc.transport for the seam it implements.
                  A step's length update waits for the step's end event, at the next step (the one
                  synchronization per token, which HF's generate loop makes anyway). LoRA decode
                  deltas take the same road (lora_begin / lora_end).
-  Watchdog       a host thread that releases the stream (ABORT) when a worker dies or stalls;
+  Watchdog       a host thread that releases the stream (ABORT) when a worker dies or stalls
+                 (a worker that fails a job writes ABORT itself; the watchdog reports it);
                  the error is raised at the next call.
 """
 import ctypes
@@ -31,9 +32,10 @@ PAGE = mmap.PAGESIZE
 
 class Watchdog:
     """While the GPU may wait on the workers: every `period` s, check that the workers live and
-    that an unfinished job (FIN != UNITS) advances; on a dead worker, or no progress for the
-    pool's job_timeout, write ABORT (the GPU's waits return at once, the stream drains), mark the
-    pool broken and keep the error for the host to raise (`check`)."""
+    that an unfinished job (FIN != UNITS) advances; on a dead worker, a failed job (its worker
+    wrote ERR and ABORT), or no progress for the pool's job_timeout, write ABORT (the GPU's waits
+    return at once, the stream drains), mark the pool broken and keep the error for the host to
+    raise (`check`); once more when stopped."""
 
     def __init__(self, pool, period=0.01):
         self.pool, self.period, self.error = pool, period, None
@@ -328,7 +330,7 @@ class CudaTransport:
 
     def close(self):
         """Wait for the GPU's jobs, stop the watchdog, release the page locks. Idempotent. Raises
-        the watchdog's error, if any (a worker died or stalled during the last step)."""
+        the watchdog's error, if any (a worker died, stalled or failed a job during the call)."""
         err = None
         try:
             self._drain()
