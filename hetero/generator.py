@@ -546,8 +546,8 @@ class HeteroGenerator:
         mask = (~pads).long()
         if single_context or bool((mask[:, 1:] < mask[:, :-1]).any()):
             raise ValueError(f"input_ids hold pad_token_id {pad} {'' if single_context else 'after a token '}and no "
-                             "attention_mask was given: transformers would mask those tokens, hetero takes left "
-                             "padding only" + ("" if single_context else " (as a context's new tokens: none)")
+                             "attention_mask was given: transformers would mask those tokens; hetero takes "
+                             + ("no padding in a context's new tokens" if single_context else "left padding only")
                              + "; pass attention_mask (torch.ones_like(input_ids) attends every token)")
         return mask
 

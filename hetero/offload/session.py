@@ -365,9 +365,9 @@ class KVSession:
         self.prefilled = True
 
     def _plan_step(self, T):
-        """Workers (besides the parent, which takes units too), split count and request order
-        (longest first: the longest units are taken first) for the next decode step: lengths
-        change once per step, not per layer."""
+        """Workers (besides the parent, which takes units too unless the transport is CUDA's),
+        split count and request order (longest first: the longest units are taken first) for the
+        next decode step: lengths change once per step, not per layer."""
         parent = self.transport.parent_takes_units
         self.nactive, self.nsplit = self.planner.plan(self.lengths - self.pstart, T, self.layout, parent)  # own rows
         self.psplit = 0
