@@ -129,6 +129,12 @@ GPU_DECODE_SYSTEMS = [("hetero", "hetero (CUDA transport)"), ("hetero_host", "he
                       ("offloaded", "HF offloaded"), ("static", "HF static")]
 
 
+def _gpu_decode_runs():
+    """[(run name, its JSON)] of bench/results/gpu_decode*.json, by name."""
+    names = sorted(os.path.basename(p) for p in glob.glob(os.path.join(RESULTS, "gpu_decode*.json")))
+    return [(n[:-5], r) for n, r in ((n, _load(n)) for n in names) if r]
+
+
 def _bound(run, shape, row, fallback):
     """KV bytes / the run's host read bandwidth + the base layers' time (see gpu_decode_table)."""
     static_base = "HF static cache at 256" in run.get("note", "")         # else HF dynamic's: not a base
@@ -148,8 +154,7 @@ def gpu_decode_table():
     The bound takes the run's base layers' time (HF static cache at 256 tokens) where it recorded
     one, else HF static at the shortest context of all runs (the first files used HF's dynamic
     cache there, bound by kernel launches)."""
-    names = sorted(os.path.basename(p) for p in glob.glob(os.path.join(RESULTS, "gpu_decode*.json")))
-    runs = [(n[:-5], r) for n, r in ((n, _load(n)) for n in names) if r]
+    runs = _gpu_decode_runs()
     if not runs:
         return ""
     rows = [(name, run, shape, row) for name, run in runs for shape in run["results"].values() for row in shape["rows"]]
@@ -181,8 +186,7 @@ def gpu_decode_table():
 def gpu_decode_plot(path):
     """bench/results/gpu_decode*.json as one figure: ms/token against context, a colour per system,
     a marker per run (runs come from different leases and code: the table says which)."""
-    names = sorted(os.path.basename(p) for p in glob.glob(os.path.join(RESULTS, "gpu_decode*.json")))
-    runs = [(n[:-5], r) for n, r in ((n, _load(n)) for n in names) if r]
+    runs = _gpu_decode_runs()
     if not runs:
         return None
     import matplotlib

@@ -1192,15 +1192,12 @@ def _restore_threads(threads, pinned):
 def _keeping_cache(model):
     """`model`'s prepare_inputs_for_generation without its family's override that drops the cache
     (CACHE_DROPPING_MODEL_TYPES): the method of the next class in its MRO."""
-    if "prepare_inputs_for_generation" in model.__dict__:
-        raise UnsupportedModelError(
-            f"this {model.config.model_type} model has its own prepare_inputs_for_generation (set on the instance); "
-            "transformers' version of it drops the KV cache past original_max_position_embeddings, and hetero "
-            "replaces it during a call, which would skip yours")
     own = [c for c in type(model).__mro__ if "prepare_inputs_for_generation" in c.__dict__]
-    if not own[0].__module__.startswith("transformers."):
+    user = "the model instance has its own" if "prepare_inputs_for_generation" in model.__dict__ else \
+        None if own[0].__module__.startswith("transformers.") else f"{own[0].__name__} overrides"
+    if user is not None:                   # hetero's replacement would skip the user's override
         raise UnsupportedModelError(
-            f"{own[0].__name__} overrides prepare_inputs_for_generation of a {model.config.model_type} model, whose "
+            f"{user} prepare_inputs_for_generation of a {model.config.model_type} model, whose "
             "transformers version drops the KV cache past original_max_position_embeddings; hetero replaces "
             "that method during a call and would skip the override")
     cls = next(c for c in own if c.__module__.startswith("transformers.models."))
