@@ -16,7 +16,8 @@
 # --out gpu_prefill_a", then "--contexts 65536 131072 --continue-context 0 --out gpu_prefill_b", then
 # "--contexts --out gpu_prefill_c" (the 512-token continuation over 64K only). The longest prompt:
 # "--contexts 262144 --systems hf hetero_chunked --chunk auto --continue-context 0 --out gpu_prefill_256k",
-# then 524288 (a 64 GiB arena) alone.
+# then 524288 (a 64 GiB arena) alone. --profile puts the timed hetero prefill under torch.profiler and its
+# top ops in the JSON (e.g. "--contexts 131072 --systems hetero_chunked --chunk auto --continue-context 0 --profile").
 # At most 8 files come back from $OUT: one log per step and one JSON per benchmark.
 set -uo pipefail
 OUT=${OUT:-/tmp/hetero_device}

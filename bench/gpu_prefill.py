@@ -19,6 +19,7 @@ HF's; hetero_chunked's peak GPU memory flat in prompt length (longest / shortest
     python bench/gpu_prefill.py [--contexts 8192 32768 65536 131072] [--copy-to DIR]
 """
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -114,6 +115,31 @@ def hetero_gen(model, args, chunked):
     return HeteroGenerator(model, config=cfg)
 
 
+@contextlib.contextmanager
+def _profiled(on, device):
+    """torch.profiler around the timed prefill (--profile; its seconds then include the profiler's
+    overhead), else nothing."""
+    if not on:
+        yield None
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        yield prof
+
+
+def _top_ops(prof, n=25):
+    """The n ops with the most device time (CPU time on a CPU run): name, calls, device and host ms."""
+    rows = []
+    for e in prof.key_averages():
+        dev_us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0) or 0
+        rows.append({"op": e.key[:80], "calls": e.count, "device_ms": round(dev_us / 1e3, 2),
+                     "host_ms": round(e.self_cpu_time_total / 1e3, 2)})
+    key = "device_ms" if any(r["device_ms"] for r in rows) else "host_ms"
+    return sorted(rows, key=lambda r: -r[key])[:n]
+
+
 def one(args):
     """Child process: one system at one length; prints a JSON line."""
     import torch
@@ -128,13 +154,19 @@ def one(args):
                 with hetero_gen(model, args, args.one == "hetero_chunked") as gen:
                     warm = (4096 if args.chunk == "auto" else args.chunk) + 512
                     gen.prefill(_ids(model, warm, 2)).close()   # workers, profile, kernels, prefetch warm
+                    out["chunk"] = gen._chunk(torch.ones_like(ids))   # None: one pass
                     base = _reset(dev)
-                    t = time.perf_counter()
-                    ctx = gen.prefill(ids, reserve=1)
-                    _sync(dev)
-                    out["s"] = time.perf_counter() - t
+                    with _profiled(args.profile, dev) as prof:
+                        t = time.perf_counter()
+                        ctx = gen.prefill(ids, reserve=1)
+                        _sync(dev)
+                        out["s"] = time.perf_counter() - t
                     out["peak_gpu_bytes"], out["peak_reserved_bytes"] = _peak(dev, base)
                     out["pin_s"] = ctx.session.pin_s     # host seconds page-locking (per layer, while the GPU computes)
+                    from hetero.prefetch import schedule
+                    out["tile_kernels"] = {f"{d} {t}": k for (d, t, _), k in schedule._chosen.items()}
+                    if prof is not None:
+                        out["profile"] = _top_ops(prof)
                     ctx.close()
             else:
                 hf_forward(model, _ids(model, 512, 2), args.one == "offloaded")   # warm
@@ -170,7 +202,7 @@ def one(args):
 def spawn(args, system, L):
     return run_child([sys.executable, os.path.abspath(__file__), "--one", system, "--context", str(L),
                       "--shape", args.shape, "--device", args.device, "--chunk", str(args.chunk), "--new",
-                      str(args.new)], timeout=args.timeout)
+                      str(args.new)] + (["--profile"] if args.profile else []), timeout=args.timeout)
 
 
 def _show(name, r, n):
@@ -194,6 +226,8 @@ def main():
     ap.add_argument("--continue-context", type=int, default=65536, help="cached tokens the continuation extends (0: skip)")
     ap.add_argument("--new", type=positive, default=512, help="the continuation's new tokens")
     ap.add_argument("--timeout", type=positive, default=540, help="seconds per cell (a device call has 600)")
+    ap.add_argument("--profile", action="store_true",
+                    help="hetero cells: the timed prefill under torch.profiler, its top ops in the JSON")
     ap.add_argument("--out", default="gpu_prefill")
     ap.add_argument("--copy-to", default=None, help="also copy the JSON here after every row (a device's $OUT)")
     ap.add_argument("--one", choices=PREFILL + CONTINUE, help=argparse.SUPPRESS)

@@ -151,14 +151,22 @@ def test_cuda_transport_dead_worker_raises_within_2s():
 
 # ---- contexts on a CUDA model: layer-wise prefetch, batches sharing a context
 
+@pytest.mark.parametrize("kernel", ["chosen", "flash", "cudnn"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("causal", [False, True])
-def test_cuda_attention_lse_kernels_equal_the_math(dtype, causal):
-    """attention_lse on CUDA (flash for bf16, memory-efficient for f32: the kernels torch's private
-    ops give with their log-sum-exp) equals the plain math, for the prefetcher's folded GQA shape,
-    and no kernel refused (no fallback logged)."""
+def test_cuda_attention_lse_kernels_equal_the_math(dtype, causal, kernel, monkeypatch):
+    """attention_lse on CUDA (bf16: the kernel cuda_kernel chose, and each of flash and cuDNN;
+    f32: memory-efficient; the kernels torch's private ops give with their log-sum-exp) equals the
+    plain math, for the prefetcher's folded GQA shape at lengths no multiple of 128, and no kernel
+    refused (no fallback logged)."""
     from hetero.prefetch import schedule
 
+    if kernel != "chosen":
+        if dtype == torch.float32:
+            pytest.skip("f32 runs the memory-efficient kernel")
+        if kernel == "cudnn" and schedule._pick(torch.device("cuda"), dtype, 64) != "cudnn":
+            pytest.skip("cuDNN attention not chosen on this machine (cuda_kernel)")
+        monkeypatch.setitem(schedule._chosen, ("cuda:0", dtype, 64), kernel)
     g = torch.Generator(device="cuda").manual_seed(0)
     T, n = (37, 37) if causal else (4 * 37, 300)
     q = torch.randn(1, 2, T, 64, generator=g, device="cuda").to(dtype)

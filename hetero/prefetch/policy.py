@@ -120,7 +120,8 @@ def forward_bytes(cfg, spec, B, T, S, eager, cached, padded=False):
     Over a cached context (hetero.prefetch): the device holds items of at most `held` cached rows
     (TILE_ROWS; a sliding window's rows, if longer), six copies of one (two buffers, the unblocked
     and the converted copies, the windowed path's concatenation), the new rows' KV expanded to
-    the query heads and four f32 [Hq, T, D] merge temporaries; a windowed layer's [T, held]
+    the query heads and a tile's out, and two f32 [Hq, T, D] (the merged out, a tile's converted:
+    merge_lse); a windowed layer's [T, held]
     boolean mask with sdpa's additive copy; eager scores Hq x T x held.
     On the H100 run (Llama-3-8B shape, before the tiles) this over-estimated the measured peak by
     30 % (one pass, 32K) and 13 % (chunks of 4096 over 32K, whole layers prefetched)."""
@@ -138,7 +139,7 @@ def forward_bytes(cfg, spec, B, T, S, eager, cached, padded=False):
     held = min(S, max(TILE_ROWS, window + T if window else 0))
     scores = 8 * spec.q_heads * T * held if eager else 0
     mask = T * held * (2 + e) if window else 0
-    merge = spec.q_heads * T * spec.head_dim * (2 * e + 4 * 4)
+    merge = spec.q_heads * T * spec.head_dim * (3 * e + 2 * 4)
     return B * (T * per_token + 6 * held * kv_per_position + scores + mask + merge)
 
 

@@ -37,8 +37,11 @@ from hetero.attention import eager_attention
 from hetero.cpu_attention.simd import BK
 
 log = logging.getLogger("hetero")
-TILE_ROWS = 8192     # cached rows per item of a full-attention layer (a multiple of BK): 32 MiB of
-#                      Llama-3-8B's bf16 K+V, so device memory stays flat in the context's length
+TILE_ROWS = 32768    # cached rows per item of a full-attention layer (a multiple of BK): 128 MiB of
+#                      Llama-3-8B's bf16 K+V, so device memory stays flat in the context's length; each
+#                      tile costs a merge (two passes over the chunk's f32 out): ~3 % of its attention
+#                      at this size by arithmetic (3 TB/s, 600 TFLOP/s), ~11 % at 8192 (the size until
+#                      the 14th session's change)
 
 
 def device_attention(query, k, v, first, L, window, scale, softcap=None, sinks=None):
@@ -63,17 +66,17 @@ def attention_lse(q, k, v, scale, causal=False, softcap=None):
     """q [1, H, T, D], k/v [1, H, n, D] -> (out [1, H, T, D] in q's dtype, lse [1, H, T] f32):
     softmax attention over these rows alone and the log-sum-exp of its logits (soft-capped with
     softcap; causal: T == n, query t sees rows 0..t), the pieces that merge_lse joins. sdpa's
-    flash kernel (CPU; CUDA bf16/f16) or memory-efficient kernel (CUDA f32), the kernels torch's
-    own context-parallel ring attention merges the same way; plain math (the [H, T, n] f32 logits
-    materialized) with softcap, or where the kernel refuses the input (logged once)."""
+    kernels that return their log-sum-exp, the ones torch's own context-parallel ring attention
+    merges the same way: flash (CPU), the faster of cuDNN and flash (CUDA bf16/f16: cuda_kernel)
+    or memory-efficient (CUDA f32); plain math (the [H, T, n] f32 logits materialized) with
+    softcap, or where the kernel refuses the input (logged once)."""
     if not softcap:
         try:
             if q.device.type == "cpu":
                 out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
                                                                                       scale=scale)
             elif q.dtype in (torch.float16, torch.bfloat16):
-                out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
-                                                                              scale=scale)[:2]
+                out, lse = _HALF_KERNELS[cuda_kernel(q.device, q.dtype, q.shape[-1])](q, k, v, scale, causal)
             else:
                 out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
                                                                                   scale=scale)[:2]
@@ -84,6 +87,72 @@ def attention_lse(q, k, v, scale, causal=False, softcap=None):
                 log.warning("hetero: sdpa's attention kernel with log-sum-exp is unavailable on %s (%s); "
                             "prefetched tiles attend in plain math", q.device, str(e).splitlines()[0])
     return attention_lse_math(q, k, v, scale, causal, softcap)
+
+
+def _flash(q, k, v, scale, causal):
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+
+
+def _cudnn(q, k, v, scale, causal):
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
+                                                                  scale=scale)[:2]
+    return out, lse[..., 0]                                   # lse [1, H, T, 1] -> [1, H, T]
+
+
+_HALF_KERNELS = {"flash": _flash, "cudnn": _cudnn}
+_chosen = {}           # (device, dtype, head_dim) -> the name of the CUDA half-precision kernel (cuda_kernel)
+
+
+def cuda_kernel(device, dtype, head_dim):
+    """"cudnn" or "flash": the CUDA kernel attention_lse runs in bf16/f16, chosen once per device,
+    dtype and head size by timing both on a tile (8 heads, 4099 query rows over 8179 rows). cuDNN
+    only where torch's sdpa itself prefers it (cuDNN > 9.15.0: older ones erred on lengths not a
+    multiple of 128; sm90/sm100) and where it agrees with flash on odd lengths, causal or not: on
+    an H100, sdpa (a one-pass prefill, HF's) runs cuDNN, and flash (FlashAttention-2) reached ~65 %
+    of its rate in the prefetcher's tiles."""
+    key = (str(device), dtype, head_dim)
+    if key not in _chosen:
+        _chosen[key] = _pick(device, dtype, head_dim)
+    return _chosen[key]
+
+
+def _pick(device, dtype, head_dim):
+    major = torch.cuda.get_device_capability(device)[0]
+    if not torch.backends.cudnn.is_available() or (torch.backends.cudnn.version() or 0) <= 91500 or major not in (9, 10):
+        return "flash"
+    with torch.cuda.device(device):
+        return _time_kernels(device, dtype, head_dim)
+
+
+def _time_kernels(device, dtype, head_dim):
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(1, 8, n, head_dim, generator=g, device=device, dtype=dtype) for n in (4099, 8179, 8179))
+    try:
+        for causal, (a, b) in ((False, (q, k)), (True, (q[:, :, :1001], k[:, :, :1001]))):
+            (o1, l1), (o2, l2) = (f(a, b, v[:, :, :b.shape[2]], head_dim ** -0.5, causal) for f in (_flash, _cudnn))
+            if not (torch.allclose(o1.float(), o2.float(), atol=2e-2, rtol=2e-2)
+                    and torch.allclose(l1.float(), l2.float(), atol=1e-2, rtol=1e-3)):
+                log.warning("hetero: cuDNN attention disagrees with flash on %s; prefetched tiles use flash", device)
+                return "flash"
+        best = {}
+        for name, f in _HALF_KERNELS.items():
+            f(q, k, v, 1.0, False)                                           # warm (cuDNN builds its graph)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(3):
+                f(q, k, v, 1.0, False)
+            end.record()
+            end.synchronize()
+            best[name] = start.elapsed_time(end)
+    except (RuntimeError, NotImplementedError) as e:
+        log.warning("hetero: cuDNN attention is unavailable on %s (%s); prefetched tiles use flash", device,
+                    str(e).splitlines()[0])
+        return "flash"
+    name = min(best, key=best.get)
+    tflops = {n: 3 * 4 * 8 * 4099 * 8179 * head_dim / (ms * 1e9) for n, ms in best.items()}
+    log.info("hetero: prefetched tiles attend with %s on %s (TFLOP/s: %s)", name, device,
+             ", ".join(f"{n} {t:.0f}" for n, t in tflops.items()))
+    return name
 
 
 def attention_lse_math(q, k, v, scale, causal=False, softcap=None):
@@ -103,10 +172,14 @@ _refused = set()       # devices whose kernel refused attention_lse's input (log
 
 def merge_lse(acc, part):
     """Two attentions of the same queries over disjoint rows, (out, lse) each -> the attention over
-    their union: out = (e^lse_a out_a + e^lse_b out_b) / (e^lse_a + e^lse_b), in f32."""
+    their union, its out in f32: out = (e^lse_a out_a + e^lse_b out_b) / (e^lse_a + e^lse_b), i.e.
+    lerp(out_a, out_b, sigmoid(lse_b - lse_a)), computed in place in acc's out once it is f32 (after
+    the first merge): two passes over it and one f32 copy of part's, where a long chunk's out is GBs."""
     (oa, la), (ob, lb) = acc, part
-    lse = torch.logaddexp(la, lb)
-    return oa.float() * torch.exp(la - lse)[..., None] + ob.float() * torch.exp(lb - lse)[..., None], lse
+    if oa.dtype != torch.float32:
+        oa = oa.float()
+    oa.lerp_(ob.float(), torch.sigmoid(lb - la)[..., None])
+    return oa, torch.logaddexp(la, lb)
 
 
 def plan(tiles):
