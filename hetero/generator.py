@@ -14,6 +14,7 @@ from dataclasses import replace
 import psutil
 import torch
 from transformers import MaxTimeCriteria, StoppingCriteriaList
+from transformers.generation import GenerationMode
 
 from hetero import attention
 from hetero.adapters import hooks as lora_hooks, source as lora_source
@@ -94,6 +95,8 @@ class HeteroGenerator:
             model = peft_model.get_base_model()
         self.spec = inspect_model(model)
         self.model = model
+        if self.spec.drops_cache:        # refused up front: a user's override hetero would skip (_keeping_cache)
+            _keeping_cache(model)
         # a prefill attends eagerly (scores materialized: prefill_chunk="auto" counts them) with a
         # logit soft-cap or attention sinks (hetero.attention)
         self._eager = bool(getattr(model.config.get_text_config(), "attn_logit_softcapping", None)) or any(
@@ -456,7 +459,8 @@ class HeteroGenerator:
         context: a Context from prefill(); input_ids [1, n] are then the new tokens after it, and
         the sequences returned start with the context's tokens (as if it had been the prompt).
         extend_context=False: the call reads the context and leaves it as it was (many questions
-        over one document); by default the context grows by the call's tokens (a conversation).
+        over one document; a call longer than the context's reserve runs in an arena of its own,
+        as context=[ctx]); by default the context grows by the call's tokens (a conversation).
         context=[ctx, ...]: one Context per request of input_ids [B, n] (left-padded new tokens);
         the call reads them and leaves them as they were. Requests continuing the same Context
         share its KV in place (HeteroConfig.share_contexts): decode reads it once per step for
@@ -473,6 +477,7 @@ class HeteroGenerator:
         if unknown:
             raise TypeError(f"generate() got unsupported arguments {unknown}; supported: "
                             f"input_ids, attention_mask, max_new_tokens, {', '.join(sorted(GENERATE_KWARGS))}")
+        derived = max_new_tokens is None       # hetero derives it as transformers would (_default_new_tokens)
         if attention_mask is None:
             attention_mask = self._inferred_mask(input_ids, kwargs, single_context=isinstance(context, Context))
         if extend_context is not None and not isinstance(extend_context, bool):
@@ -499,9 +504,12 @@ class HeteroGenerator:
                 else attention_mask.sum(-1).tolist()
             max_new_tokens = self._default_new_tokens(max(len(c.tokens) + int(n) for c, n in zip(ctxs, real)))
         attention_mask, max_new_tokens = self._check_inputs(input_ids, attention_mask, max_new_tokens)
-        settings, call = self._generation_settings(max_new_tokens, kwargs, started)
+        settings, call = self._generation_settings(max_new_tokens, kwargs, started, derived)
         lora = self._lora_batch(adapter_names, input_ids.shape[0])
         if context is not None:
+            if not many and extend_context is False and not context.closed and \
+                    len(context.tokens) + input_ids.shape[1] + max_new_tokens - 1 > context.capacity:
+                many, context = True, [context]          # a read-only call past its room: in an arena of its own
             if many:
                 return self._generate_in_contexts(list(context), input_ids, attention_mask, max_new_tokens,
                                                   settings, call, lora)
@@ -579,21 +587,26 @@ class HeteroGenerator:
         """A saved context's adapter record (AdapterStore.digest), or None."""
         return None if self._loaded(ctx.adapter) is None else self._store.digest(ctx.adapter)
 
-    def _generation_settings(self, max_new_tokens, kwargs, started=None):
+    def _generation_settings(self, max_new_tokens, kwargs, started=None, derived=False):
         """(the call's settings as transformers resolves them: the model's generation_config under the
         call's arguments, an explicit None included; the keywords for the model's generate). They go
         to generate as keywords, not as a generation_config, which transformers would refill from the
         model's wherever a field is None. hetero's cache replaces a cache_implementation the model's
         generation_config may carry (a checkpoint's "static"). max_time counts from `started` (the
         call's start, time.time()): hetero's chunked prefill and a context's continuation run before
-        transformers' own clock would start."""
+        transformers' own clock would start. derived: the call gave no max_new_tokens; where hetero
+        derived it from the model's generation_config.max_length, generate gets none and counts
+        the same from max_length (given both, it warns that both were set)."""
+        gc = self.model.generation_config
+        if derived and gc.max_new_tokens is None and gc.max_length is not None:
+            max_new_tokens = None
         call = dict(kwargs, max_new_tokens=max_new_tokens, cache_implementation=None)
         settings = copy.deepcopy(self.model.generation_config)
         settings.update(**{k: v for k, v in call.items() if k not in PASS_THROUGH})
         bad = {k: getattr(settings, k, None) for k, refused in UNSUPPORTED_SETTINGS.items()
                if refused(getattr(settings, k, None))}
-        if "penalty_alpha" in bad and (settings.do_sample is True or not (settings.top_k or 0) > 1):
-            del bad["penalty_alpha"]              # transformers' contrastive search needs both: else greedy/sampling
+        if "penalty_alpha" in bad and settings.get_generation_mode() != GenerationMode.CONTRASTIVE_SEARCH:
+            del bad["penalty_alpha"]              # inert where transformers decodes greedily or samples
         if bad:
             raise ValueError(f"hetero's generate does not support {bad} (set in the call or in the model's "
                              "generation_config); it decodes one sequence per prompt over its own KV cache: "
@@ -806,6 +819,8 @@ class HeteroGenerator:
             raise GeneratorClosedError("load_context() called on a closed HeteroGenerator")
         if self.spec.one_pass_only:
             raise UnsupportedModelError(self._one_pass_only("a context"))
+        if self.spec.drops_cache:        # an override set since __init__: no call could continue the context
+            _keeping_cache(self.model)
         self._sweep()
         header = saved.read_header(path)
         loaded = self._store.adapters if self._store is not None else {}

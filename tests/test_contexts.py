@@ -69,6 +69,10 @@ def test_context_capacity_and_bad_input(llama):
             assert ctx.capacity == 32
             with pytest.raises(CapacityError, match="reserve"):
                 gen.generate(msg[None], context=ctx, max_new_tokens=10)
+            # read-only, the call needs no room in the context: it runs in an arena of its own, as HF
+            out = gen.generate(msg[None], context=ctx, extend_context=False, max_new_tokens=10, **KW)
+            assert torch.equal(out.sequences, hf(llama, torch.cat([doc, msg]), 10).sequences)
+            assert ctx.length == 20 and ctx.capacity == 32
             out = gen.generate(msg[None], context=ctx, max_new_tokens=3, pad_token_id=0)
             assert out.shape[1] == 28
             with pytest.raises(ValueError, match="one request"):

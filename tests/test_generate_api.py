@@ -1,6 +1,7 @@
 """generate()'s settings resolve as transformers resolves them (the model's generation_config
 under the call's arguments, an explicit None included), what hetero cannot run is refused by
 name, and its outputs are ordinary tensors without a dead cache, as HF's are."""
+import contextlib
 import copy
 
 import pytest
@@ -10,6 +11,26 @@ from hetero import HeteroGenerator
 from tests.conftest import build_model, padded_batch
 
 SCORES = dict(return_dict_in_generate=True, output_scores=True)
+
+
+@contextlib.contextmanager
+def transformers_warnings():
+    """The messages transformers logs meanwhile (its loggers do not reach pytest's caplog)."""
+    import logging
+
+    messages = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    root = logging.getLogger("transformers")
+    handler = Keep(logging.WARNING)
+    root.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        root.removeHandler(handler)
 
 
 def same(out, ref):
@@ -48,8 +69,13 @@ def test_max_new_tokens_omitted_as_transformers_decides(model, gen):
     ctx = gen.prefill(ids[:1, 4:])
     assert gen.generate(ids[:1, :2], context=ctx, eos_token_id=None).shape == (1, 8 + 2 + 20)
     model.generation_config.max_length = 16                       # a checkpoint's: prompt included
-    out, ref = gen.generate(ids, attention_mask=mask), model.generate(ids, attention_mask=mask)
-    assert out.shape == ref.shape == (3, 16) and torch.equal(out, ref)
+    with transformers_warnings() as warned:
+        out, ref = gen.generate(ids, attention_mask=mask), model.generate(ids, attention_mask=mask)
+        assert out.shape == ref.shape == (3, 16) and torch.equal(out, ref)
+        with gen.prefill(ids[:1, 4:]) as ctx2:                    # 8 tokens, 2 new: 6 to generate
+            assert gen.generate(ids[:1, :2], context=ctx2, eos_token_id=None).shape == (1, 16)
+    assert not [w for w in warned if "max_length" in w]           # HF's "both ... set": hetero set neither
+    ctx.close()
     with pytest.raises(ValueError, match="max_length is 16"):
         gen.generate(torch.cat([ids[:1], ids[:1]], 1))          # row 0: 12 real tokens, twice
 

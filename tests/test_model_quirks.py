@@ -3,13 +3,15 @@ cache and recomputes every key when a sequence passes original_max_position_embe
 that .view() the attention output, encoders run as LMs (bidirectional attention), and a model
 whose forward takes no position ids. Each is exact where hetero runs it, and refused by name
 where it cannot be."""
+import os
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from bench import model_sweep
 from hetero import HeteroConfig, HeteroGenerator, UnsupportedModelError
-from tests.conftest import VOCAB, build_model, padded_batch
+from tests.conftest import VOCAB, build_model, our_segments, padded_batch
 
 KW = dict(do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_scores=True)
 HD = 16
@@ -130,10 +132,11 @@ def test_a_forward_without_position_ids_gets_none_in_chunks():
         same(gen.generate(ids, attention_mask=mask, max_new_tokens=6, **KW), ref)
 
 
-def test_an_instance_level_prepare_inputs_is_used_or_refused():
+def test_an_instance_level_prepare_inputs_is_used_or_refused(tmp_path):
     """A user's (or a library's) prepare_inputs_for_generation on the model instance: used and left
     in place on a model whose generate keeps the cache; on Phi-3, whose one hetero replaces during
-    a call, the call is refused by name and the instance keeps it."""
+    a call, refused by name when the generator is built, or, set afterwards, by every call
+    (load_context before it allocates), and the instance keeps it."""
     for model in (build_model("llama")[0], phi3("default")):
         calls = []
         real = model.prepare_inputs_for_generation
@@ -142,13 +145,23 @@ def test_an_instance_level_prepare_inputs_is_used_or_refused():
             calls.append(1)
             return real(*args, **kwargs)
 
-        model.prepare_inputs_for_generation = mine
         ids, mask = padded_batch((12, 8))
-        with HeteroGenerator(model, config=CFG) as gen:
-            if model.config.model_type == "phi3":
+        if model.config.model_type == "phi3":
+            with HeteroGenerator(model, config=CFG) as gen:
+                with gen.prefill(ids[:1, 4:]) as ctx:
+                    ctx.save(tmp_path / "ctx")
+                model.prepare_inputs_for_generation = mine                 # after the generator was built
                 with pytest.raises(UnsupportedModelError, match="its own prepare_inputs_for_generation"):
                     gen.generate(ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0)
-            else:
+                before = set(our_segments(os.getpid()))
+                with pytest.raises(UnsupportedModelError, match="its own prepare_inputs_for_generation"):
+                    gen.load_context(tmp_path / "ctx")
+                assert not gen._contexts and set(our_segments(os.getpid())) == before
+            with pytest.raises(UnsupportedModelError, match="its own prepare_inputs_for_generation"):
+                HeteroGenerator(model, config=CFG)
+        else:
+            model.prepare_inputs_for_generation = mine
+            with HeteroGenerator(model, config=CFG) as gen:
                 gen.generate(ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0)
                 assert calls
         assert model.__dict__["prepare_inputs_for_generation"] is mine
@@ -156,8 +169,8 @@ def test_an_instance_level_prepare_inputs_is_used_or_refused():
 
 def test_a_subclass_overriding_phi3s_input_preparation_is_refused_by_name():
     """hetero replaces Phi-3's prepare_inputs_for_generation during a call (it drops the cache);
-    a user's subclass overriding it would be skipped silently, so the call is refused, the model
-    left as it was; a subclass that does not override it runs."""
+    a user's subclass overriding it would be skipped silently, so the generator is refused, the
+    model left as it was; a subclass that does not override it runs."""
     base = phi3("default")
 
     class Mine(type(base)):
@@ -169,11 +182,10 @@ def test_a_subclass_overriding_phi3s_input_preparation_is_refused_by_name():
 
     ids, mask = padded_batch((12, 8))
     base.__class__ = Mine
-    with HeteroGenerator(base, config=CFG) as gen:
-        with pytest.raises(UnsupportedModelError, match="Mine overrides prepare_inputs_for_generation"):
-            gen.generate(ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0)
-        assert "prepare_inputs_for_generation" not in base.__dict__
-        assert base.config._attn_implementation != "hetero"
+    with pytest.raises(UnsupportedModelError, match="Mine overrides prepare_inputs_for_generation"):
+        HeteroGenerator(base, config=CFG)
+    assert "prepare_inputs_for_generation" not in base.__dict__
+    assert base.config._attn_implementation != "hetero"
     base.__class__ = Plain
     ref = hf(base, ids, mask, 3)
     with HeteroGenerator(base, config=CFG) as gen:
