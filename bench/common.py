@@ -118,8 +118,9 @@ def run_child(cmd, timeout):
     {"error": ...} (a crash, no result, or over `timeout` seconds)."""
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"over {timeout} s"}
+    except subprocess.TimeoutExpired as e:      # what it logged so far (e.g. a long prefill's progress)
+        tail = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        return {"error": f"over {timeout} s", "log_tail": tail[-2000:]}
     line = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")]
     if res.returncode or not line:
         return {"error": res.stderr[-2000:]}

@@ -6,7 +6,7 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl posix_ipc==1.3.2
 # Then with the device tool: run(command="bash bench/device.sh", carry=[".whl"]).
-# STEPS picks the parts (default all): STEPS="gpu gpu_decode gpu_prefill probe attention ipc contexts" bash bench/device.sh.
+# STEPS picks the parts (default all): STEPS="gpu gpu_decode gpu_prefill probe kernel attention ipc contexts" bash bench/device.sh.
 # A device call is limited to 10 minutes: run one step per call (STEPS=gpu, then STEPS=gpu_decode, ...);
 # gpu_decode writes its JSON after every row, so a run cut by the limit still returns what it measured
 # (GPU_DECODE_ARGS="--contexts 8192 65536" narrows it; "--systems hetero hetero_all" A/Bs the planner against
@@ -39,7 +39,7 @@ print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transforme
       'numba', numba.__version__, '/dev/shm huge pages:', shmem_huge_pages())" || exit 1
 
 rc=0
-for step in ${STEPS:-gpu gpu_decode gpu_prefill probe attention ipc contexts}; do
+for step in ${STEPS:-gpu gpu_decode gpu_prefill probe kernel attention ipc contexts}; do
     echo "== $step"
     case $step in
         gpu)
@@ -52,6 +52,8 @@ for step in ${STEPS:-gpu gpu_decode gpu_prefill probe attention ipc contexts}; d
             else
                 rc=1
             fi ;;
+        kernel)       # the decode kernel with / without its next-block prefetch, one core (~30 s)
+            python3 bench/kernel_prefetch.py --copy-to "$OUT" 2>&1 | tee "$OUT/kernel_prefetch.log" || rc=1 ;;
         ipc)
             python3 bench/ipc.py --iters 5000 --out "$OUT/ipc_gpu_host.json" 2>&1 | tee "$OUT/ipc.log" || rc=1 ;;
         gpu_prefill)  # Llama-3-8B shape: hetero one-pass / chunked+prefetch vs HF GPU / offloaded; 512 over 64K
@@ -65,7 +67,7 @@ for step in ${STEPS:-gpu gpu_decode gpu_prefill probe attention ipc contexts}; d
                 rc=1
             fi ;;
         *)
-            echo "unknown step $step (gpu, gpu_decode, gpu_prefill, probe, attention, ipc, contexts)"; rc=1 ;;
+            echo "unknown step $step (gpu, gpu_decode, gpu_prefill, probe, kernel, attention, ipc, contexts)"; rc=1 ;;
     esac
 done
 exit $rc

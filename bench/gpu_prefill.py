@@ -141,8 +141,15 @@ def _top_ops(prof, n=25):
 
 
 def one(args):
-    """Child process: one system at one length; prints a JSON line."""
+    """Child process: one system at one length; prints a JSON line. hetero's INFO lines (the
+    tile kernel chosen, a chunked prefill's progress) go to stderr with timestamps: a cell cut by
+    the time limit still shows how far it got."""
+    import logging
+
     import torch
+
+    logging.basicConfig(format="%(asctime)s %(message)s")
+    logging.getLogger("hetero").setLevel(logging.INFO)
 
     dev = args.device
     model = build(args.shape, dev)

@@ -925,11 +925,14 @@ class HeteroGenerator:
         from hetero.prefetch.schedule import LayerPrefetcher
 
         pre = LayerPrefetcher(session, self.model.device)
+        started = time.perf_counter()
         try:
             for p in range(a, stop, big):
                 session.prefetcher = pre
                 pre.start()
                 self._forward(cache, ids, mask, p, min(p + big, stop))
+                log.info("hetero: tokens %d-%d of %d attended over the prefetched cache (%.1f s)", p,
+                         min(p + big, stop), stop, time.perf_counter() - started)     # long prompts' progress
         except BaseException:
             session.prefetcher = None
             try:

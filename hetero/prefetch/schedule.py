@@ -96,7 +96,7 @@ def _flash(q, k, v, scale, causal):
 def _cudnn(q, k, v, scale, causal):
     out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
                                                                   scale=scale)[:2]
-    return out, lse[..., 0]                                   # lse [1, H, T, 1] -> [1, H, T]
+    return out, lse.reshape(out.shape[:3])                    # lse [1, H, T, 1] -> [1, H, T]
 
 
 _HALF_KERNELS = {"flash": _flash, "cudnn": _cudnn}
@@ -106,10 +106,11 @@ _chosen = {}           # (device, dtype, head_dim) -> the name of the CUDA half-
 def cuda_kernel(device, dtype, head_dim):
     """"cudnn" or "flash": the CUDA kernel attention_lse runs in bf16/f16, chosen once per device,
     dtype and head size by timing both on a tile (8 heads, 4099 query rows over 8179 rows). cuDNN
-    only where torch's sdpa itself prefers it (cuDNN > 9.15.0: older ones erred on lengths not a
-    multiple of 128; sm90/sm100) and where it agrees with flash on odd lengths, causal or not: on
-    an H100, sdpa (a one-pass prefill, HF's) runs cuDNN, and flash (FlashAttention-2) reached ~65 %
-    of its rate in the prefetcher's tiles."""
+    only where torch's sdpa itself prefers it (sdp_utils.cpp: sm90/sm100 with cuDNN > 9.15.0, older
+    ones erred on lengths not a multiple of 128), so that a one-pass prefill (HF's too) runs it,
+    and only where it agrees with flash on odd lengths, causal or not. On the H100 the tiles ran
+    flash (FlashAttention-2) at ~65 % of HF's one-pass attention rate (by arithmetic from the
+    512K and 192K prefills)."""
     key = (str(device), dtype, head_dim)
     if key not in _chosen:
         _chosen[key] = _pick(device, dtype, head_dim)
@@ -128,8 +129,9 @@ def _time_kernels(device, dtype, head_dim):
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(1, 8, n, head_dim, generator=g, device=device, dtype=dtype) for n in (4099, 8179, 8179))
     try:
-        for causal, (a, b) in ((False, (q, k)), (True, (q[:, :, :1001], k[:, :, :1001]))):
-            (o1, l1), (o2, l2) = (f(a, b, v[:, :, :b.shape[2]], head_dim ** -0.5, causal) for f in (_flash, _cudnn))
+        for causal, n in ((False, None), (True, 1001)):
+            a, b, c = (x[:, :, :n].contiguous() for x in (q, k, v))
+            (o1, l1), (o2, l2) = (f(a, b, c, head_dim ** -0.5, causal) for f in (_flash, _cudnn))
             if not (torch.allclose(o1.float(), o2.float(), atol=2e-2, rtol=2e-2)
                     and torch.allclose(l1.float(), l2.float(), atol=1e-2, rtol=1e-3)):
                 log.warning("hetero: cuDNN attention disagrees with flash on %s; prefetched tiles use flash", device)
