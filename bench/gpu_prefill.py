@@ -130,10 +130,11 @@ def _profiled(on, device):
 
 
 def _top_ops(prof, n=25):
-    """The n ops with the most device time (CPU time on a CPU run): name, calls, device and host ms."""
+    """The n ops with the most device time of their own (host time on a CPU run): name, calls,
+    self device and self host ms."""
     rows = []
     for e in prof.key_averages():
-        dev_us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0) or 0
+        dev_us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0) or 0
         rows.append({"op": e.key[:80], "calls": e.count, "device_ms": round(dev_us / 1e3, 2),
                      "host_ms": round(e.self_cpu_time_total / 1e3, 2)})
     key = "device_ms" if any(r["device_ms"] for r in rows) else "host_ms"

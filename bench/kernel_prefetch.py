@@ -3,8 +3,9 @@
 One process per (variant, shape, dtype, round), alternating the variants, each with its own numba
 cache directory (the flag is read when the kernel compiles). Each times attend_unit over 8 KV
 heads of cold KV (--mb MB in all, beyond the last-level cache), batch 1, one query token, the
-group's query rows per head (4: Llama-3-8B, 1: Llama-2-7B), median of 9 calls after a warm one.
-Reports GB/s of KV read per variant and shape, and the ratio. The parent is pinned to one core.
+group's query rows per head (4: Llama-3-8B, 1: Llama-2-7B), median of 9 calls after a warm one;
+bf16 as a bf16 model runs it (dp > 0: vdpbf16ps where the CPU has it). Reports GB/s of KV read
+per variant and shape, and the ratio. Each child is pinned to the last usable core.
 
     python bench/kernel_prefetch.py [--rounds 2] [--mb 256] [--out kernel_prefetch]
 """
@@ -44,6 +45,7 @@ def one(prefetch, G, dtype, mb):
         K = rng.integers(0, 2**16, size=(H, nblk, D, BK), dtype=np.uint16) & 0x3fff
         V = rng.integers(0, 2**16, size=(H, nblk, D // W, BK, W), dtype=np.uint16) & 0x3fff
         code = 1
+    dp = 0.0 if dtype == "fp32" else D ** -0.5                  # bf16: q's exact bf16 pairs (qp) times dp
     qs = rng.standard_normal((G, D)).astype(np.float32) * 0.01
     qp = np.zeros((G, D // 2), np.uint32)
     o, m, l = np.zeros((G, D), np.float32), np.zeros(G, np.float32), np.zeros(G, np.float32)
@@ -52,7 +54,7 @@ def one(prefetch, G, dtype, mb):
 
     def run():
         for h in range(H):
-            kernel.attend_unit(qs, qp, 0.0, G, 1, K[h], V[h], 0, nblk, 0, L, L, 0, 0.0, code, o, m, l, S, 0)
+            kernel.attend_unit(qs, qp, dp, G, 1, K[h], V[h], 0, nblk, 0, L, L, 0, 0.0, code, o, m, l, S, 0)
 
     run()
     times = []
@@ -83,11 +85,14 @@ def main():
                 out = subprocess.run(["taskset", "-c", str(core), sys.executable, os.path.abspath(__file__),
                                       "--mb", str(args.mb), "--one", str(v), str(G), dtype],
                                      env=dict(os.environ, NUMBA_CACHE_DIR=caches[v], NUMBA_NUM_THREADS="1"),
-                                     capture_output=True, text=True, check=True).stdout
-                gbps = float(out.split("RESULT")[-1])
+                                     capture_output=True, text=True)
+                if out.returncode or "RESULT" not in out.stdout:
+                    print(f"{shape} {dtype} prefetch {v}: failed: {out.stderr[-500:]}", flush=True)
+                    continue
+                gbps = float(out.stdout.split("RESULT")[-1])
                 res[f"{shape} {dtype}"]["on" if v else "off"].append(round(gbps, 2))
                 print(f"{shape} {dtype} prefetch {'on ' if v else 'off'}: {gbps:5.1f} GB/s", flush=True)
-    summary = {k: round(max(r["on"]) / max(r["off"]), 3) for k, r in res.items()}
+    summary = {k: round(max(r["on"]) / max(r["off"]), 3) for k, r in res.items() if r["on"] and r["off"]}
     for k, x in summary.items():
         print(f"  {k}: prefetch on / off (best of rounds) {x:.2f}x")
     print("wrote", write_json(f"{args.out}.json", {

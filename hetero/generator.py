@@ -507,7 +507,8 @@ class HeteroGenerator:
         settings, call = self._generation_settings(max_new_tokens, kwargs, started, derived)
         lora = self._lora_batch(adapter_names, input_ids.shape[0])
         if context is not None:
-            if not many and extend_context is False and not context.closed and \
+            if not many and extend_context is False and not context.closed and input_ids.shape[0] == 1 and \
+                    bool(attention_mask.all()) and \
                     len(context.tokens) + input_ids.shape[1] + max_new_tokens - 1 > context.capacity:
                 many, context = True, [context]          # a read-only call past its room: in an arena of its own
             if many:
@@ -1211,7 +1212,9 @@ def _keeping_cache(model):
     """`model`'s prepare_inputs_for_generation without its family's override that drops the cache
     (CACHE_DROPPING_MODEL_TYPES): the method of the next class in its MRO."""
     own = [c for c in type(model).__mro__ if "prepare_inputs_for_generation" in c.__dict__]
-    user = "the model instance has its own" if "prepare_inputs_for_generation" in model.__dict__ else \
+    on_instance = model.__dict__.get("prepare_inputs_for_generation")
+    user = "the model instance has its own" if on_instance is not None and \
+        not getattr(on_instance, "_hetero_keeping_cache", False) else \
         None if own[0].__module__.startswith("transformers.") else f"{own[0].__name__} overrides"
     if user is not None:                   # hetero's replacement would skip the user's override
         raise UnsupportedModelError(
@@ -1219,7 +1222,13 @@ def _keeping_cache(model):
             "transformers version drops the KV cache past original_max_position_embeddings; hetero replaces "
             "that method during a call and would skip the override")
     cls = next(c for c in own if c.__module__.startswith("transformers.models."))
-    return super(cls, model).prepare_inputs_for_generation
+    generic = super(cls, model).prepare_inputs_for_generation
+
+    def keeping_cache(*args, **kwargs):
+        return generic(*args, **kwargs)
+
+    keeping_cache._hetero_keeping_cache = True     # hetero's own, put on the instance during a call (_routed)
+    return keeping_cache
 
 
 def _pad_id(settings):

@@ -73,6 +73,10 @@ def test_context_capacity_and_bad_input(llama):
             out = gen.generate(msg[None], context=ctx, extend_context=False, max_new_tokens=10, **KW)
             assert torch.equal(out.sequences, hf(llama, torch.cat([doc, msg]), 10).sequences)
             assert ctx.length == 20 and ctx.capacity == 32
+            with pytest.raises(ValueError, match="padded"):          # the single-context checks still apply
+                gen.generate(torch.cat([torch.zeros(1, dtype=torch.long), msg])[None], context=ctx,
+                             attention_mask=torch.cat([torch.zeros(1, dtype=torch.long), torch.ones_like(msg)])[None],
+                             extend_context=False, max_new_tokens=10)
             out = gen.generate(msg[None], context=ctx, max_new_tokens=3, pad_token_id=0)
             assert out.shape[1] == 28
             with pytest.raises(ValueError, match="one request"):

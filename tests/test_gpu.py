@@ -151,32 +151,36 @@ def test_cuda_transport_dead_worker_raises_within_2s():
 
 # ---- contexts on a CUDA model: layer-wise prefetch, batches sharing a context
 
-@pytest.mark.parametrize("kernel", ["chosen", "flash", "cudnn"])
+@pytest.mark.parametrize("kernel", ["attention_lse", "flash", "cudnn", "long chunk"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("causal", [False, True])
 def test_cuda_attention_lse_kernels_equal_the_math(dtype, causal, kernel, monkeypatch):
-    """attention_lse on CUDA (bf16: the kernel cuda_kernel chose, and each of flash and cuDNN;
-    f32: memory-efficient; the kernels torch's private ops give with their log-sum-exp) equals the
-    plain math, for the prefetcher's folded GQA shape at lengths no multiple of 128, and no kernel
-    refused (no fallback logged)."""
+    """attention_lse on CUDA equals the plain math for the prefetcher's folded GQA shape at lengths
+    no multiple of 128, and no kernel refused (no fallback logged): bf16 through each of flash and
+    cuDNN (where torch's sdpa would pick it), and a long chunk's steady shape (whole tiles, >=
+    CUDNN_MIN_ROWS query rows), which runs the kernel cuda_kernel chose; f32 the memory-efficient
+    kernel."""
     from hetero.prefetch import schedule
 
-    if kernel != "chosen":
-        if dtype == torch.float32:
-            pytest.skip("f32 runs the memory-efficient kernel")
-        if kernel == "cudnn" and schedule._pick(torch.device("cuda"), dtype, 64) != "cudnn":
-            pytest.skip("cuDNN attention not chosen on this machine (cuda_kernel)")
-        monkeypatch.setitem(schedule._chosen, ("cuda:0", dtype, 64), kernel)
+    if kernel != "attention_lse" and dtype == torch.float32:
+        pytest.skip("f32 runs the memory-efficient kernel")
+    if kernel == "cudnn" and not schedule._cudnn_preferred(torch.device("cuda")):
+        pytest.skip("torch's sdpa would not pick cuDNN attention on this machine")
     g = torch.Generator(device="cuda").manual_seed(0)
     T, n = (37, 37) if causal else (4 * 37, 300)
+    if kernel == "long chunk":                   # a whole tile of n rows, or the chunk's causal piece
+        T = schedule.CUDNN_MIN_ROWS + 13
+        n = T if causal else 300
+        monkeypatch.setattr(schedule, "TILE_ROWS", n)
     q = torch.randn(1, 2, T, 64, generator=g, device="cuda").to(dtype)
     k, v = (torch.randn(1, 2, n, 64, generator=g, device="cuda").to(dtype) for _ in range(2))
-    out, lse = schedule.attention_lse(q, k, v, 0.125, causal)
+    f = {"flash": schedule._flash, "cudnn": schedule._cudnn}.get(kernel, schedule.attention_lse)
+    out, lse = f(q, k, v, 0.125, causal)
     ref, ref_lse = schedule.attention_lse_math(q, k, v, 0.125, causal)
-    assert out.shape == q.shape and lse.shape == q.shape[:3] and lse.dtype == torch.float32
+    assert out.shape == q.shape and lse.shape == q.shape[:3]
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(out.float(), ref.float(), **tol)
-    torch.testing.assert_close(lse, ref_lse, **tol)
+    torch.testing.assert_close(lse.float(), ref_lse, **tol)
     assert not any(d.startswith("cuda") for d in schedule._refused)
 
 

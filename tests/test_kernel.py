@@ -1,5 +1,6 @@
 """The numba decode-attention kernel against a torch reference."""
 import math
+import os
 
 import numpy as np
 import pytest
@@ -370,3 +371,32 @@ def test_shared_prefix_units_through_the_workers(dtype):
         ctx.close()
     finally:
         pool.close()
+
+
+def test_a_change_to_simd_drops_the_kernels_numba_cache(tmp_path):
+    """numba keys kernel.py's cache on kernel.py alone; its functions inline simd.py's intrinsics,
+    so a changed simd.py empties their cached index (they compile again) instead of serving the
+    old machine code; an unchanged one leaves the cache alone."""
+    import shutil
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    shutil.copytree(os.path.join(root, "hetero"), tmp_path / "hetero",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    cache = tmp_path / "hetero" / "cpu_attention" / "__pycache__"
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+
+    def load():
+        subprocess.run([sys.executable, "-c", "import hetero.cpu_attention.kernel"], cwd=tmp_path, env=env,
+                       check=True)
+        index = sorted(cache.glob("kernel.attend_unit-*.nbi"))
+        return sorted(p.name for p in cache.glob("kernel.simd-*")), index[0].stat().st_mtime_ns
+
+    marker, first = load()
+    assert len(marker) == 1
+    assert load() == (marker, first)                               # unchanged: the cache is kept
+    with open(tmp_path / "hetero" / "cpu_attention" / "simd.py", "a") as f:
+        f.write("\n# changed\n")
+    changed, flushed = load()
+    assert len(changed) == 1 and changed != marker and flushed > first

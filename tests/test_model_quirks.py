@@ -167,6 +167,33 @@ def test_an_instance_level_prepare_inputs_is_used_or_refused(tmp_path):
         assert model.__dict__["prepare_inputs_for_generation"] is mine
 
 
+def test_hetero_s_own_input_preparation_mid_call_is_not_taken_for_a_users(tmp_path):
+    """During a Phi-3 call hetero's replacement sits on the instance: a second generator built over
+    the model meanwhile is not refused as if the user had put it there, and a nested load_context
+    gets the nested-call error."""
+    model = phi3("default")
+    ids, mask = padded_batch((12, 8))
+    seen = []
+
+    class Streamer:
+        def put(self, value):
+            if len(seen) == 1:                                     # at the first decode token
+                other = HeteroGenerator(model, config=CFG)
+                other.close()
+                with pytest.raises(RuntimeError, match="inside a call"):
+                    gen.load_context(tmp_path / "ctx")
+            seen.append(1)
+
+        def end(self):
+            pass
+
+    with HeteroGenerator(model, config=CFG) as gen:
+        with gen.prefill(ids[:1, 4:]) as ctx:
+            ctx.save(tmp_path / "ctx")
+        gen.generate(ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0, streamer=Streamer())
+    assert len(seen) >= 2 and "prepare_inputs_for_generation" not in model.__dict__
+
+
 def test_a_subclass_overriding_phi3s_input_preparation_is_refused_by_name():
     """hetero replaces Phi-3's prepare_inputs_for_generation during a call (it drops the cache);
     a user's subclass overriding it would be skipped silently, so the generator is refused, the

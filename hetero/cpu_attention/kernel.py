@@ -397,3 +397,35 @@ def warm_up():
         pm = np.zeros((1, 1, 1, 2), np.float32)
         run_alone(0, 1, 0, 1, 0.5, 0.0, code, q, new, new, K, V, np.zeros(1, np.int64), np.zeros(1, np.int64),
                   po, pm, pm.copy(), np.zeros((2, D), np.float32), np.zeros((2, D // 2), np.uint32), score_scratch(2))
+
+
+def _drop_cache_if_simd_changed():
+    """numba keys the cache of this module's functions on this file alone, but they inline the
+    intrinsics of simd.py: after a change there (an edit, a checkout) numba would serve the old
+    machine code. So the index of every cached function here is emptied (they compile again) when
+    simd.py's digest differs from the one recorded beside the cache (kernel.simd-<digest>)."""
+    import glob
+    import hashlib
+    import os
+
+    cached = [f for f in globals().values() if hasattr(getattr(f, "_cache", None), "_cache_path")]
+    if not cached:
+        return
+    with open(simd.__file__, "rb") as fh:
+        digest = hashlib.sha1(fh.read()).hexdigest()[:16]
+    path = cached[0]._cache._cache_path
+    marker = os.path.join(path, f"kernel.simd-{digest}")
+    if os.path.exists(marker):
+        return
+    try:
+        os.makedirs(path, exist_ok=True)
+        for f in cached:
+            f._cache.flush()
+        for old in glob.glob(os.path.join(path, "kernel.simd-*")):
+            os.remove(old)
+        open(marker, "w").close()
+    except OSError:              # a read-only cache directory: numba does not write there either
+        pass
+
+
+_drop_cache_if_simd_changed()

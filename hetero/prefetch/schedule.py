@@ -29,6 +29,7 @@ tests check on every machine.
 """
 import contextlib
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -67,8 +68,8 @@ def attention_lse(q, k, v, scale, causal=False, softcap=None):
     softmax attention over these rows alone and the log-sum-exp of its logits (soft-capped with
     softcap; causal: T == n, query t sees rows 0..t), the pieces that merge_lse joins. sdpa's
     kernels that return their log-sum-exp, the ones torch's own context-parallel ring attention
-    merges the same way: flash (CPU), the faster of cuDNN and flash (CUDA bf16/f16: cuda_kernel)
-    or memory-efficient (CUDA f32); plain math (the [H, T, n] f32 logits materialized) with
+    merges the same way: flash (CPU), flash or cuDNN (CUDA bf16/f16: _half_kernel) or
+    memory-efficient (CUDA f32); plain math (the [H, T, n] f32 logits materialized) with
     softcap, or where the kernel refuses the input (logged once)."""
     if not softcap:
         try:
@@ -76,7 +77,7 @@ def attention_lse(q, k, v, scale, causal=False, softcap=None):
                 out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
                                                                                       scale=scale)
             elif q.dtype in (torch.float16, torch.bfloat16):
-                out, lse = _HALF_KERNELS[cuda_kernel(q.device, q.dtype, q.shape[-1])](q, k, v, scale, causal)
+                out, lse = _half_kernel(q, k, v, scale, causal)
             else:
                 out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
                                                                                   scale=scale)[:2]
@@ -85,8 +86,12 @@ def attention_lse(q, k, v, scale, causal=False, softcap=None):
             if str(q.device) not in _refused:
                 _refused.add(str(q.device))
                 log.warning("hetero: sdpa's attention kernel with log-sum-exp is unavailable on %s (%s); "
-                            "prefetched tiles attend in plain math", q.device, str(e).splitlines()[0])
+                            "prefetched tiles attend in plain math", q.device, _first_line(e))
     return attention_lse_math(q, k, v, scale, causal, softcap)
+
+
+def _first_line(e):
+    return (str(e).splitlines() or [type(e).__name__])[0]
 
 
 def _flash(q, k, v, scale, causal):
@@ -99,60 +104,95 @@ def _cudnn(q, k, v, scale, causal):
     return out, lse.reshape(out.shape[:3])                    # lse [1, H, T, 1] -> [1, H, T]
 
 
-_HALF_KERNELS = {"flash": _flash, "cudnn": _cudnn}
-_chosen = {}           # (device, dtype, head_dim) -> the name of the CUDA half-precision kernel (cuda_kernel)
+CUDNN_MIN_ROWS = 4096  # cuDNN only for a long chunk's steady shapes (see _half_kernel)
+_chosen = {}           # (device, dtype, head_dim) -> "cudnn" | "flash" (cuda_kernel)
+
+
+def _half_kernel(q, k, v, scale, causal):
+    """attention_lse's CUDA bf16/f16 kernel: cuDNN where cuda_kernel chose it and the shape is a
+    long chunk's steady one (at least CUDNN_MIN_ROWS query rows; the causal piece, or a whole
+    tile of TILE_ROWS rows), flash otherwise: cuDNN builds and keeps an execution plan for every
+    new shape, which a tile's odd remainder or a short continuation's pieces would keep asking for.
+    A cuDNN call that raises turns it off for the device (flash from then on)."""
+    key = (str(q.device), q.dtype, q.shape[-1])
+    if q.shape[2] >= CUDNN_MIN_ROWS and (causal or k.shape[2] == TILE_ROWS) and \
+            cuda_kernel(q.device, q.dtype, q.shape[-1]) == "cudnn":
+        try:
+            return _cudnn(q, k, v, scale, causal)
+        except (RuntimeError, NotImplementedError) as e:
+            _chosen[key] = "flash"
+            log.warning("hetero: cuDNN attention failed on %s (%s); prefetched tiles use flash", q.device,
+                        _first_line(e))
+    return _flash(q, k, v, scale, causal)
 
 
 def cuda_kernel(device, dtype, head_dim):
-    """"cudnn" or "flash": the CUDA kernel attention_lse runs in bf16/f16, chosen once per device,
-    dtype and head size by timing both on a tile (8 heads, 4099 query rows over 8179 rows). cuDNN
-    only where torch's sdpa itself prefers it (sdp_utils.cpp: sm90/sm100 with cuDNN > 9.15.0, older
-    ones erred on lengths not a multiple of 128), so that a one-pass prefill (HF's too) runs it,
-    and only where it agrees with flash on odd lengths, causal or not. On the H100 the tiles ran
-    flash (FlashAttention-2) at ~65 % of HF's one-pass attention rate (by arithmetic from the
-    512K and 192K prefills)."""
+    """"cudnn" or "flash": the CUDA kernel a long chunk's tiles attend with in bf16/f16 (see
+    _half_kernel), chosen once per device, dtype and head size. cuDNN only where torch's sdpa
+    itself would run it (sdp_utils.cpp check_prefer_cudnn_attention: sm90/sm100, cuDNN > 9.15.0,
+    older ones erred on lengths not a multiple of 128; not turned off by
+    TORCH_CUDNN_SDPA_DEPRIORITIZED or torch.backends.cuda.enable_cudnn_sdp(False)), so that a
+    one-pass prefill (HF's too) runs it; where it agrees with flash on odd lengths, causal or not;
+    and where it is at least 10 % faster on a tile (8 heads, 4099 query rows over 8179 rows;
+    medians of 5), so the choice does not flip between runs. On the H100 the tiles ran flash
+    (FlashAttention-2) at ~65 % of HF's one-pass attention rate (by arithmetic from the 512K and
+    192K prefills)."""
     key = (str(device), dtype, head_dim)
     if key not in _chosen:
-        _chosen[key] = _pick(device, dtype, head_dim)
+        try:
+            ok = _cudnn_preferred(device)
+        except (RuntimeError, NotImplementedError) as e:
+            log.warning("hetero: cuDNN's version is unknown on %s (%s)", device, _first_line(e))
+            ok = False
+        _chosen[key] = _time_kernels(device, dtype, head_dim) if ok else "flash"
     return _chosen[key]
 
 
-def _pick(device, dtype, head_dim):
-    major = torch.cuda.get_device_capability(device)[0]
-    if not torch.backends.cudnn.is_available() or (torch.backends.cudnn.version() or 0) <= 91500 or major not in (9, 10):
-        return "flash"
-    with torch.cuda.device(device):
-        return _time_kernels(device, dtype, head_dim)
+def _cudnn_preferred(device):
+    """Whether torch's sdpa would pick cuDNN attention on `device` (sdp_utils.cpp)."""
+    if os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED", "").upper() in ("1", "ON", "TRUE", "YES", "Y"):
+        return False
+    if not (torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled()):
+        return False
+    if (torch.backends.cudnn.version() or 0) <= 91500:
+        return False
+    major, minor = torch.cuda.get_device_capability(device)
+    cuda = tuple(int(x) for x in (torch.version.cuda or "0").split(".")[:1])
+    return major in (9, 10) and (cuda >= (13,) or minor in (0, 3))
 
 
 def _time_kernels(device, dtype, head_dim):
-    g = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(1, 8, n, head_dim, generator=g, device=device, dtype=dtype) for n in (4099, 8179, 8179))
+    """"cudnn" where it agrees with flash and beats it by 10 % (cuda_kernel), else "flash"."""
     try:
-        for causal, n in ((False, None), (True, 1001)):
-            a, b, c = (x[:, :, :n].contiguous() for x in (q, k, v))
-            (o1, l1), (o2, l2) = (f(a, b, c, head_dim ** -0.5, causal) for f in (_flash, _cudnn))
-            if not (torch.allclose(o1.float(), o2.float(), atol=2e-2, rtol=2e-2)
-                    and torch.allclose(l1.float(), l2.float(), atol=1e-2, rtol=1e-3)):
-                log.warning("hetero: cuDNN attention disagrees with flash on %s; prefetched tiles use flash", device)
-                return "flash"
-        best = {}
-        for name, f in _HALF_KERNELS.items():
-            f(q, k, v, 1.0, False)                                           # warm (cuDNN builds its graph)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(3):
-                f(q, k, v, 1.0, False)
-            end.record()
-            end.synchronize()
-            best[name] = start.elapsed_time(end)
+        with torch.cuda.device(device):
+            g = torch.Generator(device=device).manual_seed(0)
+            q, k, v = (torch.randn(1, 8, n, head_dim, generator=g, device=device, dtype=dtype)
+                       for n in (4099, 8179, 8179))
+            for causal, n in ((False, None), (True, 1001)):
+                a, b, c = (x[:, :, :n].contiguous() for x in (q, k, v))
+                (o1, l1), (o2, l2) = (f(a, b, c, head_dim ** -0.5, causal) for f in (_flash, _cudnn))
+                if not (torch.allclose(o1.float(), o2.float(), atol=2e-2, rtol=2e-2)
+                        and torch.allclose(l1.float(), l2.float(), atol=1e-2, rtol=1e-3)):
+                    log.warning("hetero: cuDNN attention disagrees with flash on %s; prefetched tiles use flash",
+                                device)
+                    return "flash"
+            times = {"flash": [], "cudnn": []}
+            for _ in range(5):                                   # alternating, after the calls above warmed both
+                for name, f in (("flash", _flash), ("cudnn", _cudnn)):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    f(q, k, v, 1.0, False)
+                    end.record()
+                    end.synchronize()
+                    times[name].append(start.elapsed_time(end))
     except (RuntimeError, NotImplementedError) as e:
         log.warning("hetero: cuDNN attention is unavailable on %s (%s); prefetched tiles use flash", device,
-                    str(e).splitlines()[0])
+                    _first_line(e))
         return "flash"
-    name = min(best, key=best.get)
-    tflops = {n: 3 * 4 * 8 * 4099 * 8179 * head_dim / (ms * 1e9) for n, ms in best.items()}
-    log.info("hetero: prefetched tiles attend with %s on %s (TFLOP/s: %s)", name, device,
+    ms = {name: sorted(t)[2] for name, t in times.items()}
+    name = "cudnn" if ms["cudnn"] < 0.9 * ms["flash"] else "flash"
+    tflops = {n: 4 * 8 * 4099 * 8179 * head_dim / (t * 1e9) for n, t in ms.items()}
+    log.info("hetero: long prefetched chunks attend with %s on %s (TFLOP/s: %s)", name, device,
              ", ".join(f"{n} {t:.0f}" for n, t in tflops.items()))
     return name
 
