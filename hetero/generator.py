@@ -4,6 +4,7 @@ import contextlib
 import copy
 import inspect
 import logging
+import numbers
 import os
 import sys
 import threading
@@ -13,7 +14,7 @@ from dataclasses import replace
 
 import psutil
 import torch
-from transformers import MaxTimeCriteria, StoppingCriteriaList
+from transformers import MaxTimeCriteria, StoppingCriteriaList, WatermarkingConfig
 from transformers.generation import GenerationMode
 
 from hetero import attention
@@ -51,6 +52,16 @@ CONTINUE_CHUNK = 256     # a context's continuations go to the workers in pieces
 SHARED_IDLE_SPIN = 400   # ~10 us of polls before a CPU model's worker sleeps (atomics.sleep_until_changed)
 PASS_THROUGH = ("streamer", "logits_processor", "stopping_criteria")  # objects, not GenerationConfig fields
 DEFAULT_NEW_TOKENS = 20  # transformers' default when the model's generation_config sets no max_length
+
+
+class _ModelDefault:
+    """generate()'s max_new_tokens when omitted (None given sets the model's aside, as in transformers)."""
+
+    def __repr__(self):
+        return "<the model's generation_config>"
+
+
+MODEL_DEFAULT = _ModelDefault()
 # generation settings hetero does not run, refused by name whether the call or the model's
 # generation_config sets them: beam search, several sequences per prompt, no KV cache, classifier-
 # free guidance, assisted and contrastive decoding, attention / hidden-state outputs
@@ -272,9 +283,10 @@ class HeteroGenerator:
         return self._planner
 
     # ---- validation at the boundary
-    def _check_inputs(self, input_ids, attention_mask, max_new_tokens, what="max_new_tokens"):
+    def _check_inputs(self, input_ids, attention_mask, max_new_tokens, what="max_new_tokens", model_new=True):
         """(attention_mask, max_new_tokens) checked; what: the name of the rows to add, for messages
-        (prefill's and load_context's reserve)."""
+        (prefill's and load_context's reserve); model_new: None takes the model's max_new_tokens
+        (_default_new_tokens)."""
         device = self.model.device
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
@@ -313,7 +325,7 @@ class HeteroGenerator:
                                  "pass tokenizer(padding_side='left')")
             attention_mask = m
         if max_new_tokens is None:
-            max_new_tokens = self._default_new_tokens(input_ids.shape[1])
+            max_new_tokens = self._default_new_tokens(input_ids.shape[1], model_new)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"{what} must be a positive int, got {max_new_tokens!r}")
         total = input_ids.shape[1] + max_new_tokens
@@ -325,12 +337,13 @@ class HeteroGenerator:
                                 f"exceeds the model's max_position_embeddings ({self.spec.max_positions})")
         return attention_mask, max_new_tokens
 
-    def _default_new_tokens(self, prompt):
+    def _default_new_tokens(self, prompt, model_new=True):
         """max_new_tokens when the call gives none, as transformers decides it: the model's
-        generation_config.max_new_tokens; else what its max_length (prompt included) leaves after a
-        `prompt`-token prompt; without one, 20 (within max_position_embeddings)."""
+        generation_config.max_new_tokens (unless the call set it aside: model_new False); else what
+        its max_length (prompt included) leaves after a `prompt`-token prompt; without one, 20
+        (within max_position_embeddings)."""
         gc = self.model.generation_config
-        if gc.max_new_tokens is not None:
+        if model_new and gc.max_new_tokens is not None:
             return gc.max_new_tokens
         if gc.max_length is not None:
             new, why = gc.max_length - prompt, f"the model's generation_config.max_length is {gc.max_length}"
@@ -451,10 +464,12 @@ class HeteroGenerator:
         pads = attention_mask.shape[1] - real
         return pads.tolist(), real.tolist(), cap
 
-    def generate(self, input_ids, attention_mask=None, max_new_tokens=None, adapter_names=None, context=None,
+    def generate(self, input_ids, attention_mask=None, max_new_tokens=MODEL_DEFAULT, adapter_names=None, context=None,
                  extend_context=None, **kwargs):
         """transformers-style generate; returns a tensor of sequences, or a GenerateOutput when
-        return_dict_in_generate=True. Left padding only. adapter_names: one loaded adapter name
+        return_dict_in_generate=True. Left padding only. max_new_tokens omitted: the model's
+        generation_config decides, as in transformers (its max_new_tokens, else its max_length, else
+        20); None, as there, sets the model's max_new_tokens aside. adapter_names: one loaded adapter name
         per request, or None / "__base__" for the base model (as peft's adapter_names).
         context: a Context from prefill(); input_ids [1, n] are then the new tokens after it, and
         the sequences returned start with the context's tokens (as if it had been the prompt).
@@ -477,6 +492,9 @@ class HeteroGenerator:
         if unknown:
             raise TypeError(f"generate() got unsupported arguments {unknown}; supported: "
                             f"input_ids, attention_mask, max_new_tokens, {', '.join(sorted(GENERATE_KWARGS))}")
+        model_new = max_new_tokens is MODEL_DEFAULT     # explicit None sets the model's max_new_tokens aside
+        if model_new:
+            max_new_tokens = None
         derived = max_new_tokens is None       # hetero derives it as transformers would (_default_new_tokens)
         if attention_mask is None:
             attention_mask = self._inferred_mask(input_ids, kwargs, single_context=isinstance(context, Context))
@@ -502,9 +520,11 @@ class HeteroGenerator:
             ctxs = context if many else [context]       # HF's max_length counts the whole sequence
             real = [input_ids.shape[-1]] * len(ctxs) if attention_mask is None or attention_mask.ndim != 2 \
                 else attention_mask.sum(-1).tolist()
-            max_new_tokens = self._default_new_tokens(max(len(c.tokens) + int(n) for c, n in zip(ctxs, real)))
-        attention_mask, max_new_tokens = self._check_inputs(input_ids, attention_mask, max_new_tokens)
-        settings, call = self._generation_settings(max_new_tokens, kwargs, started, derived)
+            max_new_tokens = self._default_new_tokens(max(len(c.tokens) + int(n) for c, n in zip(ctxs, real)),
+                                                      model_new)
+        attention_mask, max_new_tokens = self._check_inputs(input_ids, attention_mask, max_new_tokens,
+                                                            model_new=model_new)
+        settings, call = self._generation_settings(max_new_tokens, kwargs, started, derived, model_new)
         lora = self._lora_batch(adapter_names, input_ids.shape[0])
         if context is not None:
             if not many and extend_context is False and not context.closed and input_ids.shape[0] == 1 and \
@@ -545,7 +565,8 @@ class HeteroGenerator:
         gc = self.model.generation_config
         pad = kwargs["pad_token_id"] if "pad_token_id" in kwargs else gc.pad_token_id
         eos = kwargs["eos_token_id"] if "eos_token_id" in kwargs else gc.eos_token_id
-        if not isinstance(pad, int) or isinstance(pad, bool):
+        pad = _token_id(pad)
+        if pad is None:
             return None
         if eos is not None and pad in torch.as_tensor(eos).flatten().tolist():
             return None
@@ -588,21 +609,24 @@ class HeteroGenerator:
         """A saved context's adapter record (AdapterStore.digest), or None."""
         return None if self._loaded(ctx.adapter) is None else self._store.digest(ctx.adapter)
 
-    def _generation_settings(self, max_new_tokens, kwargs, started=None, derived=False):
+    def _generation_settings(self, max_new_tokens, kwargs, started=None, derived=False, model_new=True):
         """(the call's settings as transformers resolves them: the model's generation_config under the
         call's arguments, an explicit None included; the keywords for the model's generate). They go
         to generate as keywords, not as a generation_config, which transformers would refill from the
         model's wherever a field is None. hetero's cache replaces a cache_implementation the model's
         generation_config may carry (a checkpoint's "static"). max_time counts from `started` (the
         call's start, time.time()): hetero's chunked prefill and a context's continuation run before
-        transformers' own clock would start. derived: the call gave no max_new_tokens; where hetero
-        derived it from the model's generation_config.max_length, generate gets none and counts
-        the same from max_length (given both, it warns that both were set)."""
+        transformers' own clock would start. derived: the call gave no max_new_tokens (model_new:
+        the model's counts); where hetero derived it from the model's generation_config.max_length,
+        generate gets none and counts the same from max_length (given both, it warns that both
+        were set)."""
         gc = self.model.generation_config
-        if derived and gc.max_new_tokens is None and gc.max_length is not None:
+        if derived and (gc.max_new_tokens is None or not model_new) and gc.max_length is not None:
             max_new_tokens = None
         call = dict(kwargs, max_new_tokens=max_new_tokens, cache_implementation=None)
         settings = copy.deepcopy(self.model.generation_config)
+        if isinstance(settings.watermarking_config, dict):        # as transformers' own GenerationConfig(...)
+            settings.watermarking_config = WatermarkingConfig.from_dict(settings.watermarking_config)
         settings.update(**{k: v for k, v in call.items() if k not in PASS_THROUGH})
         bad = {k: getattr(settings, k, None) for k, refused in UNSUPPORTED_SETTINGS.items()
                if refused(getattr(settings, k, None))}
@@ -1233,7 +1257,17 @@ def _keeping_cache(model):
 
 def _pad_id(settings):
     """The id a batch of contexts pads its sequences with (the resolved pad_token_id, else 0)."""
-    return settings.pad_token_id if isinstance(settings.pad_token_id, int) else 0
+    pad = _token_id(settings.pad_token_id)
+    return 0 if pad is None else pad
+
+
+def _token_id(v):
+    """A token id as transformers takes one (an int, a numpy integer, a one-element integer tensor)
+    -> int; anything else (None, a list) -> None."""
+    if isinstance(v, torch.Tensor):
+        return int(v) if v.numel() == 1 and not (v.is_floating_point() or v.is_complex() or v.dtype == torch.bool) \
+            else None
+    return int(v) if isinstance(v, numbers.Integral) and not isinstance(v, bool) else None
 
 
 def _without_cache(out):

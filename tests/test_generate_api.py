@@ -4,6 +4,7 @@ name, and its outputs are ordinary tensors without a dead cache, as HF's are."""
 import contextlib
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -313,3 +314,40 @@ def test_pad_ids_hetero_cannot_mask_are_named(gen):
                 gen.generate(q, context=ctx, max_new_tokens=2, pad_token_id=0)
         out = gen.generate(q, attention_mask=torch.ones_like(q), context=ctx, max_new_tokens=2, pad_token_id=0)
         assert out.shape == (1, 8 + 3 + 2)
+
+
+def test_an_explicit_max_new_tokens_none_sets_the_models_aside_as_in_transformers(model, gen):
+    """max_new_tokens=None in the call cancels the model's generation_config.max_new_tokens (as
+    transformers' GenerationConfig.update does): 20 new tokens, or up to the model's max_length."""
+    ids, mask = padded_batch()
+    gc = model.generation_config
+    gc.max_new_tokens = 7
+    for kw in ({}, {"max_new_tokens": None}):
+        out, ref = gen.generate(ids, attention_mask=mask, **kw), model.generate(ids, attention_mask=mask, **kw)
+        assert out.shape == ref.shape and torch.equal(out, ref)
+    assert ref.shape[1] == 12 + 20
+    gc.max_new_tokens, gc.max_length = 4, 30
+    with transformers_warnings() as warned:
+        out = gen.generate(ids, attention_mask=mask, max_new_tokens=None)
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=None)
+    assert out.shape == ref.shape == (3, 30) and torch.equal(out, ref)
+    assert not [w for w in warned if "max_length" in w]
+
+
+@pytest.mark.parametrize("pad", [np.int64(0), torch.tensor(0)])
+def test_a_pad_id_given_as_a_numpy_int_or_a_tensor_masks_the_pads(model, gen, pad):
+    """pad_token_id as transformers takes it (a numpy integer, a 0-d tensor), no attention_mask:
+    the pads are masked as in transformers, not attended."""
+    ids, _ = padded_batch()
+    kw = dict(max_new_tokens=5, pad_token_id=pad, eos_token_id=None, **SCORES)
+    same(gen.generate(ids, **kw), model.generate(ids, **kw))
+    model.generation_config.pad_token_id = pad
+    kw.pop("pad_token_id")
+    same(gen.generate(ids, **kw), model.generate(ids, **kw))
+
+
+def test_a_watermarking_config_given_as_a_dict_on_the_model_runs_as_in_transformers(model, gen):
+    ids, mask = padded_batch()
+    model.generation_config.watermarking_config = {"greenlist_ratio": 0.5, "bias": 4.0, "context_width": 1}
+    kw = dict(max_new_tokens=5, pad_token_id=0, **SCORES)
+    same(gen.generate(ids, attention_mask=mask, **kw), model.generate(ids, attention_mask=mask, **kw))
