@@ -764,9 +764,9 @@ class HeteroGenerator:
 
     def _default_reserve(self, n):
         """prefill/load_context's default reserve for a context of n tokens: DEFAULT_RESERVE rows,
-        within the model's max positions."""
-        room = None if self.spec.max_positions is None else self.spec.max_positions - n
-        return DEFAULT_RESERVE if room is None else max(1, min(DEFAULT_RESERVE, room))
+        within the model's max positions and HeteroConfig.max_cache_tokens."""
+        rooms = [limit - n for limit in (self.spec.max_positions, self.config.max_cache_tokens) if limit is not None]
+        return max(1, min([DEFAULT_RESERVE] + rooms))
 
     @contextlib.contextmanager
     def _context_session(self, attention_mask, reserve):
@@ -870,14 +870,14 @@ class HeteroGenerator:
         appended lie past it and are overwritten later, except in sliding-window rings, which a
         call may wrap: those are saved before and put back)."""
         if ctx.generator is not self or ctx.closed:
-            raise ValueError("context= takes an open Context from this generator's prefill()")
+            raise ValueError("context= takes an open Context from this generator's prefill()" + _closed_why(ctx))
         if input_ids.shape[0] != 1:
             raise ValueError(f"a context continues one request: input_ids must be [1, n], got {tuple(input_ids.shape)}")
         if not bool(attention_mask.all()):
             raise ValueError("the new tokens of a context cannot be padded (attention_mask all ones)")
         with self._exclusive():
             if ctx.closed:
-                raise ValueError("context= takes an open Context from this generator's prefill()")
+                raise ValueError("context= takes an open Context from this generator's prefill()" + _closed_why(ctx))
             full = torch.cat([ctx.token_ids, ctx.pending, input_ids[0].to("cpu")]).to(self.model.device)[None]
             session, cached = ctx.session, ctx.length                    # full: [1, S]
             if not self._rope_ok(full.shape[1], max_new_tokens, (cached,)):
@@ -1032,7 +1032,8 @@ class HeteroGenerator:
             raise ValueError("context= got an empty list")
         for c in contexts:
             if not isinstance(c, Context) or c.generator is not self or c.closed:
-                raise ValueError(f"context= takes open Contexts from this generator's prefill(), got {c!r}")
+                raise ValueError(f"context= takes open Contexts from this generator's prefill(), got {c!r}"
+                                 + _closed_why(c))
 
     def _generate_in_contexts(self, contexts, input_ids, attention_mask, max_new_tokens, settings, call, lora,
                               width=0):
@@ -1253,6 +1254,11 @@ def _keeping_cache(model):
 
     keeping_cache._hetero_keeping_cache = True     # hetero's own, put on the instance during a call (_routed)
     return keeping_cache
+
+
+def _closed_why(ctx):
+    return ("; this one is closed (ctx.close(), its generator's close(), or a failed call that could not keep "
+            "it consistent: a sliding-window ring it had begun to overwrite)") if getattr(ctx, "closed", False) else ""
 
 
 def _pad_id(settings):

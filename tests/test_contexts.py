@@ -329,6 +329,12 @@ def test_closed_context_says_so(llama):
     assert ctx.closed and "closed" in repr(ctx)
     with pytest.raises(ValueError, match="Context is closed"):
         ctx.length
+    with HeteroGenerator(llama, cpu_workers=1) as gen:
+        ctx = gen.prefill(doc[None], reserve=4)
+        ctx.close()
+        for context in (ctx, [ctx]):
+            with pytest.raises(ValueError, match="this one is closed .* a failed call"):
+                gen.generate(doc[None], context=context, max_new_tokens=2)
 
 
 def test_context_close_from_another_thread_waits_for_the_running_call(llama):

@@ -51,6 +51,8 @@ def test_cache_capacity_and_ram_limits(llama):
         with pytest.raises(CapacityError, match=r"needs 22 KV rows .* max_cache_tokens=16"):
             gen.generate(ids, attention_mask=mask, max_new_tokens=10)
         gen.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0)  # 16 rows fit
+        with gen.prefill(ids[:1, 4:]) as ctx:                 # 8 tokens: the default reserve fits the cap
+            assert ctx.capacity >= 16 and ctx.length == 8
     with HeteroGenerator(llama, config=HeteroConfig(cpu_workers=1, ram_fraction=1e-9)) as gen:
         with pytest.raises(CapacityError, match=r"needs .* GiB .* only .* GiB of RAM is available"):
             gen.generate(ids, attention_mask=mask, max_new_tokens=4)

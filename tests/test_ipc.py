@@ -481,3 +481,23 @@ def test_owner_lock_taken_again_when_its_file_is_removed():
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_workers_import_the_parents_hetero_not_one_in_its_working_directory(tmp_path, monkeypatch):
+    """`python -m` puts the working directory first on a child's import path: a parent running
+    beside another copy of hetero (an old checkout) must still start workers of its own code, and
+    a relative NUMBA_CACHE_DIR or PYTHONPATH keeps meaning the parent's directory."""
+    (tmp_path / "hetero" / "ipc").mkdir(parents=True)
+    (tmp_path / "hetero" / "__init__.py").write_text("raise ImportError('the other copy of hetero')\n")
+    (tmp_path / "hetero" / "ipc" / "__init__.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["."] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    from hetero.ipc.pool import child_env
+
+    env = child_env()
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(tmp_path)
+    pool = WorkerPool(1, [0], start_timeout=60)
+    try:
+        pool.run(C.CMD_PING, timeout=10)
+    finally:
+        pool.close()

@@ -71,8 +71,7 @@ class WorkerPool:
         self._checked = 0.0       # perf_counter of the last liveness check of every worker
         self.session = None   # the KVSession mapped in the workers (one at a time)
         shm.sweep_stale()
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
-                   NUMBA_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env = child_env()
         _load_kernels(env, start_timeout)
         self.ctrl = shm.Segment(shm.new_name("ctrl"), C.nbytes(nworkers), create=True)
         atexit.register(self.close)
@@ -84,7 +83,8 @@ class WorkerPool:
                         str(core), str(os.getpid()), str(spin_budget if idle_spin is None else idle_spin)]
                 # a session of their own: a signal to the parent's process group (a terminal's hangup,
                 # `kill -TERM -PGID`, systemd) leaves them alive to notice the parent gone and clean up
-                self.procs.append(subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, start_new_session=True))
+                self.procs.append(subprocess.Popen(args, env=env, cwd=ROOT, stdin=subprocess.DEVNULL,
+                                                   start_new_session=True))
             self.run(C.CMD_PING, timeout=start_timeout)
         except BaseException:
             self.close()
@@ -264,6 +264,25 @@ class WorkerPool:
             self.ctrl.close()
 
 
+# the directory holding this hetero package: the children run there, so `-m`/`-c` (whose first
+# import path is the working directory) import this very package, not another copy where the
+# parent happens to run (an old checkout would meet this one's shared memory unchecked)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def child_env():
+    """The workers' environment: one thread per library, and the paths that were relative to the
+    parent's working directory made absolute (the children run in ROOT)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+               NUMBA_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if env.get("NUMBA_CACHE_DIR"):
+        env["NUMBA_CACHE_DIR"] = os.path.abspath(env["NUMBA_CACHE_DIR"])
+    if env.get("PYTHONPATH"):
+        env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) if p else os.getcwd()
+                                            for p in env["PYTHONPATH"].split(os.pathsep))
+    return env
+
+
 WARM_UP = "from hetero.ipc import atomics; from hetero.cpu_attention import kernel; atomics.warm_up(); kernel.warm_up()"
 
 
@@ -276,6 +295,7 @@ def _load_kernels(env, timeout):
 
     if kernel.run_job.overloads:                 # loaded (or compiled) already in this process
         return
-    subprocess.run([sys.executable, "-c", WARM_UP], env=env, stdin=subprocess.DEVNULL, check=True, timeout=timeout)
+    subprocess.run([sys.executable, "-c", WARM_UP], env=env, cwd=ROOT, stdin=subprocess.DEVNULL, check=True,
+                   timeout=timeout)
     atomics.warm_up()
     kernel.warm_up()
