@@ -45,7 +45,7 @@ GENERATE_KWARGS = frozenset({
     "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty",
     "renormalize_logits", "remove_invalid_values", "min_length", "min_new_tokens", "max_time",
     "eos_token_id", "pad_token_id", "bos_token_id", "streamer", "return_dict_in_generate", "output_scores",
-    "output_logits", "logits_processor", "stopping_criteria",
+    "output_logits", "logits_processor", "stopping_criteria", "max_length",
 })
 DEFAULT_RESERVE = 1024   # KV rows a context keeps free for later calls, unless prefill(reserve=) says
 CONTINUE_CHUNK = 256     # a context's continuations go to the workers in pieces of at most this many tokens
@@ -283,9 +283,10 @@ class HeteroGenerator:
         return self._planner
 
     # ---- validation at the boundary
-    def _check_inputs(self, input_ids, attention_mask, max_new_tokens, what="max_new_tokens", model_new=True):
+    def _check_inputs(self, input_ids, attention_mask, max_new_tokens, what="max_new_tokens", model_new=True,
+                      max_length=MODEL_DEFAULT):
         """(attention_mask, max_new_tokens) checked; what: the name of the rows to add, for messages
-        (prefill's and load_context's reserve); model_new: None takes the model's max_new_tokens
+        (prefill's and load_context's reserve); model_new, max_length: how None is resolved
         (_default_new_tokens)."""
         device = self.model.device
         if not isinstance(input_ids, torch.Tensor):
@@ -325,7 +326,7 @@ class HeteroGenerator:
                                  "pass tokenizer(padding_side='left')")
             attention_mask = m
         if max_new_tokens is None:
-            max_new_tokens = self._default_new_tokens(input_ids.shape[1], model_new)
+            max_new_tokens = self._default_new_tokens(input_ids.shape[1], model_new, max_length)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"{what} must be a positive int, got {max_new_tokens!r}")
         total = input_ids.shape[1] + max_new_tokens
@@ -337,16 +338,18 @@ class HeteroGenerator:
                                 f"exceeds the model's max_position_embeddings ({self.spec.max_positions})")
         return attention_mask, max_new_tokens
 
-    def _default_new_tokens(self, prompt, model_new=True):
+    def _default_new_tokens(self, prompt, model_new=True, max_length=MODEL_DEFAULT):
         """max_new_tokens when the call gives none, as transformers decides it: the model's
         generation_config.max_new_tokens (unless the call set it aside: model_new False); else what
-        its max_length (prompt included) leaves after a `prompt`-token prompt; without one, 20
-        (within max_position_embeddings)."""
+        max_length (the call's, else the model's; prompt included) leaves after a `prompt`-token
+        prompt; without one, 20 (within max_position_embeddings)."""
         gc = self.model.generation_config
         if model_new and gc.max_new_tokens is not None:
             return gc.max_new_tokens
-        if gc.max_length is not None:
-            new, why = gc.max_length - prompt, f"the model's generation_config.max_length is {gc.max_length}"
+        whose = "the model's generation_config.max_length" if max_length is MODEL_DEFAULT else "max_length"
+        max_length = gc.max_length if max_length is MODEL_DEFAULT else max_length
+        if max_length is not None:
+            new, why = max_length - prompt, f"{whose} is {max_length}"
         else:
             limit = self.spec.max_positions
             new = DEFAULT_NEW_TOKENS if limit is None else min(DEFAULT_NEW_TOKENS, limit - prompt)
@@ -495,6 +498,10 @@ class HeteroGenerator:
         model_new = max_new_tokens is MODEL_DEFAULT     # explicit None sets the model's max_new_tokens aside
         if model_new:
             max_new_tokens = None
+        max_length = kwargs.get("max_length", MODEL_DEFAULT)          # the whole sequence, as in transformers
+        if max_length not in (None, MODEL_DEFAULT) and (isinstance(max_length, bool) or
+                                                        not isinstance(max_length, int) or max_length < 1):
+            raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
         derived = max_new_tokens is None       # hetero derives it as transformers would (_default_new_tokens)
         if attention_mask is None:
             attention_mask = self._inferred_mask(input_ids, kwargs, single_context=isinstance(context, Context))
@@ -521,9 +528,9 @@ class HeteroGenerator:
             real = [input_ids.shape[-1]] * len(ctxs) if attention_mask is None or attention_mask.ndim != 2 \
                 else attention_mask.sum(-1).tolist()
             max_new_tokens = self._default_new_tokens(max(len(c.tokens) + int(n) for c, n in zip(ctxs, real)),
-                                                      model_new)
+                                                      model_new, max_length)
         attention_mask, max_new_tokens = self._check_inputs(input_ids, attention_mask, max_new_tokens,
-                                                            model_new=model_new)
+                                                            model_new=model_new, max_length=max_length)
         settings, call = self._generation_settings(max_new_tokens, kwargs, started, derived, model_new)
         lora = self._lora_batch(adapter_names, input_ids.shape[0])
         if context is not None:
@@ -617,11 +624,12 @@ class HeteroGenerator:
         generation_config may carry (a checkpoint's "static"). max_time counts from `started` (the
         call's start, time.time()): hetero's chunked prefill and a context's continuation run before
         transformers' own clock would start. derived: the call gave no max_new_tokens (model_new:
-        the model's counts); where hetero derived it from the model's generation_config.max_length,
+        the model's counts); where hetero derived it from a max_length (the call's or the model's),
         generate gets none and counts the same from max_length (given both, it warns that both
         were set)."""
         gc = self.model.generation_config
-        if derived and (gc.max_new_tokens is None or not model_new) and gc.max_length is not None:
+        max_length = kwargs["max_length"] if "max_length" in kwargs else gc.max_length     # the call's, else the model's
+        if derived and (gc.max_new_tokens is None or not model_new) and max_length is not None:
             max_new_tokens = None
         call = dict(kwargs, max_new_tokens=max_new_tokens, cache_implementation=None)
         settings = copy.deepcopy(self.model.generation_config)

@@ -351,3 +351,26 @@ def test_a_watermarking_config_given_as_a_dict_on_the_model_runs_as_in_transform
     model.generation_config.watermarking_config = {"greenlist_ratio": 0.5, "bias": 4.0, "context_width": 1}
     kw = dict(max_new_tokens=5, pad_token_id=0, **SCORES)
     same(gen.generate(ids, attention_mask=mask, **kw), model.generate(ids, attention_mask=mask, **kw))
+
+
+def test_max_length_in_the_call_counts_the_whole_sequence_as_in_transformers(model, gen):
+    """max_length= (prompt included; for a context, the context's tokens too) as transformers takes
+    it: alone, or beside max_new_tokens (which then wins, with transformers' own warning)."""
+    ids, mask = padded_batch()
+    for kw in ({"max_length": 17}, {"max_length": 17, "max_new_tokens": 3}):
+        out = gen.generate(ids, attention_mask=mask, pad_token_id=0, **kw)
+        assert torch.equal(out, model.generate(ids, attention_mask=mask, pad_token_id=0, **kw))
+    assert out.shape == (3, 15)
+    model.generation_config.max_length = 16                       # the call's wins over the model's
+    with transformers_warnings() as warned:
+        out = gen.generate(ids, attention_mask=mask, pad_token_id=0, max_length=30)
+    assert out.shape == (3, 30) and torch.equal(out, model.generate(ids, attention_mask=mask, pad_token_id=0,
+                                                                    max_length=30))
+    assert not [w for w in warned if "max_length" in w]
+    with gen.prefill(ids[:1, 4:]) as ctx:                          # 8 cached + 2 new: 6 to generate
+        out = gen.generate(ids[:1, :2], context=ctx, extend_context=False, max_length=16, pad_token_id=0)
+        assert out.shape == (1, 16) and torch.equal(
+            out, model.generate(torch.cat([ids[:1, 4:], ids[:1, :2]], 1), max_length=16, pad_token_id=0))
+    for bad, match in ((0, "positive int"), (2.5, "positive int"), (12, "max_length is 12: no room")):
+        with pytest.raises(ValueError, match=match):
+            gen.generate(ids, attention_mask=mask, max_length=bad)
