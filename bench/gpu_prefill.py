@@ -162,6 +162,9 @@ def one(args):
                 with hetero_gen(model, args, args.one == "hetero_chunked") as gen:
                     warm = (4096 if args.chunk == "auto" else args.chunk) + 512
                     gen.prefill(_ids(model, warm, 2)).close()   # workers, profile, kernels, prefetch warm
+                    if dev == "cuda":       # the tiles' kernel choice (a long chunk's first use), not timed
+                        from hetero.prefetch import schedule
+                        schedule.cuda_kernel(model.device, model.dtype, gen.spec.head_dim)
                     out["chunk"] = gen._chunk(torch.ones_like(ids))   # None: one pass
                     base = _reset(dev)
                     with _profiled(args.profile, dev) as prof:

@@ -321,3 +321,38 @@ def test_tiled_layers_equal_one_masked_attention_and_append_the_rows(dtype, L, T
             s.close()
     finally:
         pool.close()
+
+
+def test_half_precision_kernel_routing_and_cudnn_fallback(monkeypatch):
+    """_half_kernel (CUDA bf16/f16 tiles; driven here with stand-ins for the kernels): cuDNN only
+    where cuda_kernel chose it and for a long chunk's steady shapes (whole tiles, the causal piece,
+    >= CUDNN_MIN_ROWS query rows), flash for the rest; a cuDNN call that raises turns cuDNN off
+    for the device and the call is answered by flash."""
+    from hetero.prefetch import schedule
+
+    calls = []
+    monkeypatch.setattr(schedule, "_flash", lambda q, k, v, s, c: calls.append("flash") or ("f", None))
+    monkeypatch.setattr(schedule, "_cudnn", lambda q, k, v, s, c: calls.append("cudnn") or ("c", None))
+    monkeypatch.setattr(schedule, "TILE_ROWS", 64)
+    monkeypatch.setattr(schedule, "_chosen", {("cpu", torch.bfloat16, 8): "cudnn"})
+    rows = schedule.CUDNN_MIN_ROWS
+    q, short = torch.zeros(1, 1, rows, 8, dtype=torch.bfloat16), torch.zeros(1, 1, rows - 1, 8, dtype=torch.bfloat16)
+    tile, odd = torch.zeros(1, 1, 64, 8, dtype=torch.bfloat16), torch.zeros(1, 1, 40, 8, dtype=torch.bfloat16)
+    for args, want in (((q, tile, tile, 1.0, False), "cudnn"), ((q, odd, odd, 1.0, False), "flash"),
+                       ((q, q, q, 1.0, True), "cudnn"), ((short, tile, tile, 1.0, False), "flash"),
+                       ((short, short, short, 1.0, True), "flash")):
+        calls.clear()
+        schedule._half_kernel(*args)
+        assert calls == [want], (args[0].shape, args[1].shape, args[4], calls)
+
+    def broken(*args):
+        calls.append("cudnn")
+        raise RuntimeError("cuDNN Frontend error: no execution plan")
+
+    monkeypatch.setattr(schedule, "_cudnn", broken)
+    calls.clear()
+    assert schedule._half_kernel(q, tile, tile, 1.0, False) == ("f", None) and calls == ["cudnn", "flash"]
+    assert schedule._chosen[("cpu", torch.bfloat16, 8)] == "flash"
+    calls.clear()
+    schedule._half_kernel(q, tile, tile, 1.0, False)
+    assert calls == ["flash"]
