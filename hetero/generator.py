@@ -470,10 +470,11 @@ class HeteroGenerator:
     def generate(self, input_ids, attention_mask=None, max_new_tokens=MODEL_DEFAULT, adapter_names=None, context=None,
                  extend_context=None, **kwargs):
         """transformers-style generate; returns a tensor of sequences, or a GenerateOutput when
-        return_dict_in_generate=True. Left padding only. max_new_tokens omitted: the model's
-        generation_config decides, as in transformers (its max_new_tokens, else its max_length, else
-        20); None, as there, sets the model's max_new_tokens aside. adapter_names: one loaded adapter name
-        per request, or None / "__base__" for the base model (as peft's adapter_names).
+        return_dict_in_generate=True. Left padding only. max_new_tokens omitted: as in transformers,
+        the model's generation_config.max_new_tokens, else max_length (the call's, else the model's;
+        the whole sequence), else 20; None, as there, sets the model's max_new_tokens aside.
+        adapter_names: one loaded adapter name per request, or None / "__base__" for the base model
+        (as peft's adapter_names).
         context: a Context from prefill(); input_ids [1, n] are then the new tokens after it, and
         the sequences returned start with the context's tokens (as if it had been the prompt).
         extend_context=False: the call reads the context and leaves it as it was (many questions
@@ -499,8 +500,8 @@ class HeteroGenerator:
         if model_new:
             max_new_tokens = None
         max_length = kwargs.get("max_length", MODEL_DEFAULT)          # the whole sequence, as in transformers
-        if max_length not in (None, MODEL_DEFAULT) and (isinstance(max_length, bool) or
-                                                        not isinstance(max_length, int) or max_length < 1):
+        if max_length is not None and max_length is not MODEL_DEFAULT and \
+                (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
             raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
         derived = max_new_tokens is None       # hetero derives it as transformers would (_default_new_tokens)
         if attention_mask is None:
