@@ -125,6 +125,8 @@ class HeteroGenerator:
         self.last_prefetch_log = None      # the ops of the last prefetched continuation (hetero.prefetch.schedule)
         self.last_prefetch_plan = None     # and what plan() gave for its forwards
         self._hooks = lora_hooks.LoraHooks(model)
+        # peft's LoRA layers in the model, whose merge_adapter() writes an adapter into the base weights
+        self._tuner_layers = [m for m in model.modules() if hasattr(m, "merged_adapters")]
         self._closed = False
         # one generate (or adapter load, or context close) at a time: the pool has one control block.
         # Reentrant so a call can close its own context (_recover); _busy refuses a nested call
@@ -212,7 +214,17 @@ class HeteroGenerator:
         for path in weights:
             self._hooks.ensure(path, self._store.sites[path])
 
+    def _refuse_merged(self):
+        """A peft adapter merged into the base weights (merge_adapter) would reach every request, the
+        base-model ones too, and add twice to its own: refused, as peft refuses adapter_names then."""
+        merged = sorted({a for m in self._tuner_layers for a in m.merged_adapters})
+        if merged:
+            raise AdapterError(f"the model's weights hold merged LoRA adapters {merged} (peft merge_adapter): "
+                               "hetero adds adapters per request over the base weights; call unmerge_adapter() "
+                               "first (or merge_and_unload() and pass the merged model without adapters)")
+
     def _lora_batch(self, adapter_names, batch):
+        self._refuse_merged()
         if self._store is None and adapter_names is None:
             return None
         if adapter_names is None:           # every request on the base model (also for a PeftModel)

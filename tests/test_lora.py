@@ -252,3 +252,21 @@ def test_contexts_keep_the_adapter_they_were_prefilled_with(tmp_path):
             generate(gen, q[None], None, context=ctx)
     with HeteroGenerator(copy.deepcopy(base), cpu_workers=1) as gen, gen.load_context(tmp_path / "plain.ctx") as ctx:
         assert_same(generate(gen, q[None], None, context=ctx), ref_base)     # a PeftModel's base = the model
+
+
+def test_an_adapter_merged_into_the_weights_is_refused_until_unmerged(tmp_path):
+    """peft's merge_adapter() writes an adapter into the base weights: hetero would add it twice on
+    its own rows and to the base-model rows too, so calls are refused (as peft refuses adapter_names
+    then), also when it was merged after the generator was built; unmerged, the calls equal peft."""
+    _, pm, _ = make_adapters("llama", tmp_path)
+    ids, mask = padded_batch()
+    names = ["legal", "__base__", "code"]
+    with HeteroGenerator(pm, cpu_workers=1) as gen:
+        pm.set_adapter("legal")
+        pm.merge_adapter()
+        for call in (lambda: generate(gen, ids, mask, adapter_names=names), lambda: generate(gen, ids, mask),
+                     lambda: gen.prefill(ids[:1, 4:])):
+            with pytest.raises(AdapterError, match=r"merged LoRA adapters \['legal'\]"):
+                call()
+        pm.unmerge_adapter()
+        assert_same(generate(gen, ids, mask, adapter_names=names), generate(pm, ids, mask, adapter_names=names))
