@@ -214,9 +214,18 @@ class HeteroGenerator:
         for path in weights:
             self._hooks.ensure(path, self._store.sites[path])
 
-    def _refuse_merged(self):
-        """A peft adapter merged into the base weights (merge_adapter) would reach every request, the
-        base-model ones too, and add twice to its own: refused, as peft refuses adapter_names then."""
+    def _check_model_state(self):
+        """Refused, before a call runs the model: a peft adapter merged into the base weights
+        (merge_adapter), which would reach every request, the base-model ones too, and add twice to
+        its own (peft refuses adapter_names then); a model in training mode with dropout (hetero's
+        attention and LoRA deltas apply none, transformers' would)."""
+        if self.model.training:
+            cfg = self.model.config.get_text_config()
+            p = max([getattr(cfg, "attention_dropout", 0.0) or 0.0] +
+                    [m.p for m in self.model.modules() if isinstance(m, torch.nn.Dropout)])
+            if p > 0:
+                raise ValueError(f"the model is in training mode with dropout (p={p}): transformers' generate "
+                                 "would drop activations at random and hetero would not; call model.eval()")
         merged = sorted({a for m in self._tuner_layers for a in m.merged_adapters})
         if merged:
             raise AdapterError(f"the model's weights hold merged LoRA adapters {merged} (peft merge_adapter): "
@@ -224,7 +233,7 @@ class HeteroGenerator:
                                "first (or merge_and_unload() and pass the merged model without adapters)")
 
     def _lora_batch(self, adapter_names, batch):
-        self._refuse_merged()
+        self._check_model_state()
         if self._store is None and adapter_names is None:
             return None
         if adapter_names is None:           # every request on the base model (also for a PeftModel)

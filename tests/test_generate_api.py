@@ -374,3 +374,21 @@ def test_max_length_in_the_call_counts_the_whole_sequence_as_in_transformers(mod
     for bad, match in ((0, "positive int"), (2.5, "positive int"), (12, "max_length is 12: no room")):
         with pytest.raises(ValueError, match=match):
             gen.generate(ids, attention_mask=mask, max_length=bad)
+
+
+def test_a_model_in_training_mode_with_dropout_is_refused(gen):
+    """transformers' generate drops activations at random on a model left in training mode with
+    dropout; hetero's attention would not: refused by name (without dropout, training mode runs)."""
+    model = gen.model
+    ids, mask = padded_batch()
+    cfg = model.config
+    saved = cfg.attention_dropout
+    try:
+        model.train()
+        gen.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0)    # p = 0 everywhere: runs
+        cfg.attention_dropout = 0.1
+        with pytest.raises(ValueError, match=r"training mode with dropout \(p=0.1\).*model.eval\(\)"):
+            gen.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0)
+    finally:
+        cfg.attention_dropout = saved
+        model.eval()
