@@ -53,7 +53,7 @@ for step in ${STEPS:-gpu gpu_decode gpu_prefill probe kernel attention ipc conte
                 rc=1
             fi ;;
         kernel)       # the decode kernel with / without its next-block prefetch, one core (~30 s)
-            python3 bench/kernel_prefetch.py --copy-to "$OUT" 2>&1 | tee "$OUT/kernel_prefetch.log" || rc=1 ;;
+            python3 bench/kernel_prefetch.py --out kernel_prefetch_gpu_host --copy-to "$OUT" 2>&1 | tee "$OUT/kernel_prefetch.log" || rc=1 ;;
         ipc)
             python3 bench/ipc.py --iters 5000 --out "$OUT/ipc_gpu_host.json" 2>&1 | tee "$OUT/ipc.log" || rc=1 ;;
         gpu_prefill)  # Llama-3-8B shape: hetero one-pass / chunked+prefetch vs HF GPU / offloaded; 512 over 64K
