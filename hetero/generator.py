@@ -233,7 +233,6 @@ class HeteroGenerator:
                                "first (or merge_and_unload() and pass the merged model without adapters)")
 
     def _lora_batch(self, adapter_names, batch):
-        self._check_model_state()
         if self._store is None and adapter_names is None:
             return None
         if adapter_names is None:           # every request on the base model (also for a PeftModel)
@@ -524,7 +523,11 @@ class HeteroGenerator:
         if max_length is not None and max_length is not MODEL_DEFAULT and \
                 (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
             raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
-        derived = max_new_tokens is None       # hetero derives it as transformers would (_default_new_tokens)
+        gc = self.model.generation_config
+        # hetero derives it (_default_new_tokens) from a max_length, the call's or the model's: then
+        # generate gets none and counts the same itself (given both, it warns that both were set)
+        from_max_length = max_new_tokens is None and not (model_new and gc.max_new_tokens is not None) and \
+            (gc.max_length if max_length is MODEL_DEFAULT else max_length) is not None
         if attention_mask is None:
             attention_mask = self._inferred_mask(input_ids, kwargs, single_context=isinstance(context, Context))
         if extend_context is not None and not isinstance(extend_context, bool):
@@ -553,7 +556,8 @@ class HeteroGenerator:
                                                       model_new, max_length)
         attention_mask, max_new_tokens = self._check_inputs(input_ids, attention_mask, max_new_tokens,
                                                             model_new=model_new, max_length=max_length)
-        settings, call = self._generation_settings(max_new_tokens, kwargs, started, derived, model_new)
+        settings, call = self._generation_settings(None if from_max_length else max_new_tokens, kwargs, started)
+        self._check_model_state()
         lora = self._lora_batch(adapter_names, input_ids.shape[0])
         if context is not None:
             if not many and extend_context is False and not context.closed and input_ids.shape[0] == 1 and \
@@ -638,21 +642,14 @@ class HeteroGenerator:
         """A saved context's adapter record (AdapterStore.digest), or None."""
         return None if self._loaded(ctx.adapter) is None else self._store.digest(ctx.adapter)
 
-    def _generation_settings(self, max_new_tokens, kwargs, started=None, derived=False, model_new=True):
+    def _generation_settings(self, max_new_tokens, kwargs, started=None):
         """(the call's settings as transformers resolves them: the model's generation_config under the
         call's arguments, an explicit None included; the keywords for the model's generate). They go
         to generate as keywords, not as a generation_config, which transformers would refill from the
         model's wherever a field is None. hetero's cache replaces a cache_implementation the model's
         generation_config may carry (a checkpoint's "static"). max_time counts from `started` (the
         call's start, time.time()): hetero's chunked prefill and a context's continuation run before
-        transformers' own clock would start. derived: the call gave no max_new_tokens (model_new:
-        the model's counts); where hetero derived it from a max_length (the call's or the model's),
-        generate gets none and counts the same from max_length (given both, it warns that both
-        were set)."""
-        gc = self.model.generation_config
-        max_length = kwargs["max_length"] if "max_length" in kwargs else gc.max_length     # the call's, else the model's
-        if derived and (gc.max_new_tokens is None or not model_new) and max_length is not None:
-            max_new_tokens = None
+        transformers' own clock would start. max_new_tokens None: generate counts from max_length."""
         call = dict(kwargs, max_new_tokens=max_new_tokens, cache_implementation=None)
         settings = copy.deepcopy(self.model.generation_config)
         if isinstance(settings.watermarking_config, dict):        # as transformers' own GenerationConfig(...)
@@ -781,6 +778,7 @@ class HeteroGenerator:
         chunk = self._chunk(attention_mask)
         if chunk and not self._rope_ok(input_ids.shape[1], 0, (0,)):
             raise self._rope_refused()
+        self._check_model_state()
         lora = self._lora_batch(None if adapter_name is None else [adapter_name], 1)
         with self._context_session(attention_mask, reserve) as session:
             with self._routed(session, lora) as cache, torch.no_grad(), _active(lora):
