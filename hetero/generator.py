@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import psutil
 import torch
-from transformers import MaxTimeCriteria, StoppingCriteriaList, WatermarkingConfig
+from transformers import GenerationConfig, MaxTimeCriteria, StoppingCriteriaList, WatermarkingConfig
 from transformers.generation import GenerationMode
 
 from hetero import attention
@@ -512,10 +512,11 @@ class HeteroGenerator:
         started = time.time()                  # max_time counts from here (see _generation_settings)
         if self._closed:
             raise GeneratorClosedError("generate() called on a closed HeteroGenerator")
-        unknown = sorted(set(kwargs) - GENERATE_KWARGS - set(UNSUPPORTED_SETTINGS))   # those: refused by value
-        if unknown:
-            raise TypeError(f"generate() got unsupported arguments {unknown}; supported: "
-                            f"input_ids, attention_mask, max_new_tokens, {', '.join(sorted(GENERATE_KWARGS))}")
+        unknown = sorted(set(kwargs) - GENERATE_KWARGS - set(UNSUPPORTED_SETTINGS) - {"generation_config"})
+        if unknown:                                                            # UNSUPPORTED_SETTINGS: refused by value
+            raise TypeError(f"generate() got unsupported arguments {unknown}; supported: input_ids, attention_mask, "
+                            f"max_new_tokens, generation_config, {', '.join(sorted(GENERATE_KWARGS))}")
+        max_new_tokens, kwargs = _with_generation_config(max_new_tokens, kwargs)
         model_new = max_new_tokens is MODEL_DEFAULT     # explicit None sets the model's max_new_tokens aside
         if model_new:
             max_new_tokens = None
@@ -1302,6 +1303,27 @@ def _token_id(v):
         return int(v) if v.numel() == 1 and not (v.is_floating_point() or v.is_complex() or v.dtype == torch.bool) \
             else None
     return int(v) if isinstance(v, numbers.Integral) and not isinstance(v, bool) else None
+
+
+def _with_generation_config(max_new_tokens, kwargs):
+    """(max_new_tokens, kwargs) with the call's generation_config= taken apart into keywords, which
+    resolve as transformers resolves the object itself: each field it sets (not None) wins over the
+    model's generation_config, a field it leaves None takes the model's, and the call's own
+    keywords win over both. Its custom entries (no GenerationConfig field) are dropped: transformers
+    keeps them inert on the config."""
+    gc = kwargs.pop("generation_config", None)
+    if gc is None:
+        return max_new_tokens, kwargs
+    if not isinstance(gc, GenerationConfig):
+        raise TypeError(f"generation_config must be a transformers GenerationConfig, got {type(gc).__name__}")
+    fields = {k: getattr(gc, k) for k in _GC_FIELDS if getattr(gc, k, None) is not None}
+    if max_new_tokens is MODEL_DEFAULT and "max_new_tokens" in fields:
+        max_new_tokens = fields["max_new_tokens"]
+    fields.pop("max_new_tokens", None)
+    return max_new_tokens, {**fields, **kwargs}
+
+
+_GC_FIELDS = tuple(k for k in vars(GenerationConfig()) if not k.startswith("_") and k != "transformers_version")
 
 
 def _without_cache(out):

@@ -392,3 +392,32 @@ def test_a_model_in_training_mode_with_dropout_is_refused(gen):
     finally:
         cfg.attention_dropout = saved
         model.eval()
+
+
+def test_a_generation_config_in_the_call_resolves_as_in_transformers(model, gen):
+    """generation_config= as transformers takes it: its fields win over the model's, fields it
+    leaves None take the model's, the call's keywords win over it; not a GenerationConfig: named."""
+    from transformers import GenerationConfig
+
+    ids, mask = padded_batch()
+    eos = int(model.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0)[0, 12 + 2])
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = eos, 0
+    model.generation_config.max_new_tokens = 3
+    user = GenerationConfig(max_new_tokens=8, repetition_penalty=1.3, custom_entry="kept inert")
+    calls = ({"generation_config": user},                                  # the model's eos and pad, its 8 tokens
+             {"generation_config": user, "max_new_tokens": 5, "eos_token_id": None},   # keywords win
+             {"generation_config": GenerationConfig(eos_token_id=None, max_length=17)},  # None: the model's
+             {"generation_config": None})
+    for kw in calls:
+        out = gen.generate(ids, attention_mask=mask, **kw, **SCORES)
+        same(out, model.generate(ids, attention_mask=mask, **kw, **SCORES))
+    assert user.max_new_tokens == 8 and user.eos_token_id is None      # the caller's object is not changed
+    model.generation_config.max_new_tokens = None
+    with gen.prefill(ids[:1, 4:]) as ctx:                                 # 8 cached + 2 new
+        out = gen.generate(ids[:1, :2], context=ctx, extend_context=False,
+                           generation_config=GenerationConfig(max_length=16, num_beams=1))
+        assert out.shape == (1, 16)
+    with pytest.raises(ValueError, match="'num_beams'"):
+        gen.generate(ids, attention_mask=mask, generation_config=GenerationConfig(num_beams=2))
+    with pytest.raises(TypeError, match="generation_config must be a transformers GenerationConfig, got dict"):
+        gen.generate(ids, attention_mask=mask, generation_config={"max_new_tokens": 2})
