@@ -350,12 +350,13 @@ class HeteroGenerator:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"{what} must be a positive int, got {max_new_tokens!r}")
         total = input_ids.shape[1] + max_new_tokens
-        if self.spec.max_positions is not None and input_ids.shape[1] >= self.spec.max_positions:
+        limit = self.spec.position_limit            # None: a rotary model runs past it, as in transformers
+        if limit is not None and input_ids.shape[1] >= limit:
             raise CapacityError(f"the prompt ({input_ids.shape[1]} positions) leaves no room in the model's "
-                                f"max_position_embeddings ({self.spec.max_positions})")
-        if self.spec.max_positions is not None and total > self.spec.max_positions:
+                                f"max_position_embeddings ({limit}){_LIMIT_WHY}")
+        if limit is not None and total > limit:
             raise CapacityError(f"prompt ({input_ids.shape[1]} positions) + {what} ({max_new_tokens}) = {total} "
-                                f"exceeds the model's max_position_embeddings ({self.spec.max_positions})")
+                                f"exceeds the model's max_position_embeddings ({limit}){_LIMIT_WHY}")
         return attention_mask, max_new_tokens
 
     def _default_new_tokens(self, prompt, model_new=True, max_length=MODEL_DEFAULT):
@@ -794,7 +795,7 @@ class HeteroGenerator:
     def _default_reserve(self, n):
         """prefill/load_context's default reserve for a context of n tokens: DEFAULT_RESERVE rows,
         within the model's max positions and HeteroConfig.max_cache_tokens."""
-        rooms = [limit - n for limit in (self.spec.max_positions, self.config.max_cache_tokens) if limit is not None]
+        rooms = [limit - n for limit in (self.spec.position_limit, self.config.max_cache_tokens) if limit is not None]
         return max(1, min([DEFAULT_RESERVE] + rooms))
 
     @contextlib.contextmanager
@@ -916,9 +917,10 @@ class HeteroGenerator:
                 raise CapacityError(f"the context holds {cached} tokens and this call adds {full.shape[1] - cached} "
                                     f"+ {max_new_tokens} new: {need} rows, but it was prefilled with room for "
                                     f"{session.layout.cap} (prefill(..., reserve=...))")
-            if self.spec.max_positions is not None and full.shape[1] + max_new_tokens > self.spec.max_positions:
+            limit = self.spec.position_limit
+            if limit is not None and full.shape[1] + max_new_tokens > limit:
                 raise CapacityError(f"{full.shape[1] + max_new_tokens} positions exceed the model's "
-                                    f"max_position_embeddings ({self.spec.max_positions})")
+                                    f"max_position_embeddings ({limit}){_LIMIT_WHY}")
             pool = self._ensure_pool()
             session.begin_call(pool, self._ensure_planner(pool))
             rings = None if extend or not session.layout.ring_layers else (session.Kr.clone(), session.Vr.clone())
@@ -1088,9 +1090,10 @@ class HeteroGenerator:
             mask = torch.zeros(B, S, dtype=torch.long)
             for b, q in enumerate(seqs):
                 full[b, S - len(q):], mask[b, S - len(q):] = q, 1
-            if self.spec.max_positions is not None and S + max_new_tokens > self.spec.max_positions:
+            limit = self.spec.position_limit
+            if limit is not None and S + max_new_tokens > limit:
                 raise CapacityError(f"{S + max_new_tokens} positions exceed the model's "
-                                    f"max_position_embeddings ({self.spec.max_positions})")
+                                    f"max_position_embeddings ({limit}){_LIMIT_WHY}")
             if not self._rope_ok(S, max_new_tokens, cached):
                 raise self._rope_refused()
             uncached = [len(q) - n for q, n in zip(seqs, cached)]
@@ -1303,6 +1306,10 @@ def _token_id(v):
         return int(v) if v.numel() == 1 and not (v.is_floating_point() or v.is_complex() or v.dtype == torch.bool) \
             else None
     return int(v) if isinstance(v, numbers.Integral) and not isinstance(v, bool) else None
+
+
+# why a model has a position limit (ModelSpec.position_limit)
+_LIMIT_WHY = "; hetero runs past it only a rotary (RoPE) model whose rope does not rescale with the length"
 
 
 def _with_generation_config(max_new_tokens, kwargs):

@@ -16,6 +16,10 @@ TILED_KV_MODEL_TYPES = ("jetmoe",)
 CACHE_DROPPING_MODEL_TYPES = ("phi3", "phimoe", "phi4_multimodal")
 # families whose configured window applies at decode only (their prefill attends without it)
 DECODE_ONLY_WINDOW_MODEL_TYPES = ("moshi",)
+# rope types whose rotation of a position does not depend on the sequence's length: a rotary model
+# with only these runs past max_position_embeddings as transformers runs it ("dynamic" NTK scaling
+# rescales by the longest position of each forward, which a chunk or a context would change)
+STATIC_ROPE_TYPES = (None, "default", "linear", "llama3", "yarn", "longrope")
 # config fields that mean something this engine cannot run exactly -> what it is
 UNSUPPORTED_FIELDS = {
     "kv_lora_rank": "latent (MLA) KV", "q_lora_rank": "latent (MLA) queries",
@@ -41,6 +45,7 @@ class ModelSpec:
     one_pass_only: str | None = None  # why multi-token steps over the cache (chunks, contexts) would differ
     drops_cache: bool = False    # CACHE_DROPPING_MODEL_TYPES: its generate would drop hetero's cache
     rope_switch: int | None = None  # LongRoPE (any family): its factors differ below and above this many positions
+    position_limit: int | None = None  # positions hetero runs up to (_position_limit), None: no limit
 
 
 def inspect_model(model):
@@ -77,6 +82,7 @@ def inspect_model(model):
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
     rope = rope if isinstance(rope, dict) else {}
     rope_type = rope.get("rope_type", rope.get("type"))
+    max_positions = getattr(cfg, "max_position_embeddings", None)
     original_max = getattr(cfg, "original_max_position_embeddings", None) or rope.get("original_max_position_embeddings")
     drops_cache = cfg.model_type in CACHE_DROPPING_MODEL_TYPES and original_max is not None
     layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * layers
@@ -92,10 +98,22 @@ def inspect_model(model):
     if dtype not in SUPPORTED_DTYPES:
         raise UnsupportedModelError(f"{name} is in {dtype}; supported: float32, bfloat16, float16")
     return ModelSpec(model_type=cfg.model_type, layers=layers, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
-                     dtype=dtype, max_positions=getattr(cfg, "max_position_embeddings", None),
+                     dtype=dtype, max_positions=max_positions,
                      sliding=tuple(t == "sliding_attention" for t in layer_types), windows=windows, kv_tiled=kv_tiled,
                      one_pass_only=_one_pass_only(cfg, causal, windows), drops_cache=drops_cache,
-                     rope_switch=original_max if rope_type == "longrope" else None)
+                     rope_switch=original_max if rope_type == "longrope" else None,
+                     position_limit=_position_limit(model, rope, max_positions))
+
+
+def _position_limit(model, rope, max_positions):
+    """The positions a call may reach: none for a rotary model whose rope types are all static
+    (STATIC_ROPE_TYPES; transformers runs it past max_position_embeddings, with a reminder), else
+    max_position_embeddings: learned or fixed position tables end there (transformers fails with
+    an IndexError past it), and a length-dependent rope would rotate a chunk's keys differently."""
+    rotary = any(type(m).__name__.endswith("RotaryEmbedding") for m in model.modules())
+    nested = [r for r in rope.values() if isinstance(r, dict)]          # per layer type (Gemma3)
+    types = {r.get("rope_type", r.get("type")) for r in nested or [rope]}
+    return None if rotary and types <= set(STATIC_ROPE_TYPES) else max_positions
 
 
 def _one_pass_only(cfg, causal, windows):

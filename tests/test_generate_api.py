@@ -289,15 +289,47 @@ def test_a_batch_of_contexts_without_a_mask_infers_it_from_the_pad(model, gen):
     assert torch.equal(out[:, -4:], ref[:, -4:])
 
 
-def test_a_prompt_filling_every_position_is_named_so(model, gen):
+def test_a_rotary_model_runs_past_max_position_embeddings_as_in_transformers(model, gen):
+    """transformers runs a RoPE model past max_position_embeddings (with a reminder): so does hetero,
+    in one pass, in a context and in a batch of contexts, with HF's tokens and scores."""
+    M = model.config.max_position_embeddings
+    ids = torch.randint(3, 100, (1, M - 4), generator=torch.Generator().manual_seed(5))
+    kw = dict(max_new_tokens=10, pad_token_id=0, eos_token_id=None, **SCORES)
+    same(gen.generate(ids, **kw), model.generate(ids, **kw))
+    doc, q = ids[:, :-2], ids[:, -2:]
+    with gen.prefill(doc) as ctx:                                  # the default reserve: past M too
+        assert ctx.capacity >= M
+        same(gen.generate(q, context=[ctx], **kw), model.generate(ids, **kw))
+        same(gen.generate(q, context=ctx, **kw), model.generate(ids, **kw))
+    same(gen.generate(torch.full((1, M), 5), **kw), model.generate(torch.full((1, M), 5), **kw))
+
+
+def test_a_model_whose_positions_end_at_max_position_embeddings_is_refused_there():
+    """A learned position table (GPT-2: transformers fails with an IndexError past it) or a rope
+    that rescales with the length ("dynamic": a chunk would rotate differently) ends at
+    max_position_embeddings: hetero names it before it allocates."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     from hetero import CapacityError
 
-    M = model.config.max_position_embeddings
-    ids = torch.full((1, M), 5)
-    for call in (lambda: gen.generate(ids, max_new_tokens=1), lambda: gen.prefill(ids)):
-        with pytest.raises(CapacityError, match=rf"prompt \({M} positions\) leaves no room") as e:
-            call()
-        assert "reserve" not in str(e.value) and "max_new_tokens" not in str(e.value)
+    cfg = AutoConfig.for_model("gpt2", n_embd=32, n_layer=1, n_head=2, n_positions=24, vocab_size=128,
+                               bos_token_id=1, eos_token_id=2)
+    gpt2 = AutoModelForCausalLM.from_config(cfg).eval()
+    dynamic = build_model("llama", num_hidden_layers=1, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                                         "rope_theta": 10000.0})[0]
+    with pytest.raises(IndexError):
+        gpt2.generate(torch.randint(3, 100, (1, 12)), max_new_tokens=20, pad_token_id=0)
+    for m, M in ((gpt2, 24), (dynamic, 256)):
+        with HeteroGenerator(m, cpu_workers=1) as g:
+            assert g.spec.position_limit == M
+            with pytest.raises(CapacityError, match=rf"\+ max_new_tokens \(20\) = {M + 8} exceeds .*\({M}\); "
+                                                    "hetero runs past it only a rotary"):
+                g.generate(torch.randint(3, 100, (1, M - 12)), max_new_tokens=20)
+            full = torch.full((1, M), 5)
+            for call in (lambda: g.generate(full, max_new_tokens=1), lambda: g.prefill(full)):
+                with pytest.raises(CapacityError, match=rf"prompt \({M} positions\) leaves no room") as e:
+                    call()
+                assert "reserve" not in str(e.value) and "max_new_tokens" not in str(e.value)
 
 
 def test_pad_ids_hetero_cannot_mask_are_named(gen):
