@@ -270,3 +270,39 @@ def test_an_adapter_merged_into_the_weights_is_refused_until_unmerged(tmp_path):
                 call()
         pm.unmerge_adapter()
         assert_same(generate(gen, ids, mask, adapter_names=names), generate(pm, ids, mask, adapter_names=names))
+
+
+def test_lora_on_the_lm_head_from_a_directory_matches_peft(tmp_path):
+    """An adapter on the LM head (wider than every decoder layer: the workers' staging grows for
+    it) saved with peft's defaults (the head's base weight saved beside it) or without that
+    weight: peft's tokens and scores. A saved head weight unlike the model's (peft would load it
+    into the model) is refused by name."""
+    from safetensors.torch import load_file, save_file
+
+    model, ref_impl = build_model("llama")               # vocab 160 > 128, the widest decoder layer
+    base = copy.deepcopy(model)
+    torch.manual_seed(3)
+    pm = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"],
+                                          init_lora_weights=False), adapter_name="head")
+    pm.add_adapter("q", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False))
+    pm.eval()
+    pm.base_model.model.set_attn_implementation(ref_impl)
+    pm.save_pretrained(tmp_path / "default")
+    pm.save_pretrained(tmp_path / "lora_only", save_embedding_layers=False)
+    saved = load_file(tmp_path / "default" / "head" / "adapter_model.safetensors")
+    assert "base_model.model.lm_head.base_layer.weight" in saved
+    ids, mask = padded_batch()
+    ref = generate(pm, ids, mask, adapter_names=["head", "__base__", "q"])
+    with HeteroGenerator(base, cpu_workers=2, adapters={"q": str(tmp_path / "default" / "q")}) as gen:
+        for where in ("default", "lora_only"):               # loaded after the staging was sized without it
+            gen.load_adapter("head", str(tmp_path / where / "head"))
+            assert_same(generate(gen, ids, mask, adapter_names=["head", None, "q"]), ref)
+            gen.unload_adapter("head")
+        bad = tmp_path / "changed_head"
+        bad.mkdir()
+        (bad / "adapter_config.json").write_text((tmp_path / "default" / "head" / "adapter_config.json").read_text())
+        saved["base_model.model.lm_head.base_layer.weight"] += 1
+        save_file(saved, bad / "adapter_model.safetensors")
+        with pytest.raises(AdapterError, match=r"saves its own lm_head weight \(160, 64\).*differs from this model"):
+            gen.load_adapter("head", str(bad))
+        assert gen.adapters == ["q"]

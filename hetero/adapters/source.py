@@ -111,14 +111,19 @@ def from_directory(name, path, model):
         sd = load_file(weights)
     except Exception as e:
         raise AdapterError(f"adapter {name!r}: cannot read {weights!r}: {e}") from None
-    pairs = {}
+    pairs, saved_base = {}, {}
     for key, t in sd.items():
-        m = re.match(rf"^{re.escape(_PREFIX)}(.+)\.lora_([AB])\.weight$", key)
+        m = re.match(rf"^{re.escape(_PREFIX)}(.+)\.(?:lora_([AB])|base_layer)\.weight$", key)
         if not m:
             raise AdapterError(f"adapter {name!r}: unsupported tensor {key!r} (only lora_A/lora_B weights of linear layers)")
-        pairs.setdefault(m.group(1), {})[m.group(2)] = t
+        if m.group(2) is None:
+            saved_base[m.group(1)] = t
+        else:
+            pairs.setdefault(m.group(1), {})[m.group(2)] = t
     if not pairs:
         raise AdapterError(f"adapter {name!r}: {weights!r} holds no LoRA weights")
+    for mod, t in saved_base.items():
+        _check_saved_base(name, model, mod, t, pairs)
     out = {}
     for mod, ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
@@ -131,6 +136,22 @@ def from_directory(name, path, model):
         scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
         out[mod] = _checked(name, model, mod, ab["A"], ab["B"], scaling)
     return out
+
+
+def _check_saved_base(name, model, path, saved, pairs):
+    """A base weight saved beside the adapter (peft's save_embedding_layers, its default for an
+    adapter on the LM head): peft would load it into the model. hetero serves every adapter over
+    one base model, so it must equal the model's own."""
+    if path not in pairs:
+        raise AdapterError(f"adapter {name!r}: unsupported tensor {_PREFIX}{path}.base_layer.weight "
+                           "(a saved base weight of a layer the adapter does not adapt)")
+    base_linear(model, path, name)
+    mod = model.get_submodule(path)
+    own = getattr(mod, "base_layer", mod).weight
+    if saved.shape != own.shape or not torch.equal(saved, own.detach().to("cpu", saved.dtype)):
+        raise AdapterError(f"adapter {name!r} saves its own {path} weight {tuple(saved.shape)} (peft's "
+                           f"save_embedding_layers), which differs from this model's {tuple(own.shape)}: peft would "
+                           "replace the model's; hetero serves adapters over one shared base model")
 
 
 def from_peft_model(peft_model, name, model):

@@ -59,12 +59,16 @@ class AdapterStore:
         if self.staging is None or self.views["counts"].shape[0] != pool.n:   # staging is per worker count
             self._new_staging(pool.n)
         self.pool = pool
-        w = pool.words
-        w[C.ARG0], w[C.ARG1] = self.max_in, self.max_out
-        C.write_name(w, self.staging.name)
-        pool.run(C.CMD_LORA_OPEN)
+        self._open_staging()
         for a in self.adapters.values():
             self._map(a)
+
+    def _open_staging(self):
+        """Map the staging segment in the pool's workers (their previous one is unmapped)."""
+        w = self.pool.words
+        w[C.ARG0], w[C.ARG1] = self.max_in, self.max_out
+        C.write_name(w, self.staging.name)
+        self.pool.run(C.CMD_LORA_OPEN)
 
     def _unmap_device(self):
         mapped, self.device_map = self.device_map, None
@@ -93,11 +97,14 @@ class AdapterStore:
         """weights: {module path: (A [r, in], B [out, r], scaling)} (validated by source.py)."""
         check_name(name, self.adapters)
         new_sites = [p for p in weights if p not in self.sites]
-        for p in new_sites:
-            A, B, _ = weights[p]
-            if A.shape[1] > self.max_in or B.shape[0] > self.max_out:   # only the LM head is larger
-                raise AdapterError(f"adapter {name!r} targets {p} ({A.shape[1]} -> {B.shape[0]}), larger than the "
-                                   "decoder's linear layers: LoRA on the LM head is not supported")
+        wide = (max([self.max_in] + [weights[p][0].shape[1] for p in new_sites]),
+                max([self.max_out] + [weights[p][1].shape[0] for p in new_sites]))
+        if wide != (self.max_in, self.max_out):   # the LM head (the staging is sized by the decoder's layers)
+            self.max_in, self.max_out = wide
+            if self.staging is not None:
+                self._new_staging(self.views["counts"].shape[0])
+                if self.pool is not None and self.pool.alive:
+                    self._open_staging()
         site_of = dict(self.sites)
         for k, p in enumerate(new_sites):
             site_of[p] = len(self.site_dims) + k
