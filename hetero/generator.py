@@ -125,6 +125,7 @@ class HeteroGenerator:
         self.last_prefetch_log = None      # the ops of the last prefetched continuation (hetero.prefetch.schedule)
         self.last_prefetch_plan = None     # and what plan() gave for its forwards
         self._hooks = lora_hooks.LoraHooks(model)
+        self._peft_model = peft_model      # its active adapter is what adapter_names=None runs (_default_adapter)
         # peft's LoRA layers in the model, whose merge_adapter() writes an adapter into the base weights
         self._tuner_layers = [m for m in model.modules() if hasattr(m, "merged_adapters")]
         self._closed = False
@@ -232,10 +233,26 @@ class HeteroGenerator:
                                "hetero adds adapters per request over the base weights; call unmerge_adapter() "
                                "first (or merge_and_unload() and pass the merged model without adapters)")
 
+    def _default_adapter(self):
+        """What adapter_names=None (prefill's adapter_name=None) runs: the base model; for a
+        PeftModel, its active adapter, as its own generate runs it (the base model while its
+        adapters are disabled: peft's disable_adapter())."""
+        pm = self._peft_model
+        if pm is None or any(getattr(m, "disable_adapters", False) for m in self._tuner_layers):
+            return None
+        active = list(pm.active_adapters)
+        if len(active) != 1:
+            raise AdapterError(f"the PeftModel has {len(active)} active adapters {active} (peft adds them up); hetero "
+                               "runs one adapter per request: pass adapter_names (or set_adapter one)")
+        if self._store is None or active[0] not in self._store.adapters:
+            raise AdapterError(f"the PeftModel's active adapter {active[0]!r} is not loaded in this generator (added "
+                               f"after it was built?); loaded: {self.adapters}")
+        return active[0]
+
     def _lora_batch(self, adapter_names, batch):
         if self._store is None and adapter_names is None:
             return None
-        if adapter_names is None:           # every request on the base model (also for a PeftModel)
+        if adapter_names is None:           # every request on the base model (_default_adapter: None)
             adapter_names = [None] * batch
         if isinstance(adapter_names, str) or not isinstance(adapter_names, (list, tuple)):
             raise TypeError(f"adapter_names must be a list with one name (or None) per request, got {adapter_names!r}")
@@ -495,7 +512,8 @@ class HeteroGenerator:
         the model's generation_config.max_new_tokens, else max_length (the call's, else the model's;
         the whole sequence), else 20; None, as there, sets the model's max_new_tokens aside.
         adapter_names: one loaded adapter name per request, or None / "__base__" for the base model
-        (as peft's adapter_names).
+        (as peft's adapter_names); adapter_names=None: the base model, or a PeftModel's active
+        adapter for every request (as its own generate).
         context: a Context from prefill(); input_ids [1, n] are then the new tokens after it, and
         the sequences returned start with the context's tokens (as if it had been the prompt).
         extend_context=False: the call reads the context and leaves it as it was (many questions
@@ -560,6 +578,9 @@ class HeteroGenerator:
                                                             model_new=model_new, max_length=max_length)
         settings, call = self._generation_settings(None if from_max_length else max_new_tokens, kwargs, started)
         self._check_model_state()
+        if adapter_names is None and context is None:
+            default = self._default_adapter()
+            adapter_names = None if default is None else [default] * input_ids.shape[0]
         lora = self._lora_batch(adapter_names, input_ids.shape[0])
         if context is not None:
             if not many and extend_context is False and not context.closed and input_ids.shape[0] == 1 and \
@@ -763,7 +784,8 @@ class HeteroGenerator:
         the cached KV on the CPU workers, then decoded), call after call. `reserve`: rows kept
         free for the tokens later calls add (default: 1024, within the model's max positions; a call
         that needs more raises CapacityError). adapter_name: a loaded LoRA adapter to prefill with
-        (None: the base model, also for a PeftModel); the calls continuing the context use it too.
+        (None: the base model, or a PeftModel's active adapter; "__base__": the base model); the
+        calls continuing the context use it too.
         Close it (ctx.close(), or `with`) to free its memory; gen.close() closes the rest."""
         if self._closed:
             raise GeneratorClosedError("prefill() called on a closed HeteroGenerator")
@@ -781,6 +803,7 @@ class HeteroGenerator:
         if chunk and not self._rope_ok(input_ids.shape[1], 0, (0,)):
             raise self._rope_refused()
         self._check_model_state()
+        adapter_name = self._default_adapter() if adapter_name is None else adapter_name
         lora = self._lora_batch(None if adapter_name is None else [adapter_name], 1)
         with self._context_session(attention_mask, reserve) as session:
             with self._routed(session, lora) as cache, torch.no_grad(), _active(lora):

@@ -213,8 +213,8 @@ def test_missing_peft_is_a_clear_error(tmp_path, monkeypatch):
 
 def test_contexts_keep_the_adapter_they_were_prefilled_with(tmp_path):
     """A context prefilled with an adapter holds that adapter's KV: its continuations use it (equal
-    to peft over the whole prompt), naming another raises, a PeftModel's plain prefill is the
-    base model's, and a saved context needs the same adapter to load."""
+    to peft over the whole prompt), naming another raises, a PeftModel's plain prefill is its
+    active adapter's ("__base__": the base model's), and a saved context needs the same adapter to load."""
     base, pm, _ = make_adapters("llama", tmp_path)
     g = torch.Generator().manual_seed(4)
     doc, q = torch.randint(3, 160, (40,), generator=g), torch.randint(3, 160, (6,), generator=g)
@@ -223,7 +223,9 @@ def test_contexts_keep_the_adapter_they_were_prefilled_with(tmp_path):
     ref_legal = generate(pm, full, ones, adapter_names=["legal"])
     ref_base = generate(pm, full, ones, adapter_names=["__base__"])
     with HeteroGenerator(pm, cpu_workers=1) as gen:
-        legal, plain = gen.prefill(doc[None], adapter_name="legal"), gen.prefill(doc[None])
+        legal, plain = gen.prefill(doc[None], adapter_name="legal"), gen.prefill(doc[None], adapter_name="__base__")
+        with gen.prefill(doc[None]) as active:                       # the PeftModel's active adapter
+            assert_same(generate(gen, q[None], None, context=active, extend_context=False), ref_legal)
         assert_same(generate(gen, q[None], None, context=legal, extend_context=False), ref_legal)
         assert_same(generate(gen, q[None], None, context=plain, extend_context=False), ref_base)
         out = generate(gen, torch.stack([q, q]), None, context=[legal, plain])
@@ -306,3 +308,25 @@ def test_lora_on_the_lm_head_from_a_directory_matches_peft(tmp_path):
         with pytest.raises(AdapterError, match=r"saves its own lm_head weight \(160, 64\).*differs from this model"):
             gen.load_adapter("head", str(bad))
         assert gen.adapters == ["q"]
+
+
+def test_adapter_names_none_runs_a_peftmodels_active_adapter_as_peft_does(tmp_path):
+    """HeteroGenerator(peft_model).generate without adapter_names equals peft_model.generate: its
+    active adapter (set_adapter) for every request, the base model inside disable_adapter(); two
+    active adapters (peft adds them) are refused by name. A generator over a plain model: base."""
+    base, pm, _ = make_adapters("llama", tmp_path)
+    ids, mask = padded_batch()
+    with HeteroGenerator(pm, cpu_workers=1) as gen:
+        for name in ("legal", "code"):
+            pm.set_adapter(name)
+            ref = generate(pm, ids, mask)
+            assert_same(generate(gen, ids, mask), ref)
+            assert not torch.equal(ref.sequences, generate(pm, ids, mask, adapter_names=["__base__"] * 3).sequences)
+        with pm.disable_adapter():
+            assert_same(generate(gen, ids, mask), generate(pm, ids, mask))
+        pm.base_model.set_adapter(["legal", "code"])
+        with pytest.raises(AdapterError, match=r"2 active adapters \['legal', 'code'\]"):
+            generate(gen, ids, mask)
+        pm.set_adapter("legal")
+    with HeteroGenerator(base, cpu_workers=1, adapters={"legal": str(tmp_path / "legal")}) as gen:
+        assert_same(generate(gen, ids, mask), generate(pm, ids, mask, adapter_names=["__base__"] * 3))
