@@ -351,9 +351,11 @@ class HeteroGenerator:
                                  f"input_ids shape {tuple(input_ids.shape)}")
             if attention_mask.device != device:
                 raise ValueError(f"attention_mask is on {attention_mask.device} but the model is on {device}")
-            if attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex:
-                raise TypeError(f"attention_mask must be an integer or bool tensor of 0/1, got {attention_mask.dtype}")
-            m = attention_mask.long()
+            if attention_mask.dtype.is_complex:
+                raise TypeError(f"attention_mask must be a real tensor of 0/1, got {attention_mask.dtype}")
+            m = attention_mask.long()                # a float mask of 0./1. as transformers takes it
+            if attention_mask.dtype.is_floating_point and not torch.equal(m.to(attention_mask.dtype), attention_mask):
+                raise ValueError("attention_mask may only hold 0 and 1")
             if ((m != 0) & (m != 1)).any():
                 raise ValueError("attention_mask may only hold 0 and 1")
             if (m.sum(1) == 0).any():

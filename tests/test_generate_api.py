@@ -453,3 +453,10 @@ def test_a_generation_config_in_the_call_resolves_as_in_transformers(model, gen)
         gen.generate(ids, attention_mask=mask, generation_config=GenerationConfig(num_beams=2))
     with pytest.raises(TypeError, match="generation_config must be a transformers GenerationConfig, got dict"):
         gen.generate(ids, attention_mask=mask, generation_config={"max_new_tokens": 2})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.bool])
+def test_a_float_or_bool_attention_mask_of_zeros_and_ones_runs_as_in_transformers(model, gen, dtype):
+    ids, mask = padded_batch()
+    kw = dict(max_new_tokens=4, pad_token_id=0, **SCORES)
+    same(gen.generate(ids, attention_mask=mask.to(dtype), **kw), model.generate(ids, attention_mask=mask, **kw))
