@@ -3,6 +3,7 @@ cache and recomputes every key when a sequence passes original_max_position_embe
 that .view() the attention output, encoders run as LMs (bidirectional attention), and a model
 whose forward takes no position ids. Each is exact where hetero runs it, and refused by name
 where it cannot be."""
+import copy
 import os
 
 import pytest
@@ -76,15 +77,20 @@ def test_phi3_longrope_runs_where_every_key_has_transformers_factors():
 
 def test_phi3_default_rope_passes_the_switch_point_exactly():
     """Default RoPE: transformers' cache drop at N recomputes the same keys; hetero keeps its cache
-    (it used to fail there, its cache gone), chunked or not, contexts too."""
+    (it used to fail there, its cache gone), chunked or not, contexts too. The reference is HF
+    without the switch (the same math): transformers 5.17's own drop goes wrong (after dropping the
+    cache its generate still feeds the last token alone, next_sequence_length=1; fixed by 5.23)."""
     model = phi3("default")
+    no_switch = copy.deepcopy(model)
+    no_switch.config.original_max_position_embeddings = 10 ** 6
     ids, mask = padded_batch((50, 40))
-    ref = hf(model, ids, mask, 30)
+    ref = hf(no_switch, ids, mask, 30)
     for chunk in (None, 7):
         with HeteroGenerator(model, config=HeteroConfig(cpu_workers=1, profile="off", prefill_chunk=chunk)) as gen:
             same(gen.generate(ids, attention_mask=mask, max_new_tokens=30, **KW), ref)
             with gen.prefill(ids[:1, :30]) as ctx:
-                same(gen.generate(ids[:1, 30:], context=ctx, max_new_tokens=30, **KW), hf(model, ids[:1], None, 30))
+                same(gen.generate(ids[:1, 30:], context=ctx, max_new_tokens=30, **KW),
+                     hf(no_switch, ids[:1], None, 30))
 
 
 def test_multi_token_steps_give_a_contiguous_attention_output():
