@@ -113,18 +113,36 @@ def write_json(name, payload, copy_to=None):
     return path
 
 
-def run_child(cmd, timeout):
+def run_child(cmd, timeout, log=None):
     """Run a benchmark cell in a fresh process; the dict its last `RESULT <json>` line holds, or
-    {"error": ...} (a crash, no result, or over `timeout` seconds)."""
+    {"error": ...} (a crash, no result, or over `timeout` seconds). log: a file its stderr is
+    appended to as it runs, after a header naming the cell (a long cell's progress survives this
+    process being killed; one file for all cells: a device returns only a few)."""
+    err, start = None, 0
+    if log:
+        err = open(log, "a")
+        err.write(f"\n== {' '.join(cmd[2:])}\n")
+        err.flush()
+        start = err.tell()
     try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err or subprocess.PIPE, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:      # what it logged so far (e.g. a long prefill's progress)
         tail = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        return {"error": f"over {timeout} s", "log_tail": tail[-2000:]}
+        return {"error": f"over {timeout} s", "log_tail": (_logged(log, start) if log else tail)[-2000:]}
+    finally:
+        if err is not None:
+            err.close()
     line = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")]
     if res.returncode or not line:
-        return {"error": res.stderr[-2000:]}
+        return {"error": (_logged(log, start) if log else res.stderr)[-2000:]}
     return json.loads(line[-1][7:])
+
+
+def _logged(path, start):
+    """What a cell appended to `path` from byte `start` on."""
+    with open(path, errors="replace") as f:
+        f.seek(start)
+        return f.read()
 
 
 def padded_batch(lengths, vocab, seed=1):

@@ -17,7 +17,9 @@
 # "--contexts --out gpu_prefill_c" (the 512-token continuation over 64K only). The longest prompt:
 # "--contexts 262144 --systems hf hetero_chunked --chunk auto --continue-context 0 --out gpu_prefill_256k",
 # then 524288 (a 64 GiB arena) alone. --profile puts the timed hetero prefill under torch.profiler and its
-# top ops in the JSON (e.g. "--contexts 131072 --systems hetero_chunked --chunk auto --continue-context 0 --profile").
+# top ops in the JSON (e.g. "--contexts 131072 --systems hetero_chunked --chunk 32768 --continue-context 0 --profile":
+# "auto" runs 128K in one pass, no tiles). The 768K prompt (a 96 GiB arena): add "--ram-fraction 0.95 --timeout 540";
+# every cell's log goes to $OUT/<out>_cells.log as it runs.
 # At most 8 files come back from $OUT: one log per step and one JSON per benchmark.
 set -uo pipefail
 OUT=${OUT:-/tmp/hetero_device}

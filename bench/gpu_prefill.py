@@ -111,7 +111,7 @@ def hetero_gen(model, args, chunked):
     from hetero import HeteroConfig, HeteroGenerator
 
     cfg = HeteroConfig(prefill_chunk=args.chunk if chunked else None,
-                       continuation="prefetch" if chunked else "auto")
+                       continuation="prefetch" if chunked else "auto", ram_fraction=args.ram_fraction)
     return HeteroGenerator(model, config=cfg)
 
 
@@ -152,9 +152,13 @@ def one(args):
     logging.basicConfig(format="%(asctime)s %(message)s")
     logging.getLogger("hetero").setLevel(logging.INFO)
 
+    import psutil
+
     dev = args.device
     model = build(args.shape, dev)
-    out = {}
+    vm = psutil.virtual_memory()
+    out = {"host_ram_gib": {"total": round(vm.total / 2**30, 1), "available": round(vm.available / 2**30, 1)}}
+    logging.getLogger("hetero").info("host RAM: %s GiB", out["host_ram_gib"])
     try:
         if args.one in PREFILL:
             ids = _ids(model, args.context, 1)
@@ -213,7 +217,9 @@ def one(args):
 def spawn(args, system, L):
     return run_child([sys.executable, os.path.abspath(__file__), "--one", system, "--context", str(L),
                       "--shape", args.shape, "--device", args.device, "--chunk", str(args.chunk), "--new",
-                      str(args.new)] + (["--profile"] if args.profile else []), timeout=args.timeout)
+                      str(args.new), "--ram-fraction", str(args.ram_fraction)] + (["--profile"] if args.profile else []),
+                     timeout=args.timeout,
+                     log=os.path.join(args.copy_to, f"{args.out}_cells.log") if args.copy_to else None)
 
 
 def _show(name, r, n):
@@ -237,6 +243,8 @@ def main():
     ap.add_argument("--continue-context", type=int, default=65536, help="cached tokens the continuation extends (0: skip)")
     ap.add_argument("--new", type=positive, default=512, help="the continuation's new tokens")
     ap.add_argument("--timeout", type=positive, default=540, help="seconds per cell (a device call has 600)")
+    ap.add_argument("--ram-fraction", type=float, default=0.8,
+                    help="HeteroConfig.ram_fraction: share of available RAM the KV arena may take")
     ap.add_argument("--profile", action="store_true",
                     help="hetero cells: the timed prefill under torch.profiler, its top ops in the JSON")
     ap.add_argument("--out", default="gpu_prefill")

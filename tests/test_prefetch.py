@@ -335,6 +335,7 @@ def test_half_precision_kernel_routing_and_cudnn_fallback(monkeypatch):
     monkeypatch.setattr(schedule, "_cudnn", lambda q, k, v, s, c: calls.append("cudnn") or ("c", None))
     monkeypatch.setattr(schedule, "TILE_ROWS", 64)
     monkeypatch.setattr(schedule, "_chosen", {("cpu", torch.bfloat16, 8): "cudnn"})
+    monkeypatch.setattr(schedule, "_spot_checked", lambda *a: True)
     rows = schedule.CUDNN_MIN_ROWS
     q, short = torch.zeros(1, 1, rows, 8, dtype=torch.bfloat16), torch.zeros(1, 1, rows - 1, 8, dtype=torch.bfloat16)
     tile, odd = torch.zeros(1, 1, 64, 8, dtype=torch.bfloat16), torch.zeros(1, 1, 40, 8, dtype=torch.bfloat16)
@@ -356,3 +357,46 @@ def test_half_precision_kernel_routing_and_cudnn_fallback(monkeypatch):
     calls.clear()
     schedule._half_kernel(q, tile, tile, 1.0, False)
     assert calls == ["flash"]
+
+
+def _cpu_flash(q, k, v, scale, causal):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)[:2]
+
+
+def test_cudnn_results_are_spot_checked_against_flash_once_per_shape(monkeypatch):
+    """A cuDNN shape not seen before is checked against flash on SPOT_ROWS query rows (the last
+    ones where causal, as two non-causal pieces merged): a wrong row there (out or lse) turns
+    cuDNN off for the device and the call is answered by flash; a shape that passed is not
+    checked again. Driven with CPU kernels standing in for flash and a (possibly broken) cuDNN."""
+    from hetero.prefetch import schedule
+
+    flash_calls = []
+    monkeypatch.setattr(schedule, "_flash", lambda *a: flash_calls.append(a[2].shape[2]) or _cpu_flash(*a))
+    monkeypatch.setattr(schedule, "SPOT_ROWS", 64)
+    monkeypatch.setattr(schedule, "_spot", set())
+    g = torch.Generator().manual_seed(0)
+    q, kt, vt = (torch.randn(1, 2, n, 16, generator=g) for n in (300, 128, 128))
+    for k, v, causal, rows in ((q, q, True, slice(236, 300)), (kt, vt, False, slice(0, 64))):
+        out, lse = schedule.attention_lse_math(q, k, v, 0.25, causal)
+        assert schedule._spot_checked(q, k, v, 0.25, causal, out, lse)
+        flash_calls.clear()
+        assert schedule._spot_checked(q, k, v, 0.25, causal, out, lse) and not flash_calls   # once per shape
+        schedule._spot.clear()
+        for bad_out, bad_lse in ((out.clone(), lse), (out, lse.clone())):
+            (bad_out if bad_out is not out else bad_lse)[0, 1, rows.stop - 1] += 0.5
+            assert not schedule._spot_checked(q, k, v, 0.25, causal, bad_out, bad_lse)
+        assert schedule._spot_checked(q, k, v, 0.25, causal, out, lse)                # unchecked rows
+        schedule._spot.clear()
+
+    def off_by_one_row(q, k, v, scale, causal):
+        out, lse = schedule.attention_lse_math(q, k, v, scale, causal)
+        out[:, :, -1] = 0
+        return out, lse
+
+    monkeypatch.setattr(schedule, "_cudnn", off_by_one_row)
+    monkeypatch.setattr(schedule, "CUDNN_MIN_ROWS", 256)
+    monkeypatch.setattr(schedule, "_chosen", {("cpu", torch.float32, 16): "cudnn"})
+    out, lse = schedule._half_kernel(q, q, q, 0.25, True)
+    ref = _cpu_flash(q, q, q, 0.25, True)
+    assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1])
+    assert schedule._chosen[("cpu", torch.float32, 16)] == "flash"
