@@ -126,8 +126,6 @@ class HeteroGenerator:
         self.last_prefetch_plan = None     # and what plan() gave for its forwards
         self._hooks = lora_hooks.LoraHooks(model)
         self._peft_model = peft_model      # its active adapter is what adapter_names=None runs (_default_adapter)
-        # peft's LoRA layers in the model, whose merge_adapter() writes an adapter into the base weights
-        self._tuner_layers = [m for m in model.modules() if hasattr(m, "merged_adapters")]
         self._closed = False
         # one generate (or adapter load, or context close) at a time: the pool has one control block.
         # Reentrant so a call can close its own context (_recover); _busy refuses a nested call
@@ -201,6 +199,9 @@ class HeteroGenerator:
         return self._store.adapters[name]
 
     def _add_adapter(self, name, weights):
+        if self._peft_model is None and any(hasattr(m, "lora_A") for m in self._peft_layers()):
+            raise AdapterError("the model holds peft LoRA layers but was not passed as its PeftModel (its "
+                               "get_base_model()?): pass the PeftModel itself to serve adapters with it")
         if self._store is None:
             from hetero.adapters.store import AdapterStore
 
@@ -227,18 +228,28 @@ class HeteroGenerator:
             if p > 0:
                 raise ValueError(f"the model is in training mode with dropout (p={p}): transformers' generate "
                                  "would drop activations at random and hetero would not; call model.eval()")
-        merged = sorted({a for m in self._tuner_layers for a in m.merged_adapters})
+        merged = sorted({a for m in self._peft_layers() for a in m.merged_adapters})
         if merged:
             raise AdapterError(f"the model's weights hold merged LoRA adapters {merged} (peft merge_adapter): "
                                "hetero adds adapters per request over the base weights; call unmerge_adapter() "
                                "first (or merge_and_unload() and pass the merged model without adapters)")
+
+    def _peft_layers(self):
+        """peft's tuner layers in the model now (merge_adapter() writes an adapter into their base
+        weights; adapters come and go after the generator was built)."""
+        return [m for m in self.model.modules() if hasattr(m, "merged_adapters")]
+
+    def _adapters_disabled(self):
+        """A PeftModel inside its disable_adapter(): peft then runs the base model, whatever
+        adapter_names say."""
+        return self._peft_model is not None and any(getattr(m, "disable_adapters", False) for m in self._peft_layers())
 
     def _default_adapter(self):
         """What adapter_names=None (prefill's adapter_name=None) runs: the base model; for a
         PeftModel, its active adapter, as its own generate runs it (the base model while its
         adapters are disabled: peft's disable_adapter())."""
         pm = self._peft_model
-        if pm is None or any(getattr(m, "disable_adapters", False) for m in self._tuner_layers):
+        if pm is None or self._adapters_disabled():
             return None
         active = list(pm.active_adapters)
         if len(active) != 1:
@@ -267,6 +278,10 @@ class HeteroGenerator:
             else:
                 raise AdapterError(f"adapter_names names {n!r}, which is not loaded (loaded: {self.adapters}; "
                                    f"None or {lora_source.BASE!r} = base model)")
+        if self._adapters_disabled():             # as peft: its LoRA layers skip adapter_names then
+            chosen = [None] * len(chosen)
+        if self._store is not None:
+            self._hooks.route_peft_layers()
         return lora_hooks.LoraBatch(self._store, chosen)
 
     @property
@@ -435,13 +450,15 @@ class HeteroGenerator:
 
     def _rope_ok(self, width, max_new_tokens, cached=()):
         """Whether a call computes every key with the LongRoPE factors transformers would use
-        (ModelSpec.rope_switch N: a sequence passing N switches to the long factors and
-        transformers recomputes every key; hetero does not): no sequence passes N in the call
-        (width + max_new_tokens <= N + 1), or every key is computed above N in one forward: the
-        prompt longer than N, and each context's cached rows (`cached`: their counts; 0 for a
-        chunked prefill, whose first chunks lie below N) already past N."""
+        (ModelSpec.rope_switch N: a forward reaching past position N rotates with the long factors,
+        and a family that drops its cache there (drops_cache: Phi-3) recomputes every key; hetero
+        keeps its keys): no sequence passes N in the call (width + max_new_tokens <= N + 1); a
+        prompt within N where the cache is kept (decode then passes N in the same forwards as
+        transformers'); or every key computed above N in one forward: the prompt longer than N,
+        and each context's cached rows (`cached`: their counts; 0 for a chunked prefill, whose
+        first chunks lie below N) already past N."""
         N = self.spec.rope_switch
-        if N is None or width + max_new_tokens <= N + 1:
+        if N is None or width + max_new_tokens <= N + 1 or (width <= N and not self.spec.drops_cache):
             return True
         return width > N and all(c > N for c in cached)
 
@@ -449,9 +466,13 @@ class HeteroGenerator:
         N = self.spec.rope_switch
         return UnsupportedModelError(
             f"{self.spec.model_type}'s LongRoPE switches to its long factors once a sequence passes "
-            f"original_max_position_embeddings={N} (Phi-3's generate then recomputes every key); keys hetero "
-            f"keeps from below it would differ: keep prompt + max_new_tokens <= {N + 1}, or give a prompt longer "
-            f"than {N} in one pass (prefill_chunk=None; a context prefilled in one pass past {N} continues fine)")
+            f"original_max_position_embeddings={N} ("
+            + ("its generate then recomputes every key" if self.spec.drops_cache else
+               "transformers' one pass over a prompt past it rotates every key with them")
+            + f"); keys hetero keeps from below it would differ: keep "
+            + (f"prompt + max_new_tokens <= {N + 1}" if self.spec.drops_cache else f"the prompt within {N}")
+            + f", or give a prompt longer than {N} in one pass (prefill_chunk=None; a context prefilled in one "
+            f"pass past {N} continues fine)")
 
     def _staged(self, chunk):
         """Query tokens per step the workers' staging holds for a prompt prefilled in chunks of
@@ -648,6 +669,9 @@ class HeteroGenerator:
         if len(own) != len(contexts) or len(contexts) != batch:
             return adapter_names                 # not this generator's open Contexts, or not one per request: raised later
         names = [None if a is None else a.name for a in own]
+        if any(names) and self._adapters_disabled():
+            raise AdapterError(f"the contexts were prefilled with adapters {names}, but the PeftModel's adapters are "
+                               "disabled (disable_adapter()); continue them outside it")
         if adapter_names is None:
             return names if any(names) else None
         given = [None if n == lora_source.BASE else n for n in adapter_names] \
@@ -1041,10 +1065,11 @@ class HeteroGenerator:
 
     def _recover(self, ctx, cached):
         """A call that extends ctx failed midway: some of its rows may be cached. Without sliding
-        -window rings, back to the `cached` rows the context had (later rows are overwritten by
-        the next call); a ring may have been wrapped over rows the context still needs, so such a
-        context is closed (using it again raises), rather than left silently wrong."""
-        if ctx.session.layout.ring_layers == 0:
+        -window rings, or before any KV update (a setting transformers refuses as it starts), back
+        to the `cached` rows the context had (later rows are overwritten by the next call); a ring
+        may have been wrapped over rows the context still needs, so such a context is closed
+        (using it again raises), rather than left silently wrong."""
+        if ctx.session.layout.ring_layers == 0 or not ctx.session.touched:
             ctx.session.rewind(cached)
         else:
             ctx._close()

@@ -81,9 +81,15 @@ def inspect_model(model):
     kv_tiled, causal = _check_attention_modules(model, name, cfg.model_type, q_heads // kv_heads, head_dim)
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
     rope = rope if isinstance(rope, dict) else {}
-    rope_type = rope.get("rope_type", rope.get("type"))
+    ropes = [r for r in rope.values() if isinstance(r, dict)] or [rope]     # per layer type (Gemma3), or one
     max_positions = getattr(cfg, "max_position_embeddings", None)
-    original_max = getattr(cfg, "original_max_position_embeddings", None) or rope.get("original_max_position_embeddings")
+    original_max = getattr(cfg, "original_max_position_embeddings", None) or \
+        next((r["original_max_position_embeddings"] for r in ropes if r.get("original_max_position_embeddings")), None)
+    switches = {r.get("original_max_position_embeddings") or original_max for r in ropes
+                if r.get("rope_type", r.get("type")) == "longrope"}
+    if len(switches) > 1:
+        raise UnsupportedModelError(f"{name}: LongRoPE switches at different positions per layer type "
+                                    f"{sorted(switches)}; not supported")
     drops_cache = cfg.model_type in CACHE_DROPPING_MODEL_TYPES and original_max is not None
     layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * layers
     other = sorted(set(layer_types) - ATTENTION_LAYER_TYPES)
@@ -101,18 +107,16 @@ def inspect_model(model):
                      dtype=dtype, max_positions=max_positions,
                      sliding=tuple(t == "sliding_attention" for t in layer_types), windows=windows, kv_tiled=kv_tiled,
                      one_pass_only=_one_pass_only(cfg, causal, windows), drops_cache=drops_cache,
-                     rope_switch=original_max if rope_type == "longrope" else None,
-                     position_limit=_position_limit(model, rope, max_positions))
+                     rope_switch=next(iter(switches), None), position_limit=_position_limit(model, ropes, max_positions))
 
 
-def _position_limit(model, rope, max_positions):
+def _position_limit(model, ropes, max_positions):
     """The positions a call may reach: none for a rotary model whose rope types are all static
     (STATIC_ROPE_TYPES; transformers runs it past max_position_embeddings, with a reminder), else
     max_position_embeddings: learned or fixed position tables end there (transformers fails with
     an IndexError past it), and a length-dependent rope would rotate a chunk's keys differently."""
     rotary = any(type(m).__name__.endswith("RotaryEmbedding") for m in model.modules())
-    nested = [r for r in rope.values() if isinstance(r, dict)]          # per layer type (Gemma3)
-    types = {r.get("rope_type", r.get("type")) for r in nested or [rope]}
+    types = {r.get("rope_type", r.get("type")) for r in ropes}
     return None if rotary and types <= set(STATIC_ROPE_TYPES) else max_positions
 
 

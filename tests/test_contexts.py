@@ -646,3 +646,29 @@ def test_a_request_outside_every_group_never_merges_stale_prefix_slots(monkeypat
     assert torch.equal(out.sequences, ref.sequences)
     for x, y in zip(out.scores, ref.scores):
         torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
+
+
+def test_a_call_refused_before_any_kv_update_keeps_a_sliding_window_context():
+    """A call extending a context that fails midway closes it when the model has sliding-window
+    rings (a ring may have wrapped over rows it still needs); one that transformers refuses as it
+    starts (temperature=0 with sampling), before any KV update, leaves it open and exact (a
+    message longer than a piece is fed before transformers starts: such a call still closes it)."""
+    model, _ = build_model("mistral")                            # window 6; 4-token pieces: rings of 64 rows
+    doc, msg = turns(21, 45, 3)
+    with HeteroGenerator(model, config=HeteroConfig(cpu_workers=1, prefill_chunk=4)) as gen:
+        ctx = gen.prefill(doc[None])
+        assert ctx.session.layout.ring_layers
+        with pytest.raises(ValueError, match="temperature"):
+            gen.generate(msg[None], context=ctx, max_new_tokens=4, do_sample=True, temperature=0.0)
+        assert not ctx.closed
+        out = gen.generate(msg[None], context=ctx, extend_context=False, max_new_tokens=4, **KW)
+        assert torch.equal(out.sequences, hf(model, torch.cat([doc, msg]), 4).sequences)
+
+        def stop_at_third_step(ids, scores):
+            if ids.shape[1] >= 45 + 3 + 2:
+                raise RuntimeError("stop")
+            return scores
+
+        with pytest.raises(RuntimeError, match="stop"):
+            gen.generate(msg[None], context=ctx, max_new_tokens=4, logits_processor=[stop_at_third_step], **KW)
+        assert ctx.closed

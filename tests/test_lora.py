@@ -330,3 +330,42 @@ def test_adapter_names_none_runs_a_peftmodels_active_adapter_as_peft_does(tmp_pa
         pm.set_adapter("legal")
     with HeteroGenerator(base, cpu_workers=1, adapters={"legal": str(tmp_path / "legal")}) as gen:
         assert_same(generate(gen, ids, mask), generate(pm, ids, mask, adapter_names=["__base__"] * 3))
+
+
+def test_peft_layers_hetero_does_not_serve_run_their_base_layer_as_peft_would(tmp_path):
+    """Each request gets the adapter it names and no other, as in peft: inside disable_adapter()
+    adapter_names are ignored (the base model, as peft's layers skip them; a context prefilled
+    with an adapter is not continued there); an adapter added to the PeftModel after the
+    generator was built and set active adds nothing to the named requests (and
+    adapter_names=None names it: refused, not loaded); the same adapter loaded into both the
+    generator and the PeftModel (peft's new layer wraps the module hetero hooked) counts once. A
+    PeftModel's inner model with peft layers: as transformers runs it, and adapters= refused."""
+    base, pm, _ = make_adapters("llama", tmp_path)
+    ids, mask = padded_batch()
+    with HeteroGenerator(pm, cpu_workers=1) as gen:
+        legal = gen.prefill(ids[:1, 4:], adapter_name="legal")
+        with pm.disable_adapter():
+            assert_same(generate(gen, ids, mask, adapter_names=NAMES), generate(pm, ids, mask))
+            with gen.prefill(ids[:1, 4:10], adapter_name="legal") as ctx:          # the base model's KV
+                assert_same(generate(gen, ids[:1, 10:], None, context=ctx), generate(pm, ids[:1, 4:], None))
+            with pytest.raises(AdapterError, match="disabled"):
+                generate(gen, ids[:1, 4:6], None, context=legal)
+        legal.close()
+        torch.manual_seed(5)
+        pm.add_adapter("late", LoraConfig(r=4, target_modules=["gate_proj", "q_proj"], init_lora_weights=False))
+        pm.set_adapter("late")
+        assert_same(generate(gen, ids, mask, adapter_names=["legal", None, "code"]),
+                    generate(pm, ids, mask, adapter_names=["legal", "__base__", "code"]))
+        with pytest.raises(AdapterError, match="active adapter 'late' is not loaded"):
+            generate(gen, ids, mask)
+        pm.save_pretrained(tmp_path / "saved", selected_adapters=["late"])
+        gen.load_adapter("late2", str(tmp_path / "saved" / "late"))
+        pm.load_adapter(str(tmp_path / "saved" / "late"), adapter_name="late2")
+        pm.set_adapter("late2")
+        pm.eval()
+        assert_same(generate(gen, ids, mask), generate(pm, ids, mask))                # late2 once
+    inner = pm.get_base_model()
+    with HeteroGenerator(inner, cpu_workers=1) as gen:
+        assert_same(generate(gen, ids, mask), generate(inner, ids, mask))
+        with pytest.raises(AdapterError, match="pass the PeftModel itself"):
+            gen.load_adapter("legal", str(tmp_path / "legal"))

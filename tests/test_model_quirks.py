@@ -223,3 +223,33 @@ def test_a_subclass_overriding_phi3s_input_preparation_is_refused_by_name():
     ref = hf(base, ids, mask, 3)
     with HeteroGenerator(base, config=CFG) as gen:
         same(gen.generate(ids, attention_mask=mask, max_new_tokens=3, **KW), ref)
+
+
+def test_longrope_of_a_family_that_keeps_its_cache_and_per_layer_type():
+    """LongRoPE outside Phi-3: transformers' Llama keeps its cache when decode passes N, so a call
+    whose prompt is within N passes it in the same forwards as transformers' (exact, no longer
+    refused). Gemma3 with LongRoPE on one layer type (rope_parameters per layer type) is guarded
+    like a top-level one: a context or a chunked prefill across N is refused, one pass is exact."""
+    from hetero import HeteroConfig
+
+    hd, n = 16, 16
+    longrope = {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(hd // 2)],
+                "long_factor": [8.0 + 4.0 * i for i in range(hd // 2)], "original_max_position_embeddings": n,
+                "rope_theta": 10000.0}
+    llama = build_model("llama", head_dim=hd, max_position_embeddings=64, rope_parameters=longrope)[0]
+    gemma3 = build_model("gemma3_text", head_dim=hd, max_position_embeddings=64, rope_parameters={
+        "full_attention": longrope, "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})[0]
+    ids = torch.randint(3, VOCAB, (1, 40), generator=torch.Generator().manual_seed(1))
+    with HeteroGenerator(llama, config=CFG) as gen:
+        assert gen.spec.rope_switch == n and not gen.spec.drops_cache
+        same(gen.generate(ids[:, :10], max_new_tokens=20, **KW), hf(llama, ids[:, :10], None, 20))   # passes N
+        with gen.prefill(ids[:, :6]) as ctx:                                       # all within N: short factors
+            same(gen.generate(ids[:, 6:10], context=ctx, max_new_tokens=20, **KW), hf(llama, ids[:, :10], None, 20))
+    with HeteroGenerator(gemma3, config=CFG) as gen:
+        assert gen.spec.rope_switch == n
+        same(gen.generate(ids, max_new_tokens=6, **KW), hf(gemma3, ids, None, 6))
+        with gen.prefill(ids[:, :10]) as ctx, pytest.raises(UnsupportedModelError, match="LongRoPE"):
+            gen.generate(ids[:, 10:], context=ctx, max_new_tokens=6)
+    with HeteroGenerator(gemma3, config=HeteroConfig(cpu_workers=1, profile="off", prefill_chunk=8)) as gen:
+        with pytest.raises(UnsupportedModelError, match="LongRoPE"):
+            gen.generate(ids, max_new_tokens=6)

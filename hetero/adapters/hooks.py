@@ -227,12 +227,15 @@ class LoraHooks:
 
     def __init__(self, model):
         self.model = model
-        self.hooked = {}        # path -> module
+        self.hooked = {}        # path -> (module, the forward attribute it had, ours)
+        self.routed = {}        # id(peft LoRA layer) -> the same, for the layers route_peft_layers took
 
     def ensure(self, path, site):
         if path in self.hooked:
             return
         mod = self.model.get_submodule(path)
+        if id(mod) in self.routed:               # a peft layer routed to its base layer: now served here
+            _restore(*self.routed.pop(id(mod)))
         original = mod.forward                     # bound: the class's, peft's, or another wrapper's
         base = mod.base_layer if hasattr(mod, "base_layer") else original   # peft layer: skip its own LoRA
 
@@ -246,17 +249,46 @@ class LoraHooks:
         self.hooked[path] = (mod, mod.__dict__.get("forward"), forward)
         mod.forward = forward
 
+    def route_peft_layers(self):
+        """Inside a call with a LoraBatch, every peft LoRA layer of the model that serves no site
+        here (an adapter added to the PeftModel after the generator was built, or a peft layer
+        wrapping a module hooked here) runs its base layer alone: each request gets the adapter
+        its adapter_names entry names and no other (peft's own forward would add its active
+        adapters). Outside a call peft's forward runs. Checked at every call (layers come and go)."""
+        ours = {id(entry[0]) for entry in self.hooked.values()}
+        for mod in self.model.modules():
+            if not (hasattr(mod, "lora_A") and hasattr(mod, "base_layer")) or id(mod) in ours or id(mod) in self.routed:
+                continue
+            forward = _base_only(mod.forward, mod.base_layer)
+            self.routed[id(mod)] = (mod, mod.__dict__.get("forward"), forward)
+            mod.forward = forward
+
     def remove(self):
-        """Restore each module's forward as it was before ensure(): the class's, or the instance
-        attribute another library had set (e.g. accelerate's dispatch hooks)."""
-        for mod, previous, ours in self.hooked.values():
-            if mod.__dict__.get("forward") is not ours:
-                continue                           # replaced after us: not ours to undo
-            if previous is None:
-                del mod.forward
-            else:
-                mod.forward = previous
+        """Restore each module's forward as it was before ensure() / route_peft_layers(): the
+        class's, or the instance attribute another library had set (e.g. accelerate's dispatch hooks)."""
+        for entry in list(self.hooked.values()) + list(self.routed.values()):
+            _restore(*entry)
         self.hooked.clear()
+        self.routed.clear()
+
+
+def _base_only(original, base):
+    """A peft layer's forward inside a call with a LoraBatch: its base layer alone (route_peft_layers)."""
+    def forward(x, *args, **kwargs):
+        if active_batch.get() is None:
+            return original(x, *args, **kwargs)
+        return base(x, *args, **kwargs)
+    return forward
+
+
+def _restore(mod, previous, ours):
+    """Put back the forward attribute `mod` had before `ours` (none: the class's)."""
+    if mod.__dict__.get("forward") is not ours:
+        return                                     # replaced after us: not ours to undo
+    if previous is None:
+        del mod.forward
+    else:
+        mod.forward = previous
 
 
 def max_linear_dims(model):

@@ -81,6 +81,7 @@ class KVSession:
         # per layer: the cache was updated and attention has not read it yet (HeteroLayer.update
         # sets it, take_update clears it): one attention call per update, same layer, or refuse
         self.pending = [False] * spec.layers
+        self.touched = False              # a KV update ran since the call began (begin_call; generator._recover)
         shm.warn_if_small_pages(self.layout.nbytes)
         self.seg = shm.Segment(shm.new_name("kv"), self.layout.nbytes, create=True)
         try:
@@ -166,6 +167,7 @@ class KVSession:
         calls), take the call's planner, forget a failed call's half-done layer."""
         self.planner = planner
         self.pending = [False] * self.spec.layers
+        self.touched = False
         if self.pool is not pool or pool.session is not self:
             self.pool = pool
             self._open()
@@ -205,6 +207,7 @@ class KVSession:
 
     def note_update(self, layer):
         """HeteroLayer.update of `layer` ran: its attention call comes next."""
+        self.touched = True
         if self.pending[layer]:
             raise UnsupportedModelError(f"layer {layer}'s KV cache was updated twice without an attention call "
                                         "between (a layer reusing cache slots?); not supported")
