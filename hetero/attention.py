@@ -21,7 +21,8 @@ active_session = ContextVar("hetero_active_session", default=None)
 # Keywords models pass to the attention function that do not change its result here; any other
 # keyword raises (UnsupportedModelError) rather than being silently ignored.
 NEUTRAL_KWARGS = frozenset({"position_ids", "use_cache", "cache_position", "is_causal", "output_router_logits",
-                            "logits_to_keep"})
+                            "logits_to_keep",
+                            "tokenizer"})         # generate's (stop_strings), forwarded with the model kwargs
 
 
 def eager_attention(module, query, key, value, attention_mask, scaling, softcap=None, sinks=None):

@@ -38,19 +38,10 @@ log = logging.getLogger("hetero")
 _MODEL_LOCKS = weakref.WeakKeyDictionary()    # model -> the lock of the one call it serves (across generators)
 _MODELS_LOCK = threading.Lock()
 
-# generate() keywords passed through to transformers' generate (its processors and stopping criteria)
-GENERATE_KWARGS = frozenset({
-    "do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
-    "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "sequence_bias", "suppress_tokens",
-    "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty",
-    "renormalize_logits", "remove_invalid_values", "min_length", "min_new_tokens", "max_time",
-    "eos_token_id", "pad_token_id", "bos_token_id", "streamer", "return_dict_in_generate", "output_scores",
-    "output_logits", "logits_processor", "stopping_criteria", "max_length",
-})
 DEFAULT_RESERVE = 1024   # KV rows a context keeps free for later calls, unless prefill(reserve=) says
 CONTINUE_CHUNK = 256     # a context's continuations go to the workers in pieces of at most this many tokens
 SHARED_IDLE_SPIN = 400   # ~10 us of polls before a CPU model's worker sleeps (atomics.sleep_until_changed)
-PASS_THROUGH = ("streamer", "logits_processor", "stopping_criteria")  # objects, not GenerationConfig fields
+PASS_THROUGH = ("streamer", "logits_processor", "stopping_criteria", "tokenizer")  # objects, not GenerationConfig fields
 DEFAULT_NEW_TOKENS = 20  # transformers' default when the model's generation_config sets no max_length
 
 
@@ -81,6 +72,7 @@ UNSUPPORTED_SETTINGS = {
     "constraints": lambda v: v is not None,
     "force_words_ids": lambda v: v is not None,
     "prefill_chunk_size": lambda v: v is not None,      # HF's own chunked prefill (HeteroConfig.prefill_chunk is ours)
+    "token_healing": bool,                              # rewrites the prompt's tail inside generate
 }
 
 
@@ -383,13 +375,15 @@ class HeteroGenerator:
             max_new_tokens = self._default_new_tokens(input_ids.shape[1], model_new, max_length)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"{what} must be a positive int, got {max_new_tokens!r}")
-        total = input_ids.shape[1] + max_new_tokens
+        # a left-padded row's positions count its own tokens (transformers numbers them from the mask)
+        longest = input_ids.shape[1] if attention_mask is None else int(attention_mask.sum(1).max())
+        total = longest + max_new_tokens
         limit = self.spec.position_limit            # None: a rotary model runs past it, as in transformers
-        if limit is not None and input_ids.shape[1] >= limit:
-            raise CapacityError(f"the prompt ({input_ids.shape[1]} positions) leaves no room in the model's "
+        if limit is not None and longest >= limit:
+            raise CapacityError(f"the prompt ({longest} positions) leaves no room in the model's "
                                 f"max_position_embeddings ({limit}){_LIMIT_WHY}")
         if limit is not None and total > limit:
-            raise CapacityError(f"prompt ({input_ids.shape[1]} positions) + {what} ({max_new_tokens}) = {total} "
+            raise CapacityError(f"prompt ({longest} positions) + {what} ({max_new_tokens}) = {total} "
                                 f"exceeds the model's max_position_embeddings ({limit}){_LIMIT_WHY}")
         return attention_mask, max_new_tokens
 
@@ -554,10 +548,11 @@ class HeteroGenerator:
         started = time.time()                  # max_time counts from here (see _generation_settings)
         if self._closed:
             raise GeneratorClosedError("generate() called on a closed HeteroGenerator")
-        unknown = sorted(set(kwargs) - GENERATE_KWARGS - set(UNSUPPORTED_SETTINGS) - {"generation_config"})
-        if unknown:                                                            # UNSUPPORTED_SETTINGS: refused by value
+        unknown = sorted(set(kwargs) - set(_GC_FIELDS) - set(PASS_THROUGH) - {"generation_config"})
+        if unknown:                      # any GenerationConfig field is taken; UNSUPPORTED_SETTINGS refused by value
             raise TypeError(f"generate() got unsupported arguments {unknown}; supported: input_ids, attention_mask, "
-                            f"max_new_tokens, generation_config, {', '.join(sorted(GENERATE_KWARGS))}")
+                            f"max_new_tokens, generation_config, {', '.join(PASS_THROUGH)} and the fields of "
+                            "transformers' GenerationConfig")
         max_new_tokens, kwargs = _with_generation_config(max_new_tokens, kwargs)
         model_new = max_new_tokens is MODEL_DEFAULT     # explicit None sets the model's max_new_tokens aside
         if model_new:

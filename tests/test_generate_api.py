@@ -319,6 +319,12 @@ def test_a_model_whose_positions_end_at_max_position_embeddings_is_refused_there
                                                                          "rope_theta": 10000.0})[0]
     with pytest.raises(IndexError):
         gpt2.generate(torch.randint(3, 100, (1, 12)), max_new_tokens=20, pad_token_id=0)
+    ids = torch.randint(3, 100, (2, 20), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    ids[1, :8], mask[1, :8] = 0, 0                 # 20 + 6 > 24, but each row's own positions fit
+    kw = dict(max_new_tokens=4, pad_token_id=0, eos_token_id=None, **SCORES)
+    with HeteroGenerator(gpt2, cpu_workers=1) as g:
+        same(g.generate(ids, attention_mask=mask, **kw), gpt2.generate(ids, attention_mask=mask, **kw))
     for m, M in ((gpt2, 24), (dynamic, 256)):
         with HeteroGenerator(m, cpu_workers=1) as g:
             assert g.spec.position_limit == M
@@ -460,3 +466,22 @@ def test_a_float_or_bool_attention_mask_of_zeros_and_ones_runs_as_in_transformer
     ids, mask = padded_batch()
     kw = dict(max_new_tokens=4, pad_token_id=0, **SCORES)
     same(gen.generate(ids, attention_mask=mask.to(dtype), **kw), model.generate(ids, attention_mask=mask, **kw))
+
+
+def test_every_generation_config_field_is_taken_as_a_keyword(model, gen):
+    """Any GenerationConfig field is a generate keyword, as in transformers (watermarking_config,
+    top_h: exact); what hetero does not run is refused by value (token_healing rewrites the prompt)."""
+    from transformers import WatermarkingConfig
+
+    ids, mask = padded_batch()
+    for kw in ({"watermarking_config": WatermarkingConfig(bias=4.0)}, {"do_sample": True, "top_h": 0.5},
+               {"length_penalty": 2.0, "early_stopping": True}):                # beam-search fields: inert
+        kw = dict(kw, max_new_tokens=5, pad_token_id=0, **SCORES)
+        torch.manual_seed(1)
+        ref = model.generate(ids, attention_mask=mask, **kw)
+        torch.manual_seed(1)
+        same(gen.generate(ids, attention_mask=mask, **kw), ref)
+    with pytest.raises(ValueError, match="'token_healing'"):
+        gen.generate(ids, attention_mask=mask, max_new_tokens=2, token_healing=True)
+    with pytest.raises(TypeError, match=r"unsupported arguments \['assistant_model'\]"):
+        gen.generate(ids, attention_mask=mask, max_new_tokens=2, assistant_model=model)

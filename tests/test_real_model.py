@@ -23,6 +23,11 @@ def test_smollm2_real_prompt_matches_hf():
     ref = model.generate(ids, **kw)
     with HeteroGenerator(model, cpu_workers=2) as gen:
         out = gen.generate(ids, **kw)
+        # stop_strings with the tokenizer, as transformers takes them: stops at the same token
+        word = next(w for w in tok.decode(ref.sequences[0, ids.shape[1] + 2:]).split() if w.isalpha())
+        stop = dict(kw, stop_strings=[word], tokenizer=tok)
+        stopped = gen.generate(ids, **stop).sequences
+    assert torch.equal(stopped, model.generate(ids, **stop).sequences) and stopped.shape[1] < ref.sequences.shape[1]
     assert torch.equal(out.sequences, ref.sequences)
     for a, b in zip(out.scores, ref.scores):
         torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-4)
