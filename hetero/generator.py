@@ -191,7 +191,7 @@ class HeteroGenerator:
         return self._store.adapters[name]
 
     def _add_adapter(self, name, weights):
-        if self._peft_model is None and any(hasattr(m, "lora_A") for m in self._peft_layers()):
+        if self._peft_model is None and lora_hooks.peft_layers(self.model, lora_only=True):
             raise AdapterError("the model holds peft LoRA layers but was not passed as its PeftModel (its "
                                "get_base_model()?): pass the PeftModel itself to serve adapters with it")
         if self._store is None:
@@ -228,8 +228,8 @@ class HeteroGenerator:
 
     def _peft_layers(self):
         """peft's tuner layers in the model now (merge_adapter() writes an adapter into their base
-        weights; adapters come and go after the generator was built)."""
-        return [m for m in self.model.modules() if hasattr(m, "merged_adapters")]
+        weights; adapters come and go after the generator was built); none without peft imported."""
+        return lora_hooks.peft_layers(self.model)
 
     def _adapters_disabled(self):
         """A PeftModel inside its disable_adapter(): peft then runs the base model, whatever
@@ -272,8 +272,6 @@ class HeteroGenerator:
                                    f"None or {lora_source.BASE!r} = base model)")
         if self._adapters_disabled():             # as peft: its LoRA layers skip adapter_names then
             chosen = [None] * len(chosen)
-        if self._store is not None:
-            self._hooks.route_peft_layers()
         return lora_hooks.LoraBatch(self._store, chosen)
 
     @property
@@ -442,17 +440,18 @@ class HeteroGenerator:
         return (f"{self.spec.one_pass_only}: hetero runs it as one-pass generate only; {what} would attend "
                 "differently over the cache")
 
-    def _rope_ok(self, width, max_new_tokens, cached=()):
+    def _rope_ok(self, width, max_new_tokens, cached=(), keeps=False):
         """Whether a call computes every key with the LongRoPE factors transformers would use
         (ModelSpec.rope_switch N: a forward reaching past position N rotates with the long factors,
         and a family that drops its cache there (drops_cache: Phi-3) recomputes every key; hetero
         keeps its keys): no sequence passes N in the call (width + max_new_tokens <= N + 1); a
         prompt within N where the cache is kept (decode then passes N in the same forwards as
-        transformers'); or every key computed above N in one forward: the prompt longer than N,
-        and each context's cached rows (`cached`: their counts; 0 for a chunked prefill, whose
-        first chunks lie below N) already past N."""
+        transformers'), unless the call keeps its keys (`keeps`: it extends a context, which would then
+        hold keys of both factors where later calls count on one); or every key computed above N in
+        one forward: the prompt longer than N, and each context's cached rows (`cached`: their
+        counts; 0 for a chunked prefill, whose first chunks lie below N) already past N."""
         N = self.spec.rope_switch
-        if N is None or width + max_new_tokens <= N + 1 or (width <= N and not self.spec.drops_cache):
+        if N is None or width + max_new_tokens <= N + 1 or (width <= N and not self.spec.drops_cache and not keeps):
             return True
         return width > N and all(c > N for c in cached)
 
@@ -464,7 +463,9 @@ class HeteroGenerator:
             + ("its generate then recomputes every key" if self.spec.drops_cache else
                "transformers' one pass over a prompt past it rotates every key with them")
             + f"); keys hetero keeps from below it would differ: keep "
-            + (f"prompt + max_new_tokens <= {N + 1}" if self.spec.drops_cache else f"the prompt within {N}")
+            + (f"prompt + max_new_tokens <= {N + 1}" if self.spec.drops_cache else
+               f"the prompt within {N} (a call extending a context: prompt + max_new_tokens <= {N + 1}, or "
+               "extend_context=False)")
             + f", or give a prompt longer than {N} in one pass (prefill_chunk=None; a context prefilled in one "
             f"pass past {N} continues fine)")
 
@@ -554,6 +555,10 @@ class HeteroGenerator:
                             f"max_new_tokens, generation_config, {', '.join(PASS_THROUGH)} and the fields of "
                             "transformers' GenerationConfig")
         max_new_tokens, kwargs = _with_generation_config(max_new_tokens, kwargs)
+        impl = kwargs.get("cache_implementation")     # the model's own (a checkpoint's "static") is set aside
+        if impl is not None and impl != self.model.generation_config.cache_implementation:
+            raise ValueError(f"cache_implementation={impl!r}: hetero's KV cache replaces transformers' caches; "
+                             "leave it unset")
         model_new = max_new_tokens is MODEL_DEFAULT     # explicit None sets the model's max_new_tokens aside
         if model_new:
             max_new_tokens = None
@@ -779,6 +784,8 @@ class HeteroGenerator:
         patched = self.spec.drops_cache      # the generic input preparation: the cache stays (calls checked: _rope_ok)
         keeping = _keeping_cache(self.model) if patched else None
         self._choose_transport(session, session.pool, lora)
+        if lora is not None:                 # peft layers not served here run their base layer (under the lock)
+            self._hooks.route_peft_layers()
         token = attention.active_session.set(session)
         previous = self.model.config._attn_implementation
         hook = None
@@ -954,7 +961,7 @@ class HeteroGenerator:
                 raise ValueError("context= takes an open Context from this generator's prefill()" + _closed_why(ctx))
             full = torch.cat([ctx.token_ids, ctx.pending, input_ids[0].to("cpu")]).to(self.model.device)[None]
             session, cached = ctx.session, ctx.length                    # full: [1, S]
-            if not self._rope_ok(full.shape[1], max_new_tokens, (cached,)):
+            if not self._rope_ok(full.shape[1], max_new_tokens, (cached,), keeps=extend):
                 raise self._rope_refused()
             need = full.shape[1] + max_new_tokens - 1           # KV rows once the last new token is chosen
             if need > session.layout.cap:
@@ -1135,9 +1142,9 @@ class HeteroGenerator:
             mask = torch.zeros(B, S, dtype=torch.long)
             for b, q in enumerate(seqs):
                 full[b, S - len(q):], mask[b, S - len(q):] = q, 1
-            limit = self.spec.position_limit
-            if limit is not None and S + max_new_tokens > limit:
-                raise CapacityError(f"{S + max_new_tokens} positions exceed the model's "
+            limit, longest = self.spec.position_limit, max(len(q) for q in seqs)   # a row's own positions
+            if limit is not None and longest + max_new_tokens > limit:
+                raise CapacityError(f"{longest + max_new_tokens} positions exceed the model's "
                                     f"max_position_embeddings ({limit}){_LIMIT_WHY}")
             if not self._rope_ok(S, max_new_tokens, cached):
                 raise self._rope_refused()

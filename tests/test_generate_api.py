@@ -321,10 +321,18 @@ def test_a_model_whose_positions_end_at_max_position_embeddings_is_refused_there
         gpt2.generate(torch.randint(3, 100, (1, 12)), max_new_tokens=20, pad_token_id=0)
     ids = torch.randint(3, 100, (2, 20), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
-    ids[1, :8], mask[1, :8] = 0, 0                 # 20 + 6 > 24, but each row's own positions fit
-    kw = dict(max_new_tokens=4, pad_token_id=0, eos_token_id=None, **SCORES)
+    ids[0, :2], mask[0, :2], ids[1, :8], mask[1, :8] = 0, 0, 0, 0    # 20 + 6 > 24, each row's own positions fit
+    kw = dict(max_new_tokens=6, pad_token_id=0, eos_token_id=None, **SCORES)
+    ref = gpt2.generate(ids, attention_mask=mask, **kw)
     with HeteroGenerator(gpt2, cpu_workers=1) as g:
-        same(g.generate(ids, attention_mask=mask, **kw), gpt2.generate(ids, attention_mask=mask, **kw))
+        same(g.generate(ids, attention_mask=mask, **kw), ref)
+        with g.prefill(ids[:1, 2:10]), g.prefill(ids[1:, 8:12]):     # live prefixes of both rows: reused
+            same(g.generate(ids, attention_mask=mask, **kw), ref)
+        with g.prefill(ids[:1, 2:18]) as ctx:                         # 16 + 2 + 6 = 24 fits; + 7 does not
+            same(g.generate(ids[:1, 18:], context=ctx, extend_context=False, **kw), gpt2.generate(ids[:1, 2:], **kw))
+            for context in (ctx, [ctx]):
+                with pytest.raises(CapacityError, match=r"25 positions exceed the model's max_position_embeddings"):
+                    g.generate(ids[:1, 18:], context=context, max_new_tokens=7)
     for m, M in ((gpt2, 24), (dynamic, 256)):
         with HeteroGenerator(m, cpu_workers=1) as g:
             assert g.spec.position_limit == M
@@ -471,7 +479,7 @@ def test_a_float_or_bool_attention_mask_of_zeros_and_ones_runs_as_in_transformer
 def test_every_generation_config_field_is_taken_as_a_keyword(model, gen):
     """Any GenerationConfig field is a generate keyword, as in transformers (watermarking_config,
     top_h: exact); what hetero does not run is refused by value (token_healing rewrites the prompt)."""
-    from transformers import WatermarkingConfig
+    from transformers import GenerationConfig, WatermarkingConfig
 
     ids, mask = padded_batch()
     for kw in ({"watermarking_config": WatermarkingConfig(bias=4.0)}, {"do_sample": True, "top_h": 0.5},
@@ -483,5 +491,13 @@ def test_every_generation_config_field_is_taken_as_a_keyword(model, gen):
         same(gen.generate(ids, attention_mask=mask, **kw), ref)
     with pytest.raises(ValueError, match="'token_healing'"):
         gen.generate(ids, attention_mask=mask, max_new_tokens=2, token_healing=True)
+    for kw in ({"cache_implementation": "quantized"}, {"generation_config": GenerationConfig(cache_implementation="paged")}):
+        with pytest.raises(ValueError, match="cache_implementation=.*hetero's KV cache replaces"):
+            gen.generate(ids, attention_mask=mask, max_new_tokens=2, **kw)
+    model.generation_config.cache_implementation = "static"        # a checkpoint's, also in a copy of it: set aside
+    out = gen.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0,
+                       generation_config=copy.deepcopy(model.generation_config))
+    assert torch.equal(out, model.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0,
+                                           cache_implementation=None))
     with pytest.raises(TypeError, match=r"unsupported arguments \['assistant_model'\]"):
         gen.generate(ids, attention_mask=mask, max_new_tokens=2, assistant_model=model)

@@ -276,7 +276,7 @@ def test_an_adapter_merged_into_the_weights_is_refused_until_unmerged(tmp_path):
 
 def test_lora_on_the_lm_head_from_a_directory_matches_peft(tmp_path):
     """An adapter on the LM head (wider than every decoder layer: the workers' staging grows for
-    it) saved with peft's defaults (the head's base weight saved beside it) or without that
+    it, and narrows back when it is unloaded) saved with peft's defaults (the head's base weight saved beside it) or without that
     weight: peft's tokens and scores. A saved head weight unlike the model's (peft would load it
     into the model) is refused by name."""
     from safetensors.torch import load_file, save_file
@@ -298,16 +298,22 @@ def test_lora_on_the_lm_head_from_a_directory_matches_peft(tmp_path):
     with HeteroGenerator(base, cpu_workers=2, adapters={"q": str(tmp_path / "default" / "q")}) as gen:
         for where in ("default", "lora_only"):               # loaded after the staging was sized without it
             gen.load_adapter("head", str(tmp_path / where / "head"))
+            assert gen._store.max_out == 160
             assert_same(generate(gen, ids, mask, adapter_names=["head", None, "q"]), ref)
             gen.unload_adapter("head")
+            assert (gen._store.max_in, gen._store.max_out) == gen._store.decoder_dims == (128, 128)   # narrowed
+        assert_same(generate(gen, ids, mask, adapter_names=["q", None, "q"]),
+                    generate(pm, ids, mask, adapter_names=["q", "__base__", "q"]))
         bad = tmp_path / "changed_head"
         bad.mkdir()
         (bad / "adapter_config.json").write_text((tmp_path / "default" / "head" / "adapter_config.json").read_text())
         saved["base_model.model.lm_head.base_layer.weight"] += 1
         save_file(saved, bad / "adapter_model.safetensors")
-        with pytest.raises(AdapterError, match=r"saves its own lm_head weight \(160, 64\).*differs from this model"):
+        with pytest.raises(AdapterError, match=r"saves its own lm_head weight .* values that differ from this model"):
             gen.load_adapter("head", str(bad))
         assert gen.adapters == ["q"]
+    with HeteroGenerator(copy.deepcopy(base).to(torch.bfloat16), cpu_workers=1) as gen:
+        gen.load_adapter("head", str(tmp_path / "default" / "head"))    # saved from fp32: equal in bf16, as peft loads it
 
 
 def test_adapter_names_none_runs_a_peftmodels_active_adapter_as_peft_does(tmp_path):
@@ -358,12 +364,16 @@ def test_peft_layers_hetero_does_not_serve_run_their_base_layer_as_peft_would(tm
                     generate(pm, ids, mask, adapter_names=["legal", "__base__", "code"]))
         with pytest.raises(AdapterError, match="active adapter 'late' is not loaded"):
             generate(gen, ids, mask)
-        pm.save_pretrained(tmp_path / "saved", selected_adapters=["late"])
-        gen.load_adapter("late2", str(tmp_path / "saved" / "late"))
-        pm.load_adapter(str(tmp_path / "saved" / "late"), adapter_name="late2")
-        pm.set_adapter("late2")
+        torch.manual_seed(6)                 # an adapter on the LM head, which no peft layer wraps yet
+        head = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, target_modules=["lm_head", "q_proj"],
+                                                               init_lora_weights=False), adapter_name="head")
+        head.save_pretrained(tmp_path / "saved")
+        gen.load_adapter("head", str(tmp_path / "saved" / "head"))            # hooks the plain lm_head
+        pm.load_adapter(str(tmp_path / "saved" / "head"), adapter_name="head")  # wraps it in a peft layer
+        pm.set_adapter("head")
         pm.eval()
-        assert_same(generate(gen, ids, mask), generate(pm, ids, mask))                # late2 once
+        assert type(pm.get_base_model().lm_head).__name__ == "Linear" and hasattr(pm.get_base_model().lm_head, "lora_A")
+        assert_same(generate(gen, ids, mask), generate(pm, ids, mask))                # head counted once
     inner = pm.get_base_model()
     with HeteroGenerator(inner, cpu_workers=1) as gen:
         assert_same(generate(gen, ids, mask), generate(inner, ids, mask))

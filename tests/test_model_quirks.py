@@ -228,7 +228,7 @@ def test_a_subclass_overriding_phi3s_input_preparation_is_refused_by_name():
 def test_longrope_of_a_family_that_keeps_its_cache_and_per_layer_type():
     """LongRoPE outside Phi-3: transformers' Llama keeps its cache when decode passes N, so a call
     whose prompt is within N passes it in the same forwards as transformers' (exact, no longer
-    refused). Gemma3 with LongRoPE on one layer type (rope_parameters per layer type) is guarded
+    refused), but not one extending a context (its keys would mix both factors). Gemma3 with LongRoPE on one layer type (rope_parameters per layer type) is guarded
     like a top-level one: a context or a chunked prefill across N is refused, one pass is exact."""
     from hetero import HeteroConfig
 
@@ -244,7 +244,10 @@ def test_longrope_of_a_family_that_keeps_its_cache_and_per_layer_type():
         assert gen.spec.rope_switch == n and not gen.spec.drops_cache
         same(gen.generate(ids[:, :10], max_new_tokens=20, **KW), hf(llama, ids[:, :10], None, 20))   # passes N
         with gen.prefill(ids[:, :6]) as ctx:                                       # all within N: short factors
-            same(gen.generate(ids[:, 6:10], context=ctx, max_new_tokens=20, **KW), hf(llama, ids[:, :10], None, 20))
+            same(gen.generate(ids[:, 6:10], context=ctx, extend_context=False, max_new_tokens=20, **KW),
+                 hf(llama, ids[:, :10], None, 20))
+            with pytest.raises(UnsupportedModelError, match="extend_context=False"):   # it would keep both kinds
+                gen.generate(ids[:, 6:10], context=ctx, max_new_tokens=20)
     try:
         ref = hf(gemma3, ids, None, 6)
     except UnboundLocalError as e:              # transformers 5.17's per-layer-type LongRoPE fails at its 2nd step

@@ -385,7 +385,9 @@ def test_cudnn_results_are_spot_checked_against_flash_once_per_shape(monkeypatch
         for bad_out, bad_lse in ((out.clone(), lse), (out, lse.clone())):
             (bad_out if bad_out is not out else bad_lse)[0, 1, rows.stop - 1] += 0.5
             assert not schedule._spot_checked(q, k, v, 0.25, causal, bad_out, bad_lse)
-        assert schedule._spot_checked(q, k, v, 0.25, causal, out, lse)                # unchecked rows
+        other = out.clone()
+        other[0, 1, rows.start - 1 if causal else rows.stop] += 0.5                      # a row not checked
+        assert schedule._spot_checked(q, k, v, 0.25, causal, other, lse)
         schedule._spot.clear()
 
     def off_by_one_row(q, k, v, scale, causal):

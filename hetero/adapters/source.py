@@ -147,11 +147,15 @@ def _check_saved_base(name, model, path, saved, pairs):
                            "(a saved base weight of a layer the adapter does not adapt)")
     base_linear(model, path, name)
     mod = model.get_submodule(path)
-    own = getattr(mod, "base_layer", mod).weight
-    if saved.shape != own.shape or not torch.equal(saved, own.detach().to("cpu", saved.dtype)):
-        raise AdapterError(f"adapter {name!r} saves its own {path} weight {tuple(saved.shape)} (peft's "
-                           f"save_embedding_layers), which differs from this model's {tuple(own.shape)}: peft would "
-                           "replace the model's; hetero serves adapters over one shared base model")
+    own = getattr(mod, "base_layer", mod).weight.detach()
+    if saved.shape != own.shape:
+        differs = f"{tuple(saved.shape)}, not this model's {tuple(own.shape)}"
+    elif not torch.equal(saved.to(own.dtype), own.cpu()):        # as peft loads it: in the model's dtype
+        differs = "with values that differ from this model's"
+    else:
+        return
+    raise AdapterError(f"adapter {name!r} saves its own {path} weight (peft's save_embedding_layers) {differs}: "
+                       "peft would replace the model's; hetero serves adapters over one shared base model")
 
 
 def from_peft_model(peft_model, name, model):

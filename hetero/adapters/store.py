@@ -39,6 +39,7 @@ class AdapterStore:
     def __init__(self, model_device, max_in, max_out):
         self.device = torch.device(model_device)
         self.max_in, self.max_out = max_in, max_out
+        self.decoder_dims = (max_in, max_out)   # the staging's width without an LM-head adapter (_fit_staging)
         self.adapters = {}           # name -> Adapter
         self.sites = {}              # module path -> site id
         self.site_dims = []          # site id -> (in, out)
@@ -97,14 +98,7 @@ class AdapterStore:
         """weights: {module path: (A [r, in], B [out, r], scaling)} (validated by source.py)."""
         check_name(name, self.adapters)
         new_sites = [p for p in weights if p not in self.sites]
-        wide = (max([self.max_in] + [weights[p][0].shape[1] for p in new_sites]),
-                max([self.max_out] + [weights[p][1].shape[0] for p in new_sites]))
-        if wide != (self.max_in, self.max_out):   # the LM head (the staging is sized by the decoder's layers)
-            self.max_in, self.max_out = wide
-            if self.staging is not None:
-                self._new_staging(self.views["counts"].shape[0])
-                if self.pool is not None and self.pool.alive:
-                    self._open_staging()
+        self._fit_staging([(A.shape[1], B.shape[0]) for A, B, _ in weights.values()], grow_only=True)
         site_of = dict(self.sites)
         for k, p in enumerate(new_sites):
             site_of[p] = len(self.site_dims) + k
@@ -145,6 +139,22 @@ class AdapterStore:
             self._drop(a)
         a.entries, a.device = {}, None
         a.seg.close()
+        self._fit_staging([(A.shape[1], BT.shape[1]) for b in self.adapters.values() for A, BT, _, _ in b.entries.values()])
+
+    def _fit_staging(self, dims, grow_only=False):
+        """Size the staging's rows for the decoder's layers and the widest of `dims` [(in, out)]: an
+        adapter on the LM head (vocabulary-wide deltas) widens it, and fewer rows then fit in
+        layout.STAGING_BYTES; unloading the last such adapter narrows it back. Between calls only."""
+        wide = tuple(max([d] + [x[k] for x in dims]) for k, d in enumerate(self.decoder_dims))
+        if grow_only:
+            wide = (max(wide[0], self.max_in), max(wide[1], self.max_out))
+        if wide == (self.max_in, self.max_out):
+            return
+        self.max_in, self.max_out = wide
+        if self.staging is not None:
+            self._new_staging(self.views["counts"].shape[0])
+            if self.pool is not None and self.pool.alive:
+                self._open_staging()
 
     def digest(self, a):
         """A saved context's record of adapter `a` ({"name", "sha256"}): its name and a hash of its

@@ -119,11 +119,12 @@ def _half_kernel(q, k, v, scale, causal):
             cuda_kernel(q.device, q.dtype, q.shape[-1]) == "cudnn":
         try:
             out, lse = _cudnn(q, k, v, scale, causal)
+        except (RuntimeError, NotImplementedError) as e:
+            out, why = None, _first_line(e)
+        if out is not None:                      # (the check's own flash call may raise: not cuDNN's fault)
             if _spot_checked(q, k, v, scale, causal, out, lse):
                 return out, lse
             why = "it disagrees with flash at this size"
-        except (RuntimeError, NotImplementedError) as e:
-            why = _first_line(e)
         _chosen[key] = "flash"
         log.warning("hetero: cuDNN attention failed on %s at q %s, k %s (%s); prefetched tiles use flash", q.device,
                     tuple(q.shape), tuple(k.shape), why)
