@@ -854,7 +854,7 @@ class HeteroGenerator:
         """Under the generator's lock: a new context's session (one request, `reserve` rows free,
         continuations in pieces of prefill_chunk or CONTINUE_CHUNK tokens) within context_memory;
         closed again if the body raises (and a pool that died with it)."""
-        tmax = self._piece
+        tmax = min(self._piece, attention_mask.shape[1] + reserve)   # no piece outgrows the context's rows
         pads, real, cap = self._plan_cache(attention_mask, reserve, tmax=tmax)
         with self._exclusive():
             self._check_budget(KVSession.layout_for(self.spec, 1, cap, tmax).nbytes)
@@ -872,8 +872,14 @@ class HeteroGenerator:
                 raise
 
     def _keep(self, ctx):
+        ctx.session.weights = _weights_key(self.model)      # what computed its KV (_stale)
         self._contexts[id(ctx.session)] = _Kept(ctx)
         return ctx
+
+    def _stale(self, session):
+        """Whether the model's base weights changed (in place: a training step, load_state_dict;
+        or replaced) since the context's KV was computed: its KV is not what they would give."""
+        return session.weights != _weights_key(self.model)
 
     def _forget(self, ctx):
         self._contexts.pop(id(ctx.session), None)
@@ -959,6 +965,8 @@ class HeteroGenerator:
         with self._exclusive():
             if ctx.closed:
                 raise ValueError("context= takes an open Context from this generator's prefill()" + _closed_why(ctx))
+            if self._stale(ctx.session):
+                raise ValueError(_STALE)
             full = torch.cat([ctx.token_ids, ctx.pending, input_ids[0].to("cpu")]).to(self.model.device)[None]
             session, cached = ctx.session, ctx.length                    # full: [1, S]
             if not self._rope_ok(full.shape[1], max_new_tokens, (cached,), keeps=extend):
@@ -1088,8 +1096,9 @@ class HeteroGenerator:
         if bool((input_ids[attention_mask == 0] != _pad_id(settings)).any()):
             return None
         cached = self.config.context_memory is not None     # unreferenced contexts are a cache (see _sweep)
+        now = _weights_key(self.model)
         tokens = [(k, k.tokens) for k in list(self._contexts.values())          # a snapshot: no lock held yet
-                  if (cached or k.ref() is not None) and k.adapter is None]
+                  if (cached or k.ref() is not None) and k.adapter is None and k.session.weights == now]
         picks, rests = [], []
         for b in range(input_ids.shape[0]):
             row = input_ids[b, attention_mask[b].bool()].to("cpu")
@@ -1117,6 +1126,8 @@ class HeteroGenerator:
             if not isinstance(c, Context) or c.generator is not self or c.closed:
                 raise ValueError(f"context= takes open Contexts from this generator's prefill(), got {c!r}"
                                  + _closed_why(c))
+            if self._stale(c.session):
+                raise ValueError(_STALE)
 
     def _generate_in_contexts(self, contexts, input_ids, attention_mask, max_new_tokens, settings, call, lora,
                               width=0):
@@ -1358,6 +1369,16 @@ def _token_id(v):
         return int(v) if v.numel() == 1 and not (v.is_floating_point() or v.is_complex() or v.dtype == torch.bool) \
             else None
     return int(v) if isinstance(v, numbers.Integral) and not isinstance(v, bool) else None
+
+
+_STALE = ("the model's weights changed since this context was prefilled (its KV is what the old ones computed); "
+          "prefill it again")
+
+
+def _weights_key(model):
+    """The identity and in-place version counter of each base weight (peft's LoRA weights aside:
+    adapters come and go; each adapter's KV is tied to it by name and digest)."""
+    return tuple((id(p), p._version) for n, p in model.named_parameters() if "lora_" not in n)
 
 
 # why a model has a position limit (ModelSpec.position_limit)

@@ -672,3 +672,46 @@ def test_a_call_refused_before_any_kv_update_keeps_a_sliding_window_context():
         with pytest.raises(RuntimeError, match="stop"):
             gen.generate(msg[None], context=ctx, max_new_tokens=4, logits_processor=[stop_at_third_step], **KW)
         assert ctx.closed
+
+
+def test_a_context_made_in_inference_mode_is_used_outside_it(llama):
+    """A context prefilled (or a generator built) inside torch.inference_mode() continues outside
+    it, as a normal tensor would: its shared-memory views are not inference tensors."""
+    doc, msg = turns(22, 30, 5)
+    with torch.inference_mode():
+        gen = HeteroGenerator(llama, cpu_workers=1)
+        ctx = gen.prefill(doc[None])
+    with gen:
+        out = gen.generate(msg[None], context=ctx, max_new_tokens=4, **KW)
+        assert torch.equal(out.sequences, hf(llama, torch.cat([doc, msg]), 4).sequences)
+
+
+def test_a_huge_prefill_chunk_does_not_size_a_small_contexts_staging(llama):
+    """prefill_chunk=N sizes a context's staging for pieces of N tokens, but never past the
+    context's own rows (a 30-token context with prefill_chunk=10**9 once asked for 47 GiB)."""
+    doc, msg = turns(23, 30, 5)
+    with HeteroGenerator(llama, config=HeteroConfig(cpu_workers=1, prefill_chunk=10 ** 9)) as gen, \
+            gen.prefill(doc[None], reserve=12) as ctx:
+        assert ctx.session.layout.tmax <= 30 + 12
+        out = gen.generate(msg[None], context=ctx, max_new_tokens=4, **KW)
+        assert torch.equal(out.sequences, hf(llama, torch.cat([doc, msg]), 4).sequences)
+
+
+def test_a_context_is_not_reused_after_the_weights_change():
+    """Weights changed in place after a prefill (a training step, load_state_dict): a prompt that
+    starts with the live context's tokens is prefilled anew (HF's answer with the new weights),
+    and continuing the context by name says its KV is stale."""
+    model, _ = build_model("llama")
+    doc, msg = turns(24, 30, 5)
+    with HeteroGenerator(model, config=HeteroConfig(cpu_workers=1, context_memory=1 << 30)) as gen:
+        ctx = gen.prefill(doc[None])
+        with torch.no_grad():
+            model.model.layers[0].self_attn.k_proj.weight.mul_(1.5)
+        full = torch.cat([doc, msg])[None]
+        out = gen.generate(full, max_new_tokens=4, **KW)
+        assert torch.equal(out.sequences, hf(model, full[0], 4).sequences)
+        for context in (ctx, [ctx]):
+            with pytest.raises(ValueError, match="weights changed since this context was prefilled"):
+                gen.generate(msg[None], context=context, max_new_tokens=2)
+        del ctx                                                   # kept unreferenced as a prefix cache
+        assert torch.equal(gen.generate(full, max_new_tokens=4, **KW).sequences, out.sequences)

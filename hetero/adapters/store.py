@@ -76,6 +76,7 @@ class AdapterStore:
         if mapped is not None:
             mapped[2]()
 
+    @torch.inference_mode(False)    # kept across calls, also ones outside inference mode
     def _new_staging(self, nworkers):
         if self.staging is not None:
             self._unmap_device()                 # before the unmap

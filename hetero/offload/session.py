@@ -46,6 +46,7 @@ class Job(NamedTuple):
 
 
 class KVSession:
+    @torch.inference_mode(False)    # its tensors outlive the call (a Context): usable outside inference mode
     def __init__(self, pool, spec, pads, real_lens, cap, planner=None, tmax=1, prefix_groups=()):
         """tmax: query tokens per step after the first forward (chunked prefill: the chunk size).
         prefix_groups: [(source, members)]: a batch-1 session (a Context's, without rings) whose
@@ -82,6 +83,7 @@ class KVSession:
         # sets it, take_update clears it): one attention call per update, same layer, or refuse
         self.pending = [False] * spec.layers
         self.touched = False              # a KV update ran since the call began (begin_call; generator._recover)
+        self.weights = None               # the model's weights its KV came from, for a Context (generator._keep)
         shm.warn_if_small_pages(self.layout.nbytes)
         self.seg = shm.Segment(shm.new_name("kv"), self.layout.nbytes, create=True)
         try:
