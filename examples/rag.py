@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hetero import HeteroConfig, HeteroGenerator  # noqa: E402
+from hetero.cli import positive  # noqa: E402
 from hetero.models import load_smollm2  # noqa: E402
 
 MODULES = ("subprocess", "argparse", "json", "pathlib", "collections", "threading", "logging", "shutil", "csv")
@@ -99,12 +100,14 @@ class FirstToken:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--top", type=int, default=2, help="passages retrieved per question")
-    ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--workers", type=int, default=None)
+    ap.add_argument("--top", type=positive, default=2, help="passages retrieved per question")
+    ap.add_argument("--max-new-tokens", type=positive, default=48)
+    ap.add_argument("--workers", type=positive, default=None)
     args = ap.parse_args(argv)
 
     corpus = passages()
+    if args.top > len(corpus):
+        ap.error(f"--top {args.top}: the index holds {len(corpus)} passages")
     embed = Embedder()
     t = time.perf_counter()
     index = embed([text for _, text in corpus])                           # [N, 384]

@@ -171,6 +171,9 @@ def profile(args):
     from hetero.offload.session import STORAGE_CODES
     from hetero.profile import load_or_measure
 
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():       # before minutes of measuring
+        raise ValueError(f"--device {args.device}: CUDA is not available here")
     Hq, Hkv, D = SHAPES[args.shape]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     spec = ModelSpec(model_type=args.shape, layers=1, q_heads=Hq, kv_heads=Hkv, head_dim=D, dtype=dtype,
@@ -190,7 +193,6 @@ def profile(args):
         print(f"  context {L:7d}: {planner.plan(np.array([L]), 1, lay)}")
     from hetero.prefetch import policy
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     rates = policy.measure(device, spec)
     print(f"continuing a context ({rates.describe()}): the new tokens attend on the device, over KV "
           "prefetched layer by layer, from this many on (else on the CPU workers):")
@@ -198,6 +200,30 @@ def profile(args):
         T = policy.crossover(prof, rates, spec, L, n)
         print(f"  context {L:7d}: {'never (pieces of up to 256 tokens)' if T is None else f'{T} new tokens'}")
     return 0
+
+
+def temperature(text):
+    """argparse type: a finite float >= 0 (0: greedy)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (0: greedy), got {text}")
+    return value
+
+
+def device(text):
+    """argparse type: cpu or cuda[:N]."""
+    import torch
+
+    try:
+        value = torch.device(text)
+    except RuntimeError:
+        value = None
+    if value is None or value.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not cpu or cuda[:N]")
+    return text
 
 
 def positive(text):
@@ -226,7 +252,7 @@ def main(argv=None):
     c.add_argument("--model", default=None, help="a transformers causal LM directory (default: SmolLM2-135M-Instruct)")
     c.add_argument("--system", default=None, help="a system message")
     c.add_argument("--max-new-tokens", type=positive, default=128)
-    c.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    c.add_argument("--temperature", type=temperature, default=0.0, help="0: greedy")
     c.add_argument("--reserve", type=positive, default=None, help="KV rows kept free for the conversation")
     c.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     c.add_argument("--workers", type=positive, default=None)
@@ -239,7 +265,7 @@ def main(argv=None):
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--workers", type=positive, default=None)
     p.add_argument("--force", action="store_true", help="re-measure even if a cached profile matches")
-    p.add_argument("--device", default=None, help="the model's device for the continuation crossover "
+    p.add_argument("--device", type=device, default=None, help="the model's device for the continuation crossover "
                                                     "(default: cuda when available, else cpu)")
     p.set_defaults(fn=profile)
     args = ap.parse_args(argv)

@@ -1,4 +1,5 @@
 """HeteroConfig: every engine knob, validated once at the boundary."""
+import math
 import numbers
 import os
 from dataclasses import dataclass
@@ -64,12 +65,13 @@ class HeteroConfig:
         _check_int("spin_budget", self.spin_budget, 1, allow_none=False)
         if self.spin_budget >= 1 << 62:
             raise ValueError(f"HeteroConfig.spin_budget must be below 2**62 polls, got {self.spin_budget!r}")
-        if not (isinstance(self.ram_fraction, (int, float)) and 0 < self.ram_fraction <= 1):
+        if isinstance(self.ram_fraction, bool) or not (isinstance(self.ram_fraction, (int, float))
+                                                        and 0 < self.ram_fraction <= 1):
             raise ValueError(f"HeteroConfig.ram_fraction must be in (0, 1], got {self.ram_fraction!r}")
         for name in ("start_timeout", "worker_timeout"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not (isinstance(value, (int, float)) and value > 0):
-                raise ValueError(f"HeteroConfig.{name} must be > 0 seconds, got {value!r}")
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0 < value < math.inf):
+                raise ValueError(f"HeteroConfig.{name} must be a finite number > 0 of seconds, got {value!r}")
         if self.profile not in ("auto", "off"):
             raise ValueError(f"HeteroConfig.profile must be 'auto' or 'off', got {self.profile!r}")
         for name in ("share_contexts", "reuse_contexts"):
@@ -90,6 +92,8 @@ class HeteroConfig:
             if not cores or bad:
                 raise ValueError(f"HeteroConfig.worker_cores {cores!r}: cores {bad} are not usable by this process "
                                  f"(usable: {sorted(usable)})")
+            if len(set(cores)) != len(cores):
+                raise ValueError(f"HeteroConfig.worker_cores {cores!r} names a core twice (one worker per core)")
             object.__setattr__(self, "worker_cores", tuple(int(c) for c in cores))
 
     def resolve_workers(self):

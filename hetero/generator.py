@@ -87,6 +87,8 @@ class HeteroGenerator:
     """
 
     def __init__(self, model, cpu_workers=None, config=None, adapters=None):
+        if config is not None and not isinstance(config, HeteroConfig):
+            raise TypeError(f"config= takes a HeteroConfig, got {type(config).__name__}")
         config = config or HeteroConfig()
         if cpu_workers is not None:
             config = replace(config, cpu_workers=cpu_workers)
@@ -908,7 +910,7 @@ class HeteroGenerator:
             return
         if nbytes > budget:
             raise CapacityError(f"a new context needs {nbytes / 2**20:.1f} MiB, more than all of HeteroConfig."
-                                f"context_memory={budget / 2**20:.1f} MiB (a smaller reserve= needs less)")
+                                f"context_memory={budget} bytes ({budget / 2**20:.1f} MiB; a smaller reserve= needs less)")
         while sum(k.session.layout.nbytes for k in self._contexts.values()) + nbytes > budget:
             idle = [(k.used, key) for key, k in self._contexts.items() if k.ref() is None]
             if not idle:
@@ -916,8 +918,8 @@ class HeteroGenerator:
                         for k in self._contexts.values()]
                 used = sum(k.session.layout.nbytes for k in self._contexts.values())
                 raise CapacityError(f"a new context needs {nbytes / 2**20:.1f} MiB, but the open contexts {held} "
-                                    f"hold {used / 2**20:.1f} MiB of HeteroConfig.context_memory="
-                                    f"{budget / 2**20:.1f} MiB and are all still referenced; close some")
+                                    f"hold {used / 2**20:.1f} MiB of HeteroConfig.context_memory={budget} bytes "
+                                    f"({budget / 2**20:.1f} MiB) and are all still referenced; close some")
             self._contexts.pop(min(idle)[1]).session.close()
 
     def load_context(self, path, reserve=None):

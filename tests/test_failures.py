@@ -61,9 +61,14 @@ def test_cache_capacity_and_ram_limits(llama):
 def test_bad_config_values():
     for kw, msg in [({"cpu_workers": 0}, "cpu_workers"), ({"ram_fraction": 2}, "ram_fraction"),
                     ({"worker_cores": (10**6,)}, "not usable"), ({"max_cache_tokens": -1}, "max_cache_tokens"),
-                    ({"cpu_workers": 4 * os.cpu_count() + 1}, "more than 4 per CPU")]:
+                    ({"cpu_workers": 4 * os.cpu_count() + 1}, "more than 4 per CPU"),
+                    ({"ram_fraction": True}, "ram_fraction"), ({"worker_timeout": float("inf")}, "finite"),
+                    ({"worker_cores": (0, 0)}, "names a core twice")]:
         with pytest.raises(ValueError, match=msg):
             HeteroConfig(**kw)
+    for bad in ("x", {"cpu_workers": 1}, 0):
+        with pytest.raises(TypeError, match="config= takes a HeteroConfig"):
+            HeteroGenerator(None, config=bad)
 
 
 def test_default_worker_cores_spare_the_parents_core():

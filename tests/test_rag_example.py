@@ -25,3 +25,7 @@ def test_rag_example(capsys):
     assert "subprocess." in out                      # the first question finds subprocess's documentation
     assert "first answer's tokens identical to HF generate: True" in out
     assert "questions in one batch sharing the context" in out and "identical to one by one: True" in out
+    for bad in (["--top", "0"], ["--workers", "0"], ["--max-new-tokens", "-1"]):
+        with pytest.raises(SystemExit):                  # argparse names it before any work
+            rag.main(bad)
+    assert "must be at least 1" in capsys.readouterr().err

@@ -295,7 +295,14 @@ def _load_kernels(env, timeout):
 
     if kernel.run_job.overloads:                 # loaded (or compiled) already in this process
         return
-    subprocess.run([sys.executable, "-c", WARM_UP], env=env, cwd=ROOT, stdin=subprocess.DEVNULL, check=True,
-                   timeout=timeout)
+    try:
+        subprocess.run([sys.executable, "-c", WARM_UP], env=env, cwd=ROOT, stdin=subprocess.DEVNULL, check=True,
+                       timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise WorkerError(f"compiling the attention kernel took over start_timeout={timeout} s (a cold numba "
+                          "cache takes ~10-60 s); raise HeteroConfig.start_timeout") from None
+    except subprocess.CalledProcessError as e:
+        raise WorkerError(f"compiling the attention kernel failed in a child process (exit {e.returncode}; "
+                          "its error is above)") from None
     atomics.warm_up()
     kernel.warm_up()
