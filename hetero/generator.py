@@ -206,6 +206,7 @@ class HeteroGenerator:
                 store.close()
                 raise
             self._store = store
+            self._hooks.store = store
         self._store.add(name, weights)
         for path in weights:
             self._hooks.ensure(path, self._store.sites[path])
@@ -1378,9 +1379,27 @@ _STALE = ("the model's weights changed since this context was prefilled (its KV 
 
 
 def _weights_key(model):
-    """The identity and in-place version counter of each base weight (peft's LoRA weights aside:
-    adapters come and go; each adapter's KV is tied to it by name and digest)."""
-    return tuple((id(p), p._version) for n, p in model.named_parameters() if "lora_" not in n)
+    """What tells the base weights apart over time: each one's identity, storage, dtype and
+    in-place version counter, and 8 of its values (`.data = ...` and a dtype round trip keep the
+    counter; peft's merge writes through .data). peft's adapter weights aside (LoRA,
+    modules_to_save copies): adapters come and go, and each adapter's KV is tied to it by name
+    and digest. One copy to the host per device, per call."""
+    params = [p for n, p in model.named_parameters()
+              if "lora_" not in n and ".modules_to_save." not in n and p.device.type != "meta"]
+    samples = {}
+    with torch.no_grad():
+        for p in params:
+            samples.setdefault(p.device, []).append(p.detach().reshape(-1)[::max(1, p.numel() // 8)][:8].float())
+    values = b"".join(torch.cat(v).cpu().numpy().tobytes() for v in samples.values())
+    return tuple((id(p), p.data_ptr(), p.dtype, _version(p)) for p in params), values
+
+
+def _version(tensor):
+    """Its in-place version counter (an inference tensor has none: -1)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return -1
 
 
 # why a model has a position limit (ModelSpec.position_limit)

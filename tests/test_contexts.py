@@ -684,6 +684,11 @@ def test_a_context_made_in_inference_mode_is_used_outside_it(llama):
     with gen:
         out = gen.generate(msg[None], context=ctx, max_new_tokens=4, **KW)
         assert torch.equal(out.sequences, hf(llama, torch.cat([doc, msg]), 4).sequences)
+    with torch.inference_mode():                         # a model built there: inference-tensor weights
+        model = build_model("llama")[0]
+    with HeteroGenerator(model, cpu_workers=1) as gen, gen.prefill(doc[None]) as ctx:
+        out = gen.generate(msg[None], context=ctx, max_new_tokens=4, **KW)
+        assert torch.equal(out.sequences, hf(model, torch.cat([doc, msg]), 4).sequences)
 
 
 def test_a_huge_prefill_chunk_does_not_size_a_small_contexts_staging(llama):
@@ -697,16 +702,22 @@ def test_a_huge_prefill_chunk_does_not_size_a_small_contexts_staging(llama):
         assert torch.equal(out.sequences, hf(llama, torch.cat([doc, msg]), 4).sequences)
 
 
-def test_a_context_is_not_reused_after_the_weights_change():
-    """Weights changed in place after a prefill (a training step, load_state_dict): a prompt that
-    starts with the live context's tokens is prefilled anew (HF's answer with the new weights),
-    and continuing the context by name says its KV is stale."""
+@pytest.mark.parametrize("change", ["in place", "data"])
+def test_a_context_is_not_reused_after_the_weights_change(change):
+    """Weights changed after a prefill (in place: a training step, load_state_dict; or through
+    .data, as peft's merge writes): a prompt that starts with the live context's tokens is
+    prefilled anew (HF's answer with the new weights), and continuing the context by name says
+    its KV is stale."""
     model, _ = build_model("llama")
     doc, msg = turns(24, 30, 5)
     with HeteroGenerator(model, config=HeteroConfig(cpu_workers=1, context_memory=1 << 30)) as gen:
         ctx = gen.prefill(doc[None])
+        w = model.model.layers[0].self_attn.k_proj.weight
         with torch.no_grad():
-            model.model.layers[0].self_attn.k_proj.weight.mul_(1.5)
+            if change == "in place":
+                w.mul_(1.5)
+            else:
+                w.data = w.data * 1.5
         full = torch.cat([doc, msg])[None]
         out = gen.generate(full, max_new_tokens=4, **KW)
         assert torch.equal(out.sequences, hf(model, full[0], 4).sequences)

@@ -374,8 +374,31 @@ def test_peft_layers_hetero_does_not_serve_run_their_base_layer_as_peft_would(tm
         pm.eval()
         assert type(pm.get_base_model().lm_head).__name__ == "Linear" and hasattr(pm.get_base_model().lm_head, "lora_A")
         assert_same(generate(gen, ids, mask), generate(pm, ids, mask))                # head counted once
+        with gen.prefill(ids[:1, 4:], adapter_name="__base__") as plain:    # base weights unchanged by adapters,
+            ref = generate(pm, torch.cat([ids[:1, 4:], ids[:1, 2:4]], 1), None, adapter_names=["__base__"])
+            pm.add_adapter("kept", LoraConfig(r=4, target_modules=["k_proj"], modules_to_save=["embed_tokens"]))
+            assert_same(generate(gen, ids[:1, 2:4], None, context=plain, extend_context=False), ref)  # copies too
     inner = pm.get_base_model()
     with HeteroGenerator(inner, cpu_workers=1) as gen:
         assert_same(generate(gen, ids, mask), generate(inner, ids, mask))
         with pytest.raises(AdapterError, match="pass the PeftModel itself"):
             gen.load_adapter("legal", str(tmp_path / "legal"))
+
+
+def test_two_generators_over_one_model_serve_their_own_adapters(tmp_path):
+    """Two generators over one model hook the same modules (one's wrappers around the other's):
+    each acts on its own calls only (a call once posted its jobs through the other's hooks and
+    stalled), and closing them in either order leaves no wrapper behind."""
+    base, pm, _ = make_adapters("llama", tmp_path)
+    ids, mask = padded_batch()
+    ref = generate(pm, ids, mask, adapter_names=NAMES)
+    dirs = {n: str(tmp_path / n) for n in ("legal", "code")}
+    for first in (0, 1):
+        gens = [HeteroGenerator(base, cpu_workers=1, adapters=dirs) for _ in range(2)]
+        try:
+            for g in gens + gens[:1]:
+                assert_same(generate(g, ids, mask, adapter_names=NAMES), ref)
+        finally:
+            gens[first].close()
+            gens[1 - first].close()
+        assert all("forward" not in m.__dict__ for m in base.modules())

@@ -230,6 +230,14 @@ class LoraHooks:
         self.model = model
         self.hooked = {}        # path -> (module, the forward attribute it had, ours)
         self.routed = {}        # id(peft LoRA layer) -> the same, for the layers route_peft_layers took
+        # the generator's AdapterStore: only its calls' batches act here (another generator over the
+        # same model hooks the same modules, its wrappers around these or inside them)
+        self.store = None
+
+    def _batch(self):
+        """The active LoraBatch if it is this generator's, else None."""
+        batch = active_batch.get()
+        return batch if batch is not None and batch.store is self.store else None
 
     def ensure(self, path, site):
         if path in self.hooked:
@@ -241,7 +249,7 @@ class LoraHooks:
         base = mod.base_layer if hasattr(mod, "base_layer") else original   # peft layer: skip its own LoRA
 
         def forward(x, *args, **kwargs):
-            batch = active_batch.get()
+            batch = self._batch()
             if batch is None:
                 return original(x, *args, **kwargs)
             return batch.apply(site, x, lambda: base(x, *args, **kwargs))
@@ -263,7 +271,7 @@ class LoraHooks:
         for key, mod in layers.items():
             if key in ours or key in self.routed:
                 continue
-            forward = _base_only(mod.forward, mod.base_layer)
+            forward = _base_only(mod.forward, mod.base_layer, self)
             self.routed[key] = (mod, mod.__dict__.get("forward"), forward)
             mod.forward = forward
 
@@ -289,19 +297,24 @@ def peft_layers(model, lora_only=False):
     return [m for m in model.modules() if isinstance(m, kind)]
 
 
-def _base_only(original, base):
-    """A peft layer's forward inside a call with a LoraBatch: its base layer alone (route_peft_layers)."""
+def _base_only(original, base, hooks):
+    """A peft layer's forward inside a call of `hooks`' generator: its base layer alone (route_peft_layers)."""
     def forward(x, *args, **kwargs):
-        if active_batch.get() is None:
+        if hooks._batch() is None:
             return original(x, *args, **kwargs)
         return base(x, *args, **kwargs)
     return forward
 
 
 def _restore(mod, previous, ours):
-    """Put back the forward attribute `mod` had before `ours` (none: the class's)."""
+    """Put back the forward attribute `mod` had before `ours` (none: the class's). Where another
+    wrapper was put on top since (a second generator over the model), ours stays in its chain,
+    marked released, and is skipped when that one is removed."""
     if mod.__dict__.get("forward") is not ours:
-        return                                     # replaced after us: not ours to undo
+        ours.released = previous
+        return
+    while previous is not None and hasattr(previous, "released"):
+        previous = previous.released
     if previous is None:
         del mod.forward
     else:
