@@ -206,7 +206,6 @@ class HeteroGenerator:
                 store.close()
                 raise
             self._store = store
-            self._hooks.store = store
         self._store.add(name, weights)
         for path in weights:
             self._hooks.ensure(path, self._store.sites[path])
@@ -275,7 +274,7 @@ class HeteroGenerator:
                                    f"None or {lora_source.BASE!r} = base model)")
         if self._adapters_disabled():             # as peft: its LoRA layers skip adapter_names then
             chosen = [None] * len(chosen)
-        return lora_hooks.LoraBatch(self._store, chosen)
+        return lora_hooks.LoraBatch(self._store, chosen, owner=self._hooks)   # only this generator's hooks act on it
 
     @property
     def cpu_workers(self):
@@ -1125,11 +1124,12 @@ class HeteroGenerator:
     def _check_contexts(self, contexts):
         if not contexts:
             raise ValueError("context= got an empty list")
+        now = _weights_key(self.model)                          # once per call: it samples every weight
         for c in contexts:
             if not isinstance(c, Context) or c.generator is not self or c.closed:
                 raise ValueError(f"context= takes open Contexts from this generator's prefill(), got {c!r}"
                                  + _closed_why(c))
-            if self._stale(c.session):
+            if isinstance(c, Context) and c.session.weights != now:
                 raise ValueError(_STALE)
 
     def _generate_in_contexts(self, contexts, input_ids, attention_mask, max_new_tokens, settings, call, lora,
@@ -1384,14 +1384,25 @@ def _weights_key(model):
     counter; peft's merge writes through .data). peft's adapter weights aside (LoRA,
     modules_to_save copies): adapters come and go, and each adapter's KV is tied to it by name
     and digest. One copy to the host per device, per call."""
+    adapters = {id(p) for m in lora_hooks.peft_layers(model)          # any peft tuner's own weights
+                for name in getattr(m, "adapter_layer_names", ()) if isinstance(getattr(m, name, None), torch.nn.Module)
+                for p in getattr(m, name).parameters()}
     params = [p for n, p in model.named_parameters()
-              if "lora_" not in n and ".modules_to_save." not in n and p.device.type != "meta"]
-    samples = {}
+              if id(p) not in adapters and "lora_" not in n and ".modules_to_save." not in n and p.device.type != "meta"]
+    samples = {}                    # (device, dtype) -> 8-value views, joined on the device: one copy each
     with torch.no_grad():
         for p in params:
-            samples.setdefault(p.device, []).append(p.detach().reshape(-1)[::max(1, p.numel() // 8)][:8].float())
-    values = b"".join(torch.cat(v).cpu().numpy().tobytes() for v in samples.values())
-    return tuple((id(p), p.data_ptr(), p.dtype, _version(p)) for p in params), values
+            samples.setdefault((p.device, p.dtype), []).append(p.detach().reshape(-1)[::max(1, p.numel() // 8)][:8])
+    values = b"".join(torch.cat(v).cpu().view(torch.uint8).numpy().tobytes() for v in samples.values())
+    return tuple((id(p), _storage(p), p.dtype, _version(p)) for p in params), values
+
+
+def _storage(tensor):
+    """Its storage's address (a tensor subclass without one: None)."""
+    try:
+        return tensor.data_ptr()
+    except RuntimeError:
+        return None
 
 
 def _version(tensor):

@@ -20,6 +20,7 @@ cast back to the output dtype (as peft does with its fp32 adapter weights).
 """
 import heapq
 import sys
+import weakref
 from contextvars import ContextVar
 
 import numpy as np
@@ -67,8 +68,9 @@ def plan_units(pieces, din, dout, nworkers):
 class LoraBatch:
     """The adapters of one generate call: names[b] is request b's adapter (None: base model)."""
 
-    def __init__(self, store, adapters):
+    def __init__(self, store, adapters, owner=None):
         self.store = store
+        self.owner = owner                       # the LoraHooks (generator) whose call this is
         self.adapters = adapters                 # per request: store.Adapter or None
         self._plans = {}                         # (site, pieces) -> staged unit tables
         self.transport = None                    # a CUDA transport posting the decode jobs (use_transport)
@@ -230,14 +232,11 @@ class LoraHooks:
         self.model = model
         self.hooked = {}        # path -> (module, the forward attribute it had, ours)
         self.routed = {}        # id(peft LoRA layer) -> the same, for the layers route_peft_layers took
-        # the generator's AdapterStore: only its calls' batches act here (another generator over the
-        # same model hooks the same modules, its wrappers around these or inside them)
-        self.store = None
 
     def _batch(self):
         """The active LoraBatch if it is this generator's, else None."""
         batch = active_batch.get()
-        return batch if batch is not None and batch.store is self.store else None
+        return batch if batch is not None and batch.owner is self else None
 
     def ensure(self, path, site):
         if path in self.hooked:
@@ -306,15 +305,19 @@ def _base_only(original, base, hooks):
     return forward
 
 
+_RELEASED = weakref.WeakKeyDictionary()   # a wrapper removed while another sat on top of it -> what it wrapped
+
+
 def _restore(mod, previous, ours):
     """Put back the forward attribute `mod` had before `ours` (none: the class's). Where another
     wrapper was put on top since (a second generator over the model), ours stays in its chain,
-    marked released, and is skipped when that one is removed."""
+    released (_RELEASED: not an attribute, which functools.wraps would copy onto a wrapper of
+    it), and is skipped when that one is removed."""
     if mod.__dict__.get("forward") is not ours:
-        ours.released = previous
+        _RELEASED[ours] = previous
         return
-    while previous is not None and hasattr(previous, "released"):
-        previous = previous.released
+    while previous is not None and previous in _RELEASED:
+        previous = _RELEASED[previous]
     if previous is None:
         del mod.forward
     else:
