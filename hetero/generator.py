@@ -377,15 +377,24 @@ class HeteroGenerator:
             raise ValueError(f"{what} must be a positive int, got {max_new_tokens!r}")
         # a left-padded row's positions count its own tokens (transformers numbers them from the mask)
         longest = input_ids.shape[1] if attention_mask is None else int(attention_mask.sum(1).max())
-        total = longest + max_new_tokens
-        limit = self.spec.position_limit            # None: a rotary model runs past it, as in transformers
-        if limit is not None and longest >= limit:
-            raise CapacityError(f"the prompt ({longest} positions) leaves no room in the model's "
-                                f"max_position_embeddings ({limit}){_LIMIT_WHY}")
-        if limit is not None and total > limit:
-            raise CapacityError(f"prompt ({longest} positions) + {what} ({max_new_tokens}) = {total} "
-                                f"exceeds the model's max_position_embeddings ({limit}){_LIMIT_WHY}")
+        self._check_positions(longest, max_new_tokens, what)
         return attention_mask, max_new_tokens
+
+    def _check_positions(self, tokens, new, what=None):
+        """CapacityError where `tokens` positions (a request's own, pads aside) and `new` more pass
+        ModelSpec.position_limit (None: a rotary model runs past max_position_embeddings, as in
+        transformers). what: the name of the rows added, for a prompt's message (None: a context's)."""
+        limit = self.spec.position_limit
+        if limit is None or tokens + new <= limit:          # new >= 1: the prompt is within it too
+            return
+        if what is None:
+            raise CapacityError(f"{tokens + new} positions exceed the model's max_position_embeddings "
+                                f"({limit}){_LIMIT_WHY}")
+        if tokens >= limit:
+            raise CapacityError(f"the prompt ({tokens} positions) leaves no room in the model's "
+                                f"max_position_embeddings ({limit}){_LIMIT_WHY}")
+        raise CapacityError(f"prompt ({tokens} positions) + {what} ({new}) = {tokens + new} exceeds the model's "
+                            f"max_position_embeddings ({limit}){_LIMIT_WHY}")
 
     def _default_new_tokens(self, prompt, model_new=True, max_length=MODEL_DEFAULT):
         """max_new_tokens when the call gives none, as transformers decides it: the model's
@@ -878,10 +887,11 @@ class HeteroGenerator:
         self._contexts[id(ctx.session)] = _Kept(ctx)
         return ctx
 
-    def _stale(self, session):
+    def _stale(self, session, now=None):
         """Whether the model's base weights changed (in place: a training step, load_state_dict;
-        or replaced) since the context's KV was computed: its KV is not what they would give."""
-        return session.weights != _weights_key(self.model)
+        or replaced) since the context's KV was computed: its KV is not what they would give.
+        now: _weights_key computed once for several contexts."""
+        return session.weights != (_weights_key(self.model) if now is None else now)
 
     def _forget(self, ctx):
         self._contexts.pop(id(ctx.session), None)
@@ -978,10 +988,7 @@ class HeteroGenerator:
                 raise CapacityError(f"the context holds {cached} tokens and this call adds {full.shape[1] - cached} "
                                     f"+ {max_new_tokens} new: {need} rows, but it was prefilled with room for "
                                     f"{session.layout.cap} (prefill(..., reserve=...))")
-            limit = self.spec.position_limit
-            if limit is not None and full.shape[1] + max_new_tokens > limit:
-                raise CapacityError(f"{full.shape[1] + max_new_tokens} positions exceed the model's "
-                                    f"max_position_embeddings ({limit}){_LIMIT_WHY}")
+            self._check_positions(full.shape[1], max_new_tokens)
             pool = self._ensure_pool()
             session.begin_call(pool, self._ensure_planner(pool))
             rings = None if extend or not session.layout.ring_layers else (session.Kr.clone(), session.Vr.clone())
@@ -1129,7 +1136,7 @@ class HeteroGenerator:
             if not isinstance(c, Context) or c.generator is not self or c.closed:
                 raise ValueError(f"context= takes open Contexts from this generator's prefill(), got {c!r}"
                                  + _closed_why(c))
-            if isinstance(c, Context) and c.session.weights != now:
+            if self._stale(c.session, now):
                 raise ValueError(_STALE)
 
     def _generate_in_contexts(self, contexts, input_ids, attention_mask, max_new_tokens, settings, call, lora,
@@ -1156,10 +1163,7 @@ class HeteroGenerator:
             mask = torch.zeros(B, S, dtype=torch.long)
             for b, q in enumerate(seqs):
                 full[b, S - len(q):], mask[b, S - len(q):] = q, 1
-            limit, longest = self.spec.position_limit, max(len(q) for q in seqs)   # a row's own positions
-            if limit is not None and longest + max_new_tokens > limit:
-                raise CapacityError(f"{longest + max_new_tokens} positions exceed the model's "
-                                    f"max_position_embeddings ({limit}){_LIMIT_WHY}")
+            self._check_positions(max(len(q) for q in seqs), max_new_tokens)     # each row's own positions
             if not self._rope_ok(S, max_new_tokens, cached):
                 raise self._rope_refused()
             uncached = [len(q) - n for q, n in zip(seqs, cached)]
