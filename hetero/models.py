@@ -37,13 +37,22 @@ def load_smollm2(dtype, keep_copy=True):
     d, name = os.path.split(gguf)
     copy = os.path.join(model_cache_dir(), "smollm2-135m-instruct-fp32")
     if os.path.exists(os.path.join(copy, "config.json")):
+        _drop_quantization_config(os.path.join(copy, "config.json"))     # a copy saved by an earlier hetero
         return AutoModelForCausalLM.from_pretrained(copy, dtype=dtype).eval(), AutoTokenizer.from_pretrained(copy)
     try:
         model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
     except ImportError as e:                  # no gguf package
         raise MissingDependencyError(f"loading SmolLM2's GGUF needs the gguf package ({e}): {INSTALL}") from e
     tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
-    model.hf_quantizer = None                # dequantized weights: saved as plain fp32 tensors
+    # the weights are dequantized: drop the GGUF quantizer and its config, else the model (and the
+    # copy reloaded from disk) counts as quantized: save_pretrained and .float()/.half() raise, and
+    # transformers warns at every non-fp32 load
+    # (what transformers' own HfQuantizer.remove_quantization_config does)
+    for obj, attr in ((model, "hf_quantizer"), (model, "quantization_method"), (model.config, "quantization_config")):
+        if attr in vars(obj):
+            delattr(obj, attr)
+    model.is_quantized = False
+    model.config._is_quantized = False
     if keep_copy:
         tmp = f"{copy}.{os.getpid()}.tmp"
         try:
@@ -53,6 +62,26 @@ def load_smollm2(dtype, keep_copy=True):
         except OSError:                      # read-only, full, or another process placed it first
             shutil.rmtree(tmp, ignore_errors=True)
     return model.to(dtype).eval(), tok
+
+
+def _drop_quantization_config(path):
+    """Rewrite a converted copy's config.json without the GGUF `quantization_config` that hetero
+    before 2026-11 saved into it (the weights in the copy are plain fp32)."""
+    import json
+
+    with open(path) as f:
+        cfg = json.load(f)
+    if "quantization_config" not in cfg:
+        return
+    del cfg["quantization_config"]
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(cfg, f, indent=2)
+        os.replace(tmp, path)
+    except OSError:                          # read-only cache: transformers then warns, the model is the same
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def model_cache_dir():

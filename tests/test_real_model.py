@@ -32,3 +32,33 @@ def test_smollm2_real_prompt_matches_hf():
     for a, b in zip(out.scores, ref.scores):
         torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-4)
     assert tok.decode(out.sequences[0, ids.shape[1]:]).strip()          # it says something
+
+
+def test_smollm2_loads_as_a_plain_checkpoint(tmp_path, monkeypatch):
+    """The GGUF is dequantized at conversion, so neither the converted model nor its reloaded copy
+    is 'quantized' to transformers (which would refuse save_pretrained and .float(), and warn at
+    every bf16 load); a copy saved with the GGUF quantization_config by an earlier hetero is mended."""
+    import json
+    import os
+
+    from hetero.models import model_cache_dir
+
+    pytest.importorskip("gguf")
+    load_smollm2(torch.float32)                  # make sure the shared copy exists
+    src = os.path.join(model_cache_dir(), "smollm2-135m-instruct-fp32")
+    old = tmp_path / "smollm2-135m-instruct-fp32"
+    old.mkdir()
+    for name in os.listdir(src):
+        os.symlink(os.path.join(src, name), old / name)
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    cfg["quantization_config"] = {"dequantize": False, "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf",
+                                  "quant_method": "gguf"}
+    os.remove(old / "config.json")
+    (old / "config.json").write_text(json.dumps(cfg))
+    monkeypatch.setenv("HETERO_MODEL_CACHE", str(tmp_path))
+    model, _ = load_smollm2(torch.bfloat16)
+    assert not getattr(model, "is_quantized", False) and getattr(model, "hf_quantizer", None) is None
+    assert "quantization_config" not in json.load(open(old / "config.json"))
+    model.float()                                # refused for a quantized model
+    model.save_pretrained(tmp_path / "saved")    # refused too (gguf is not serializable)
+    assert "quantization_config" not in json.load(open(tmp_path / "saved" / "config.json"))
