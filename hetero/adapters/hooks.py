@@ -293,7 +293,15 @@ def peft_layers(model, lora_only=False):
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     kind = LoraLayer if lora_only else BaseTunerLayer
-    return [m for m in model.modules() if isinstance(m, kind)]
+    found, stack, seen = [], [model], set()       # model.modules() without its generators: half the time
+    while stack:
+        m = stack.pop()
+        if id(m) not in seen:
+            seen.add(id(m))
+            if isinstance(m, kind):
+                found.append(m)
+            stack.extend(c for c in m._modules.values() if c is not None)
+    return found
 
 
 def _base_only(original, base, hooks):
