@@ -216,6 +216,10 @@ class HeteroGenerator:
         its own (peft refuses adapter_names then); a model in training mode with dropout (hetero's
         attention and LoRA deltas apply none, transformers' would). Returns the model's peft layers,
         for the call's _default_adapter and _lora_batch (one scan: ~2 ms per 2,500 modules)."""
+        if self.model.dtype != self.spec.dtype:
+            raise ValueError(f"the model is in {self.model.dtype} now, but this HeteroGenerator was built over it in "
+                             f"{self.spec.dtype} (its KV cache and kernels hold {self.spec.dtype}); build a new "
+                             "HeteroGenerator after changing the model's dtype")
         if self.model.training:
             cfg = self.model.config.get_text_config()
             p = max([getattr(cfg, "attention_dropout", 0.0) or 0.0] +
@@ -378,6 +382,7 @@ class HeteroGenerator:
             attention_mask = m
         if max_new_tokens is None:
             max_new_tokens = self._default_new_tokens(input_ids.shape[1], model_new, max_length)
+        max_new_tokens = _as_int(max_new_tokens)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"{what} must be a positive int, got {max_new_tokens!r}")
         # a left-padded row's positions count its own tokens (transformers numbers them from the mask)
@@ -526,7 +531,8 @@ class HeteroGenerator:
         layout = KVSession.layout_for(s, len(real), cap, tmax, private, groups)   # sliding layers: a ring of their window
         rings = f"; {layout.ring_layers} sliding layers keep {layout.ring} rows" if layout.ring_layers else ""
         what = (f"the KV cache for this batch needs {layout.nbytes / 2**30:.2f} GiB ({len(real)} requests x {cap} rows "
-                f"x {s.layers} layers x 2 x {s.kv_heads} heads x {s.head_dim} x {s.dtype}{rings})")
+                f"x {s.layers} layers x 2 x {s.kv_heads} heads x {s.head_dim} x {s.dtype}{rings}; the rows are the "
+                f"prompt's {int(real.max())} + {max_new_tokens} new ones, allocated up front: fewer new tokens need less)")
         avail = psutil.virtual_memory().available
         if layout.nbytes > self.config.ram_fraction * avail:
             raise CapacityError(f"{what} but only {avail / 2**30:.2f} GiB of RAM is available "
@@ -539,7 +545,7 @@ class HeteroGenerator:
         pads = attention_mask.shape[1] - real
         return pads.tolist(), real.tolist(), cap
 
-    def generate(self, input_ids, attention_mask=None, max_new_tokens=MODEL_DEFAULT, adapter_names=None, context=None,
+    def generate(self, input_ids=None, attention_mask=None, max_new_tokens=MODEL_DEFAULT, adapter_names=None, context=None,
                  extend_context=None, **kwargs):
         """transformers-style generate; returns a tensor of sequences, or a GenerateOutput when
         return_dict_in_generate=True. Left padding only. max_new_tokens omitted: as in transformers,
@@ -556,7 +562,14 @@ class HeteroGenerator:
         context=[ctx, ...]: one Context per request of input_ids [B, n] (left-padded new tokens);
         the call reads them and leaves them as they were. Requests continuing the same Context
         share its KV in place (HeteroConfig.share_contexts): decode reads it once per step for
-        all of them. The sequences returned are left-padded [context tokens, new tokens, output]."""
+        all of them. The sequences returned are left-padded [context tokens, new tokens, output].
+        inputs= (transformers' name of its first argument) is taken for input_ids."""
+        if "inputs" in kwargs:
+            if input_ids is not None:
+                raise TypeError("generate() got both input_ids and inputs; pass the prompt's token ids once")
+            input_ids = kwargs.pop("inputs")
+        if input_ids is None:
+            raise TypeError("generate() needs the prompt's token ids: input_ids (or inputs), a [batch, seq_len] tensor")
         # hetero's cache is closed with the call: the output does not hold it
         return _without_cache(self._generate(input_ids, attention_mask, max_new_tokens, adapter_names, context,
                                              extend_context, kwargs))
@@ -588,7 +601,7 @@ class HeteroGenerator:
         from_max_length = max_new_tokens is None and not (model_new and gc.max_new_tokens is not None) and \
             (gc.max_length if max_length is MODEL_DEFAULT else max_length) is not None
         if attention_mask is None:
-            attention_mask = self._inferred_mask(input_ids, kwargs, single_context=isinstance(context, Context))
+            attention_mask = self._inferred_mask(input_ids, kwargs, context)
         if extend_context is not None and not isinstance(extend_context, bool):
             raise TypeError(f"extend_context must be True, False or None, got {extend_context!r}")
         if extend_context is not None and context is None:
@@ -650,10 +663,12 @@ class HeteroGenerator:
                 self.prefill_chunks(cache, input_ids, attention_mask, chunk)
             return self.model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache, **call)
 
-    def _inferred_mask(self, input_ids, kwargs, single_context=False):
+    def _inferred_mask(self, input_ids, kwargs, context=None):
         """No attention_mask: as transformers infers one, input_ids != pad where the pad id occurs
         in the prompt and is no eos id; else None (every token attended). hetero takes left pads
-        only (none in a single context's new tokens): pad ids elsewhere are named."""
+        only (none in a single context's new tokens): pad ids elsewhere are named, and so are pad
+        ids among the tokens of the call's context(s), which transformers would mask over the whole
+        sequence while a context attends every token it holds."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int32, torch.int64) \
                 or input_ids.device != self.model.device or input_ids.ndim != 2:
             return None                          # _check_inputs names the problem
@@ -665,6 +680,14 @@ class HeteroGenerator:
             return None
         if eos is not None and pad in torch.as_tensor(eos).flatten().tolist():
             return None
+        held = [c for c in (context if isinstance(context, (list, tuple)) else [context])
+                if isinstance(c, Context) and not c.closed and c.generator is self]
+        if any(bool((c.tokens == pad).any()) for c in held):
+            raise ValueError(f"the context's tokens hold pad_token_id {pad} and no attention_mask was given: "
+                             "transformers would mask those tokens over the whole sequence, while a context attends "
+                             "every token it holds; pass attention_mask (torch.ones_like(input_ids) attends every "
+                             "token) or a pad_token_id the context does not hold")
+        single_context = isinstance(context, Context)
         pads = input_ids == pad
         if not bool(pads.any()):
             return None
@@ -720,6 +743,11 @@ class HeteroGenerator:
         if isinstance(settings.watermarking_config, dict):        # as transformers' own GenerationConfig(...)
             settings.watermarking_config = WatermarkingConfig.from_dict(settings.watermarking_config)
         settings.update(**{k: v for k, v in call.items() if k not in PASS_THROUGH})
+        if not settings.return_dict_in_generate:      # transformers returns the sequences alone: inert
+            for k in ("output_attentions", "output_hidden_states"):
+                if getattr(settings, k, None):
+                    setattr(settings, k, False)
+                    call[k] = False
         bad = {k: getattr(settings, k, None) for k, refused in UNSUPPORTED_SETTINGS.items()
                if refused(getattr(settings, k, None))}
         if "penalty_alpha" in bad and settings.get_generation_mode() != GenerationMode.CONTRASTIVE_SEARCH:
@@ -1372,6 +1400,17 @@ def _pad_id(settings):
     """The id a batch of contexts pads its sequences with (the resolved pad_token_id, else 0)."""
     pad = _token_id(settings.pad_token_id)
     return 0 if pad is None else pad
+
+
+def _as_int(n):
+    """A count given as a numpy integer or a 0-d integer tensor (transformers takes them) as an int;
+    anything else as it was, for the caller's check to name."""
+    if isinstance(n, torch.Tensor) and n.ndim == 0 and not (n.is_floating_point() or n.is_complex()
+                                                            or n.dtype == torch.bool):
+        return int(n)
+    if isinstance(n, numbers.Integral) and not isinstance(n, bool):
+        return int(n)
+    return n
 
 
 def _token_id(v):

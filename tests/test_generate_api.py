@@ -110,6 +110,7 @@ def test_settings_hetero_does_not_run_are_refused_by_name(model, gen):
         model.generation_config = copy.deepcopy(base)
         setattr(model.generation_config, field, value)
         model.generation_config.do_sample = field == "num_return_sequences"
+        model.generation_config.return_dict_in_generate = field == "output_hidden_states"   # else inert in HF
         with pytest.raises(ValueError, match=f"'{field}'"):       # set in the model's generation_config
             gen.generate(ids, attention_mask=mask, max_new_tokens=2)
     model.generation_config = base
@@ -501,3 +502,57 @@ def test_every_generation_config_field_is_taken_as_a_keyword(model, gen):
                                            cache_implementation=None))
     with pytest.raises(TypeError, match=r"unsupported arguments \['assistant_model'\]"):
         gen.generate(ids, attention_mask=mask, max_new_tokens=2, assistant_model=model)
+
+
+def test_what_transformers_takes_as_it_takes_it(model, gen):
+    """max_new_tokens as a numpy integer or a 0-d tensor, output_hidden_states / output_attentions
+    without return_dict_in_generate (transformers returns the sequences alone: inert), the prompt
+    as inputs= (transformers' name): the same sequences as HF."""
+    ids, mask = padded_batch()
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=3)
+    for kw in (dict(max_new_tokens=np.int64(3)), dict(max_new_tokens=torch.tensor(3)),
+               dict(max_new_tokens=3, output_hidden_states=True, output_attentions=True)):
+        assert torch.equal(gen.generate(ids, attention_mask=mask, **kw), ref)
+    assert torch.equal(gen.generate(inputs=ids, attention_mask=mask, max_new_tokens=3), ref)
+    with pytest.raises(TypeError, match="both input_ids and inputs"):
+        gen.generate(ids, inputs=ids, max_new_tokens=3)
+    with pytest.raises(TypeError, match="needs the prompt's token ids"):
+        gen.generate(attention_mask=mask, max_new_tokens=3)
+    with pytest.raises(ValueError, match="max_new_tokens must be a positive int"):
+        gen.generate(ids, attention_mask=mask, max_new_tokens=torch.tensor(3.0))
+
+
+def test_pad_ids_among_a_contexts_tokens_are_named_without_a_mask(model, gen):
+    """transformers, given [context, new tokens] without a mask, masks every pad id in it; a
+    context attends every token it holds: named (one context or a list), and runs as HF with a
+    mask of ones when the call passes one."""
+    doc = torch.tensor([[5, 9, 0, 24, 109, 7, 31]])             # a pad id (0) inside the document
+    q = torch.tensor([[12, 13]])
+    with gen.prefill(doc) as ctx:
+        for context in (ctx, [ctx]):
+            with pytest.raises(ValueError, match="the context's tokens hold pad_token_id 0"):
+                gen.generate(q, context=context, max_new_tokens=2, pad_token_id=0, eos_token_id=None)
+        out = gen.generate(q, attention_mask=torch.ones_like(q), context=ctx, max_new_tokens=3, pad_token_id=0,
+                           eos_token_id=None, extend_context=False)
+    full = torch.cat([doc, q], 1)
+    ref = model.generate(full, attention_mask=torch.ones_like(full), max_new_tokens=3, pad_token_id=0,
+                         eos_token_id=None)
+    assert torch.equal(out, ref)
+
+
+def test_a_dtype_change_after_the_generator_was_built_is_refused():
+    """The KV arena and kernels are built in the model's dtype: after model.float() a call is
+    refused (it read bf16-rounded KV for an fp32 model before), and a new generator runs."""
+    model = build_model("llama")[0].to(torch.bfloat16)
+    ids, mask = padded_batch()
+    with HeteroGenerator(model, cpu_workers=1) as gen:
+        gen.generate(ids, attention_mask=mask, max_new_tokens=2)
+        model.float()
+        with pytest.raises(ValueError, match="in torch.float32 now, but this HeteroGenerator was built over it in "
+                                             "torch.bfloat16"):
+            gen.generate(ids, attention_mask=mask, max_new_tokens=2)
+        with pytest.raises(ValueError, match="build a new HeteroGenerator"):
+            gen.prefill(ids[:1, 4:])
+    with HeteroGenerator(model, cpu_workers=1) as gen:
+        same(gen.generate(ids, attention_mask=mask, max_new_tokens=3, **SCORES),
+             model.generate(ids, attention_mask=mask, max_new_tokens=3, **SCORES))
