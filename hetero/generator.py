@@ -323,6 +323,17 @@ class HeteroGenerator:
         os.sched_setaffinity(0, free)
         torch.set_num_threads(self._parent_affinity[3])
 
+    def _drop_pool(self):
+        """Close a broken pool (the next call starts another). While contexts stay open a new pool
+        starts at once: its first worker is what unlinks their segments should this process be
+        killed (SIGKILL runs no cleanup of ours), and without a pool they would outlive it."""
+        self._pool.close()
+        if self._contexts and not self._closed:
+            try:
+                self._ensure_pool()
+            except Exception:                 # the next call starts one, and raises why
+                pass
+
     def _ensure_planner(self, pool):
         """The decode planner: from the machine's measured profile (cached on disk) unless profile='off'."""
         if self._planner is None:
@@ -789,13 +800,13 @@ class HeteroGenerator:
                 session.close()  # first: a GPU may still post jobs until its stream is drained
             except WorkerError:
                 pass
-            self._pool.close()  # restarted by the next generate
+            self._drop_pool()
             raise
         finally:
             try:
                 session.close()      # raises when a worker died or stalled unnoticed (holding no units)
             except WorkerError:
-                self._pool.close()
+                self._drop_pool()
                 raise
 
     @contextlib.contextmanager
@@ -910,9 +921,11 @@ class HeteroGenerator:
                 self._contexts.pop(id(session), None)     # an interrupt may come right after _keep
                 try:
                     session.close()
+                except WorkerError:                       # the error raised above says what happened
+                    pass
                 finally:
                     if self._pool is not None and not self._pool.alive:
-                        self._pool.close()
+                        self._drop_pool()
                 raise
 
     def _keep(self, ctx):
@@ -1044,7 +1057,7 @@ class HeteroGenerator:
             elif err is not None:
                 self._recover(ctx, cached)
             if isinstance(err, WorkerError) and self._pool is not None:
-                self._pool.close()                           # the context stays; the next call maps it again
+                self._drop_pool()                            # the context stays; the next call maps it again
             if err is not None:
                 raise err
             # still under the lock: a close() waiting in another thread must find the call complete

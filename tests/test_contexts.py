@@ -107,6 +107,37 @@ def test_context_survives_a_dead_worker(llama):
         assert torch.equal(out.sequences, hf(llama, torch.cat([doc, msg]), 4).sequences)
 
 
+def test_a_worker_killed_during_a_contexts_prefill_is_named_as_such(llama):
+    """A worker dies in the middle of a chunked prefill: the error places the death in the
+    prefill's job (not in the session's close job sent afterwards to the broken pool), nothing of
+    the context is left, and the next prefill runs on a new pool and continues as HF."""
+    import signal
+
+    from hetero import WorkerDiedError
+
+    doc, msg = turns(8, 40, 5)
+    with HeteroGenerator(llama, config=HeteroConfig(cpu_workers=1, prefill_chunk=8)) as gen:
+        before = set(our_segments(os.getpid()))
+        calls = [0]
+
+        def kill(*_):
+            calls[0] += 1
+            if calls[0] == 3:                      # the third chunk attends over cached KV on the worker
+                os.kill(gen._pool.procs[0].pid, signal.SIGKILL)
+                gen._pool.procs[0].wait()
+        hook = llama.model.layers[0].register_forward_pre_hook(kill)
+        try:
+            with pytest.raises(WorkerDiedError) as raised:
+                gen.prefill(doc[None])
+        finally:
+            hook.remove()
+        assert "close job" not in str(raised.value) and raised.value.__context__ is None
+        assert set(our_segments(os.getpid())) <= before and not gen._contexts
+        with gen.prefill(doc[None]) as ctx:
+            out = gen.generate(msg[None], context=ctx, max_new_tokens=3, **KW)
+        assert torch.equal(out.sequences, hf(llama, torch.cat([doc, msg]), 3).sequences)
+
+
 @pytest.mark.parametrize("model_type", ["llama", "mistral"])
 def test_questions_over_one_document_leave_it_unchanged(model_type):
     """extend_context=False: every question reads the document's KV and leaves it as it was, so
@@ -177,8 +208,10 @@ def test_bad_context_files_raise_and_leave_nothing(tmp_path, llama):
         for what, blob in cases.items():
             bad = tmp_path / f"{what}.ctx"
             bad.write_bytes(blob)
-            with pytest.raises(ContextFileError, match="truncated|bad magic|corrupted"):
+            with pytest.raises(ContextFileError, match="truncated|bad magic|corrupted") as raised:
                 gen.load_context(bad)
+            if what == "not a context":               # said once, not wrapped in "corrupted header (...)"
+                assert str(raised.value) == f"{bad} is not a saved hetero context (bad magic)"
             assert set(our_segments(os.getpid())) == before                 # nothing half-loaded
         other, _ = build_model("llama", seed=1)                             # same shape, other weights
         with HeteroGenerator(other, cpu_workers=1) as gen2:

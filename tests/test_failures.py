@@ -221,6 +221,50 @@ def test_parent_killed_leaves_no_segments_and_no_workers():
     assert not any(_alive(p) for p in workers)
 
 
+CONTEXT_PARENT = textwrap.dedent("""
+    import os, signal, sys, time, torch
+    sys.path.insert(0, {root!r})
+    from hetero import HeteroGenerator
+    from tests.conftest import build_model
+    model, _ = build_model("llama")
+    gen = HeteroGenerator(model, cpu_workers=1)
+    ctx = gen.prefill(torch.arange(3, 40)[None])
+    calls = [0]
+    def kill(*_):
+        calls[0] += 1
+        if calls[0] == 2:                          # the first decode step: attention on the worker
+            os.kill(gen._pool.procs[0].pid, signal.SIGKILL)
+            gen._pool.procs[0].wait()
+    model.model.layers[0].register_forward_pre_hook(kill)
+    try:
+        gen.generate(torch.tensor([[5, 6]]), context=ctx, max_new_tokens=3)
+    except Exception as e:
+        print("RAISED", type(e).__name__, flush=True)
+    print("PIDS", *[p.pid for p in gen._pool.procs], flush=True)
+    time.sleep(600)
+""")
+
+
+def test_parent_killed_after_a_worker_died_leaves_no_context_segments():
+    """A worker dies in a call over a live context (the call raises, the context stays): a new
+    pool starts at once, so when the parent is then SIGKILLed a worker is there to unlink the
+    context's segments (they outlived the parent when the pool started only at the next call)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    parent = subprocess.Popen([sys.executable, "-c", CONTEXT_PARENT.format(root=root)], stdout=subprocess.PIPE,
+                              text=True, start_new_session=True)
+    try:
+        assert parent.stdout.readline().split() == ["RAISED", "WorkerDiedError"]
+        workers = [int(p) for p in parent.stdout.readline().split()[1:]]
+        assert workers and any("_kv" in n for n in our_segments(parent.pid))      # the context's arena
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and (our_segments(parent.pid) or any(map(_alive, workers))):
+        time.sleep(0.05)
+    assert our_segments(parent.pid) == [] and not any(map(_alive, workers))
+
+
 def _alive(pid):
     try:
         os.kill(pid, 0)

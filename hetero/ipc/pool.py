@@ -154,6 +154,7 @@ class WorkerPool:
         for rank, p in enumerate(self.procs):
             if p.poll() is not None:
                 when = when or f"during the {self._cmd_name()} job"
+                self.broken = f"worker {rank} died"      # no later job (a session's close) is sent to it
                 raise WorkerDiedError(f"CPU worker {rank} (pid {p.pid}, core {self.worker_cores[rank]}) "
                                       f"{describe_exit(p.returncode)} {when}; the pool is broken")
 

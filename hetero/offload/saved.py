@@ -120,6 +120,8 @@ def read_header(path):
             if n > size:
                 raise ContextFileError(f"{path}: corrupted header (length {n} > file size {size})")
             header = json.loads(f.read(n))
+    except ContextFileError:
+        raise                                 # a ValueError itself: named above already
     except OSError as e:
         raise ContextFileError(f"cannot read saved context {path}: {e}") from e
     except ValueError as e:
