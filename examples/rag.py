@@ -166,7 +166,8 @@ def main(argv=None):
         t = time.perf_counter()
         batch = gen.generate(ids, attention_mask=mask, context=[ctx] * len(suffixes), **kw)
         batch_s = time.perf_counter() - t
-        batch_answers = [tok.decode(row[batch.shape[1] - args.max_new_tokens:], skip_special_tokens=True).strip()
+        # rows: [context, left-padded question, answer]; the answers may all stop before max_new_tokens
+        batch_answers = [tok.decode(row[prefix.shape[1] + width:], skip_special_tokens=True).strip()
                          for row in batch]
         print(f"all {len(suffixes)} questions in one batch sharing the context: {batch_s:.2f} s (one by one: "
               f"{one_by_one_s:.2f} s); answers identical to one by one: {batch_answers == answers}")

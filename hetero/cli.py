@@ -51,7 +51,10 @@ def demo(args):
     model, tok = load_smollm2(dtype)
     print(f"SmolLM2-135M-Instruct ({model.config.num_hidden_layers} layers, {args.dtype}) loaded in "
           f"{time.perf_counter() - t0:.1f} s")
-    doc = tok.decode(tok(english_text())["input_ids"][:args.context])   # the document's first N tokens
+    words = tok(english_text())["input_ids"]
+    if args.context > len(words):
+        raise ValueError(f"--context {args.context}: the demo's text has {len(words)} tokens")
+    doc = tok.decode(words[:args.context])                         # the document's first N tokens
     texts = [tok.apply_chat_template([{"role": "user", "content": f"{doc}\n\n{q}"}], add_generation_prompt=True,
                                      tokenize=False) for q in QUESTIONS]
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
@@ -226,15 +229,20 @@ def device(text):
     return text
 
 
-def positive(text):
-    """argparse type: an int >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def at_least(low):
+    """argparse type: an int >= low."""
+    def check(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    return check
+
+
+positive = at_least(1)
 
 
 def main(argv=None):
@@ -243,7 +251,7 @@ def main(argv=None):
     d = sub.add_parser("demo", help="the real SmolLM2-135M-Instruct answers questions about a long text: "
                                     "hetero beside HF generate")
     d.add_argument("--context", type=positive, default=3000, help="tokens of the document in each prompt")
-    d.add_argument("--new-tokens", type=positive, default=40)
+    d.add_argument("--new-tokens", type=at_least(2), default=40, help="at least 2: decode is timed between tokens")
     d.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     d.add_argument("--workers", type=positive, default=None)
     d.set_defaults(fn=demo)
@@ -274,6 +282,9 @@ def main(argv=None):
     except (HeteroError, ValueError, OSError) as e:     # a user's input or machine: the message, no traceback
         print(f"hetero {args.cmd}: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:                            # Ctrl-C: the generator has cleaned up on its way out
+        print(file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -120,6 +120,7 @@ class HeteroGenerator:
         self.last_prefetch_plan = None     # and what plan() gave for its forwards
         self._hooks = lora_hooks.LoraHooks(model)
         self._peft_model = peft_model      # its active adapter is what adapter_names=None runs (_default_adapter)
+        self._peft_keys = {}               # its adapters served here -> _peft_adapter_keys when copied
         self._closed = False
         # one generate (or adapter load, or context close) at a time: the pool has one control block.
         # Reentrant so a call can close its own context (_recover); _busy refuses a nested call
@@ -135,6 +136,8 @@ class HeteroGenerator:
                 for name in peft_model.peft_config:
                     with self._lock:
                         self._add_adapter(name, lora_source.from_peft_model(peft_model, name, model))
+                # what the served adapters' weights were when copied (_sync_peft_adapters)
+                self._peft_keys = _peft_adapter_keys(self._peft_layers())
             for name, src in (adapters or {}).items():
                 self.load_adapter(name, src)
         except BaseException:
@@ -233,7 +236,28 @@ class HeteroGenerator:
             raise AdapterError(f"the model's weights hold merged LoRA adapters {merged} (peft merge_adapter): "
                                "hetero adds adapters per request over the base weights; call unmerge_adapter() "
                                "first (or merge_and_unload() and pass the merged model without adapters)")
+        if self._peft_model is not None:
+            self._sync_peft_adapters(layers)
         return layers
+
+    def _sync_peft_adapters(self, layers):
+        """A PeftModel's adapters as they are now: one whose LoRA weights or scaling changed since
+        they were copied to shared memory (a training step, set_peft_model_state_dict) is copied
+        again, one deleted from the PeftModel (delete_adapter) is unloaded here, as peft's own
+        generate would see them. Contexts prefilled with the old copy then refuse to go on."""
+        now = _peft_adapter_keys(layers)
+        changed = [n for n, key in self._peft_keys.items() if now.get(n) != key]
+        if not changed:
+            return
+        with self._lock:
+            self._refuse_nested("a call after the PeftModel's adapters changed")
+            for name in changed:
+                if self._store is not None and name in self._store.adapters:
+                    self._store.remove(name)
+                del self._peft_keys[name]
+                if name in now:
+                    self._add_adapter(name, lora_source.from_peft_model(self._peft_model, name, self.model))
+                    self._peft_keys[name] = now[name]
 
     def _peft_layers(self):
         """peft's tuner layers in the model now (merge_adapter() writes an adapter into their base
@@ -1456,6 +1480,23 @@ def _weights_key(model):
             samples.setdefault((p.device, p.dtype), []).append(p.detach().reshape(-1)[::max(1, p.numel() // 8)][:8])
     values = b"".join(torch.cat(v).cpu().view(torch.uint8).numpy().tobytes() for v in samples.values())
     return tuple((id(p), _storage(p), p.dtype, _version(p)) for p in params), values
+
+
+def _peft_adapter_keys(layers):
+    """{adapter name: what tells its LoRA weights apart over time (each lora_A / lora_B weight's
+    identity, storage and in-place version counter, and the layer's scaling)} over peft layers."""
+    if not layers:
+        return {}
+    from peft.tuners.lora import LoraLayer
+
+    keys = collections.defaultdict(list)
+    for m in layers:
+        if isinstance(m, LoraLayer):
+            for name, a in m.lora_A.items():
+                b = m.lora_B[name]
+                keys[name].append(tuple((id(w), _storage(w), _version(w)) for w in (a.weight, b.weight))
+                                  + (m.scaling.get(name),))
+    return {name: tuple(k) for name, k in keys.items()}
 
 
 def _storage(tensor):

@@ -60,3 +60,21 @@ def test_cli_arguments_are_checked_before_any_work(capsys):
     if not __import__("torch").cuda.is_available():
         assert main(["profile", "--device", "cuda"]) == 1
         assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_ctrl_c_is_a_quiet_exit_and_demo_arguments_are_checked(capsys, monkeypatch):
+    """Ctrl-C in a command: exit status 130, no traceback. The demo times decode between tokens
+    (--new-tokens 1 gave nan) and names a --context longer than its text (it was cut silently)."""
+    import hetero.cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(hetero.cli, "info", interrupted)
+    assert main(["info"]) == 130
+    assert "Traceback" not in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["demo", "--new-tokens", "1"])
+    assert "must be at least 2" in capsys.readouterr().err
+    if smollm2_gguf() is not None:
+        assert main(["demo", "--context", "1000000", "--new-tokens", "2"]) == 1
+        assert "--context 1000000: the demo's text has" in capsys.readouterr().err

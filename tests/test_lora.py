@@ -338,6 +338,32 @@ def test_adapter_names_none_runs_a_peftmodels_active_adapter_as_peft_does(tmp_pa
         assert_same(generate(gen, ids, mask), generate(pm, ids, mask, adapter_names=["__base__"] * 3))
 
 
+def test_a_peftmodels_adapters_are_followed_after_they_change(tmp_path):
+    """The PeftModel's LoRA weights changed in place (a training step, set_peft_model_state_dict)
+    or its scaling (set_scale) after the generator copied them: the next call copies them again
+    and equals peft (it served the old copy); a context prefilled with the old copy refuses to go
+    on; an adapter deleted from the PeftModel is unloaded here."""
+    _, pm, _ = make_adapters("llama", tmp_path)
+    ids, mask = padded_batch()
+    names = ["legal", "code", "__base__"]
+    with HeteroGenerator(pm, cpu_workers=1) as gen:
+        assert_same(generate(gen, ids, mask, adapter_names=names), generate(pm, ids, mask, adapter_names=names))
+        ctx = gen.prefill(ids[:1, 4:], adapter_name="legal")
+        with torch.no_grad():
+            for m in pm.modules():
+                if hasattr(m, "lora_B") and "legal" in getattr(m, "lora_B", {}):
+                    m.lora_B["legal"].weight.mul_(3.0)
+        pm.base_model.model.model.layers[0].self_attn.q_proj.set_scale("code", 0.5)
+        ref = generate(pm, ids, mask, adapter_names=names)
+        assert_same(generate(gen, ids, mask, adapter_names=names), ref)
+        with pytest.raises(AdapterError, match="'legal'"):
+            gen.generate(ids[:1, :2], context=ctx, max_new_tokens=2)
+        pm.delete_adapter("code")
+        with pytest.raises(AdapterError, match="'code', which is not loaded"):
+            generate(gen, ids, mask, adapter_names=names)
+        assert gen.adapters == ["legal"]
+
+
 def test_peft_layers_hetero_does_not_serve_run_their_base_layer_as_peft_would(tmp_path):
     """Each request gets the adapter it names and no other, as in peft: inside disable_adapter()
     adapter_names are ignored (the base model, as peft's layers skip them; a context prefilled

