@@ -324,10 +324,14 @@ class HeteroGenerator:
             self._pool = WorkerPool(n, cores, spin_budget=self.config.spin_budget, idle_spin=idle_spin,
                                     start_timeout=self.config.start_timeout, job_timeout=self.config.worker_timeout)
             self._planner = None
-            if self._store is not None:
-                self._store.attach(self._pool)
-            if self.model.device.type == "cuda":
-                self._pin_parent(self._pool.worker_cores)
+            try:
+                if self._store is not None:
+                    self._store.attach(self._pool)
+                if self.model.device.type == "cuda":
+                    self._pin_parent(self._pool.worker_cores)
+            except BaseException:            # half set up: not a pool the next call may take as alive
+                self._pool.close()
+                raise
         return self._pool
 
     def _pin_parent(self, worker_cores):
@@ -348,15 +352,17 @@ class HeteroGenerator:
         torch.set_num_threads(self._parent_affinity[3])
 
     def _drop_pool(self):
-        """Close a broken pool (the next call starts another). While contexts stay open a new pool
-        starts at once: its first worker is what unlinks their segments should this process be
-        killed (SIGKILL runs no cleanup of ours), and without a pool they would outlive it."""
+        """Close a pool a call found broken (the next call starts another). While contexts stay
+        open a new pool starts at once: its first worker is what unlinks their segments should this
+        process be killed (SIGKILL runs no cleanup of ours), and without a pool they would outlive
+        it. (A death found outside a call, e.g. by load_adapter, leaves that to the next call.)"""
         self._pool.close()
         if self._contexts and not self._closed:
             try:
                 self._ensure_pool()
-            except Exception:                 # the next call starts one, and raises why
-                pass
+            except Exception as e:            # the next call starts one, and raises why
+                log.warning("hetero: could not restart the CPU worker pool after a worker died (%s); "
+                            "the next call tries again", e)
 
     def _ensure_planner(self, pool):
         """The decode planner: from the machine's measured profile (cached on disk) unless profile='off'."""
@@ -554,7 +560,8 @@ class HeteroGenerator:
         self._forward(cache, input_ids, attention_mask, 0, first)
         self._feed(cache, input_ids, attention_mask, first, S, whole=to_end, piece=chunk)
 
-    def _plan_cache(self, attention_mask, max_new_tokens, tmax=1, private=0, groups=0):
+    def _plan_cache(self, attention_mask, max_new_tokens, tmax=1, private=0, groups=0, what="max_new_tokens"):
+        """what: the setting that asked for the max_new_tokens rows past the prompt (for messages)."""
         real = attention_mask.sum(1).cpu()
         rows = int(real.max()) + max_new_tokens
         cap = whole_blocks(rows)
@@ -567,7 +574,7 @@ class HeteroGenerator:
         rings = f"; {layout.ring_layers} sliding layers keep {layout.ring} rows" if layout.ring_layers else ""
         what = (f"the KV cache for this batch needs {layout.nbytes / 2**30:.2f} GiB ({len(real)} requests x {cap} rows "
                 f"x {s.layers} layers x 2 x {s.kv_heads} heads x {s.head_dim} x {s.dtype}{rings}; the rows are the "
-                f"prompt's {int(real.max())} + {max_new_tokens} new ones, allocated up front: fewer new tokens need less)")
+                f"prompt's {int(real.max())} + {what}={max_new_tokens}, allocated up front: a smaller {what} needs less)")
         avail = psutil.virtual_memory().available
         if layout.nbytes > self.config.ram_fraction * avail:
             raise CapacityError(f"{what} but only {avail / 2**30:.2f} GiB of RAM is available "
@@ -599,10 +606,11 @@ class HeteroGenerator:
         share its KV in place (HeteroConfig.share_contexts): decode reads it once per step for
         all of them. The sequences returned are left-padded [context tokens, new tokens, output].
         inputs= (transformers' name of its first argument) is taken for input_ids."""
-        if "inputs" in kwargs:
+        inputs = kwargs.pop("inputs", None)
+        if inputs is not None:
             if input_ids is not None:
                 raise TypeError("generate() got both input_ids and inputs; pass the prompt's token ids once")
-            input_ids = kwargs.pop("inputs")
+            input_ids = inputs
         if input_ids is None:
             raise TypeError("generate() needs the prompt's token ids: input_ids (or inputs), a [batch, seq_len] tensor")
         # hetero's cache is closed with the call: the output does not hold it
@@ -626,6 +634,8 @@ class HeteroGenerator:
         model_new = max_new_tokens is MODEL_DEFAULT     # explicit None sets the model's max_new_tokens aside
         if model_new:
             max_new_tokens = None
+        if "max_length" in kwargs:                    # a numpy integer or 0-d tensor, as transformers takes it
+            kwargs["max_length"] = _as_int(kwargs["max_length"])
         max_length = kwargs.get("max_length", MODEL_DEFAULT)          # the whole sequence, as in transformers
         if max_length is not None and max_length is not MODEL_DEFAULT and \
                 (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
@@ -934,7 +944,7 @@ class HeteroGenerator:
         continuations in pieces of prefill_chunk or CONTINUE_CHUNK tokens) within context_memory;
         closed again if the body raises (and a pool that died with it)."""
         tmax = min(self._piece, attention_mask.shape[1] + reserve)   # no piece outgrows the context's rows
-        pads, real, cap = self._plan_cache(attention_mask, reserve, tmax=tmax)
+        pads, real, cap = self._plan_cache(attention_mask, reserve, tmax=tmax, what="reserve")
         with self._exclusive():
             self._check_budget(KVSession.layout_for(self.spec, 1, cap, tmax).nbytes)
             pool = self._ensure_pool()

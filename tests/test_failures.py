@@ -54,8 +54,11 @@ def test_cache_capacity_and_ram_limits(llama):
         with gen.prefill(ids[:1, 4:]) as ctx:                 # 8 tokens: the default reserve fits the cap
             assert ctx.capacity >= 16 and ctx.length == 8
     with HeteroGenerator(llama, config=HeteroConfig(cpu_workers=1, ram_fraction=1e-9)) as gen:
-        with pytest.raises(CapacityError, match=r"needs .* GiB .* only .* GiB of RAM is available"):
+        with pytest.raises(CapacityError, match=r"needs .* GiB .*prompt's 12 \+ max_new_tokens=4, allocated up "
+                                                r"front: a smaller max_new_tokens needs less\) but only .* GiB of RAM"):
             gen.generate(ids, attention_mask=mask, max_new_tokens=4)
+        with pytest.raises(CapacityError, match=r"prompt's 8 \+ reserve=500, allocated up front: a smaller reserve"):
+            gen.prefill(ids[:1, 4:], reserve=500)
 
 
 def test_bad_config_values():

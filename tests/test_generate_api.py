@@ -514,6 +514,8 @@ def test_what_transformers_takes_as_it_takes_it(model, gen):
                dict(max_new_tokens=3, output_hidden_states=True, output_attentions=True)):
         assert torch.equal(gen.generate(ids, attention_mask=mask, **kw), ref)
     assert torch.equal(gen.generate(inputs=ids, attention_mask=mask, max_new_tokens=3), ref)
+    assert torch.equal(gen.generate(ids, inputs=None, attention_mask=mask, max_new_tokens=3), ref)
+    assert torch.equal(gen.generate(ids, attention_mask=mask, max_length=np.int64(ids.shape[1] + 3)), ref)
     with pytest.raises(TypeError, match="both input_ids and inputs"):
         gen.generate(ids, inputs=ids, max_new_tokens=3)
     with pytest.raises(TypeError, match="needs the prompt's token ids"):

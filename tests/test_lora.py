@@ -364,6 +364,32 @@ def test_a_peftmodels_adapters_are_followed_after_they_change(tmp_path):
         assert gen.adapters == ["legal"]
 
 
+def test_a_pool_restart_that_fails_half_way_is_not_taken_as_alive(tmp_path, monkeypatch):
+    """A new pool whose adapter store failed to attach is closed and the failure raised: a later
+    call must not take it as alive with the store still bound to the old pool."""
+    import signal
+
+    from hetero.adapters.store import AdapterStore
+
+    _, pm, _ = make_adapters("llama", tmp_path)
+    ids, mask = padded_batch()
+    with HeteroGenerator(pm, cpu_workers=1) as gen:
+        os.kill(gen._pool.procs[0].pid, signal.SIGKILL)
+        gen._pool.procs[0].wait()
+        attach = AdapterStore.attach
+
+        def failing(store, pool):
+            raise OSError("attach failed")
+        monkeypatch.setattr(AdapterStore, "attach", failing)
+        with pytest.raises(OSError, match="attach failed"):
+            gen._ensure_pool()
+        assert not gen._pool.alive
+        monkeypatch.setattr(AdapterStore, "attach", attach)
+        names = ["legal", "code", "__base__"]
+        assert_same(generate(gen, ids, mask, adapter_names=names), generate(pm, ids, mask, adapter_names=names))
+        assert gen._store.pool is gen._pool
+
+
 def test_peft_layers_hetero_does_not_serve_run_their_base_layer_as_peft_would(tmp_path):
     """Each request gets the adapter it names and no other, as in peft: inside disable_adapter()
     adapter_names are ignored (the base model, as peft's layers skip them; a context prefilled
