@@ -38,21 +38,14 @@ def load_smollm2(dtype, keep_copy=True):
     copy = os.path.join(model_cache_dir(), "smollm2-135m-instruct-fp32")
     if os.path.exists(os.path.join(copy, "config.json")):
         _drop_quantization_config(os.path.join(copy, "config.json"))     # a copy saved by an earlier hetero
-        return AutoModelForCausalLM.from_pretrained(copy, dtype=dtype).eval(), AutoTokenizer.from_pretrained(copy)
+        model = AutoModelForCausalLM.from_pretrained(copy, dtype=dtype)
+        return _plain(model).eval(), AutoTokenizer.from_pretrained(copy)   # _plain: a copy left read-only
     try:
         model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
     except ImportError as e:                  # no gguf package
         raise MissingDependencyError(f"loading SmolLM2's GGUF needs the gguf package ({e}): {INSTALL}") from e
     tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
-    # the weights are dequantized: drop the GGUF quantizer and its config, else the model (and the
-    # copy reloaded from disk) counts as quantized: save_pretrained and .float()/.half() raise, and
-    # transformers warns at every non-fp32 load
-    # (what transformers' own HfQuantizer.remove_quantization_config does)
-    for obj, attr in ((model, "hf_quantizer"), (model, "quantization_method"), (model.config, "quantization_config")):
-        if attr in vars(obj):
-            delattr(obj, attr)
-    model.is_quantized = False
-    model.config._is_quantized = False
+    _plain(model)
     if keep_copy:
         tmp = f"{copy}.{os.getpid()}.tmp"
         try:
@@ -62,6 +55,19 @@ def load_smollm2(dtype, keep_copy=True):
         except OSError:                      # read-only, full, or another process placed it first
             shutil.rmtree(tmp, ignore_errors=True)
     return model.to(dtype).eval(), tok
+
+
+def _plain(model):
+    """The model without the GGUF quantizer and its config (its weights are dequantized), as
+    transformers' own HfQuantizer.remove_quantization_config leaves it: else it counts as
+    quantized (save_pretrained and .float()/.half() raise) and its saved copy warns at every
+    non-fp32 load."""
+    for obj, attr in ((model, "hf_quantizer"), (model, "quantization_method"), (model.config, "quantization_config")):
+        if attr in vars(obj):
+            delattr(obj, attr)
+    model.is_quantized = False
+    model.config._is_quantized = False
+    return model
 
 
 def _drop_quantization_config(path):
