@@ -768,7 +768,9 @@ class HeteroGenerator:
     def _loaded(self, adapter):
         """A context's adapter (or None), checked to be still the one loaded under its name."""
         if adapter is not None and (self._store is None or self._store.adapters.get(adapter.name) is not adapter):
-            raise AdapterError(f"a context was prefilled with adapter {adapter.name!r}, which has been unloaded since")
+            raise AdapterError(f"a context was prefilled with adapter {adapter.name!r}, which has been unloaded or "
+                               "changed since (a PeftModel's adapter whose weights changed is copied again); its KV "
+                               "holds the old adapter's keys and values: prefill it again")
         return adapter
 
     def _adapter_id(self, ctx):
