@@ -1452,14 +1452,10 @@ def _pad_id(settings):
 
 
 def _as_int(n):
-    """A count given as a numpy integer or a 0-d integer tensor (transformers takes them) as an int;
-    anything else as it was, for the caller's check to name."""
-    if isinstance(n, torch.Tensor) and n.ndim == 0 and not (n.is_floating_point() or n.is_complex()
-                                                            or n.dtype == torch.bool):
-        return int(n)
-    if isinstance(n, numbers.Integral) and not isinstance(n, bool):
-        return int(n)
-    return n
+    """A count given as transformers takes it (a numpy integer, a one-element integer tensor: see
+    _token_id) as an int; anything else as it was, for the caller's check to name."""
+    v = _token_id(n)
+    return n if v is None else v
 
 
 def _token_id(v):
