@@ -28,6 +28,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import machine, positive, smollm2_gguf, stream_read_all_gbps, stream_read_gbps, write_json  # noqa: E402
+from hetero.compat import forward_cache_kwarg  # noqa: E402
 
 SYSTEMS = ("hf", "static", "hetero", "llamacpp")
 PROMPT_TEXT = "/usr/share/common-licenses/GPL-3"     # real English for llama.cpp's prefill (random tokens if absent)
@@ -65,7 +66,7 @@ def decode_loop(model, cache, L, steps):
     with torch.inference_mode():
         for i in range(steps):
             t = time.perf_counter()
-            out = model(input_ids=tok, past_key_values=cache, position_ids=torch.full((1, 1), L + i),
+            out = model(input_ids=tok, **{forward_cache_kwarg(model.forward): cache}, position_ids=torch.full((1, 1), L + i),
                         cache_position=torch.tensor([L + i]), use_cache=True)
             tok = out.logits[:, -1:].argmax(-1)
             times.append(time.perf_counter() - t)

@@ -32,6 +32,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import machine, positive, run_child, stream_read_all_gbps, write_json  # noqa: E402
+from hetero.compat import forward_cache_kwarg  # noqa: E402
 
 SHAPES = {  # hidden, intermediate, layers, q heads, kv heads, vocab
     "llama3-8b": (4096, 14336, 32, 32, 8, 128256),
@@ -89,7 +90,7 @@ def decode_loop(model, cache, L, steps):
     with torch.inference_mode():
         for i in range(steps):
             t = time.perf_counter()
-            out = model(input_ids=tok, past_key_values=cache, position_ids=torch.full((1, 1), L + i, device=DEVICE),
+            out = model(input_ids=tok, **{forward_cache_kwarg(model.forward): cache}, position_ids=torch.full((1, 1), L + i, device=DEVICE),
                         cache_position=torch.tensor([L + i], device=DEVICE), use_cache=True)
             tok = out.logits[:, -1:].argmax(-1)
             sync()

@@ -28,6 +28,7 @@ from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import machine, positive, run_child, write_json  # noqa: E402
+from hetero.compat import forward_cache_kwarg  # noqa: E402
 
 SHAPES = {  # hidden, intermediate, layers, q heads, kv heads, vocab
     "llama3-8b": (4096, 14336, 32, 32, 8, 128256),
@@ -100,7 +101,7 @@ def hf_forward(model, ids, offloaded):
     cache = DynamicCache(config=model.config, offloading=offloaded)
     t = time.perf_counter()
     with torch.inference_mode():
-        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=ids, **{forward_cache_kwarg(model.forward): cache}, use_cache=True, logits_to_keep=1)
     _sync(str(model.device.type))
     return time.perf_counter() - t
 

@@ -19,6 +19,7 @@ from transformers.generation import GenerationMode
 
 from hetero import attention
 from hetero.adapters import hooks as lora_hooks, source as lora_source
+from hetero.compat import GENERATE_CACHE_KWARG, forward_cache_kwarg, without_cache
 from hetero.config import HeteroConfig
 from hetero.context import Context
 from hetero.errors import AdapterError, CapacityError, GeneratorClosedError, UnsupportedModelError, WorkerError
@@ -115,6 +116,7 @@ class HeteroGenerator:
         self._parent_affinity = None       # _pin_parent (a GPU model): (thread, its affinity, torch threads
                                            # before, torch threads set)
         self._forward_params = None        # the names the model's forward takes (logits_to_keep, position_ids)
+        self._cache_kwarg = None           # and the one it takes the cache by (hetero.compat)
         self._rates = None                 # the model's device's copy and attention rates (hetero.prefetch.policy)
         self.last_prefetch_log = None      # the ops of the last prefetched continuation (hetero.prefetch.schedule)
         self.last_prefetch_plan = None     # and what plan() gave for its forwards
@@ -614,7 +616,7 @@ class HeteroGenerator:
         if input_ids is None:
             raise TypeError("generate() needs the prompt's token ids: input_ids (or inputs), a [batch, seq_len] tensor")
         # hetero's cache is closed with the call: the output does not hold it
-        return _without_cache(self._generate(input_ids, attention_mask, max_new_tokens, adapter_names, context,
+        return without_cache(self._generate(input_ids, attention_mask, max_new_tokens, adapter_names, context,
                                              extend_context, kwargs))
 
     def _generate(self, input_ids, attention_mask, max_new_tokens, adapter_names, context, extend_context, kwargs):
@@ -706,7 +708,7 @@ class HeteroGenerator:
         with self.kv_context(pads, real, cap, lora=lora, tmax=tmax) as cache, torch.no_grad(), _active(lora):
             if chunk:
                 self.prefill_chunks(cache, input_ids, attention_mask, chunk)
-            return self.model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache, **call)
+            return self.model.generate(input_ids, attention_mask=attention_mask, **{GENERATE_CACHE_KWARG: cache}, **call)
 
     def _inferred_mask(self, input_ids, kwargs, context=None):
         """No attention_mask: as transformers infers one, input_ids != pad where the pad id occurs
@@ -1081,7 +1083,7 @@ class HeteroGenerator:
                         layer.seen = cached
                     mask = torch.ones_like(full)
                     self._feed(cache, full, mask, cached, full.shape[1])     # generate's first forward: the rest
-                    out = self.model.generate(full, attention_mask=mask, past_key_values=cache, **call)
+                    out = self.model.generate(full, attention_mask=mask, **{GENERATE_CACHE_KWARG: cache}, **call)
             except BaseException as e:
                 err = e
             try:
@@ -1290,17 +1292,18 @@ class HeteroGenerator:
                 while S - a > tmax:                                # continue in pieces of at most tmax tokens
                     self._forward(cache, full, mask, a, a + tmax)
                     a += tmax
-                return self.model.generate(full, attention_mask=mask, past_key_values=cache, **call)
+                return self.model.generate(full, attention_mask=mask, **{GENERATE_CACHE_KWARG: cache}, **call)
 
     def _forward(self, cache, input_ids, attention_mask, a, b):
         """The model over positions [a, b) of input_ids into `cache` (no logits kept but the last)."""
         if self._forward_params is None:
             self._forward_params = set(inspect.signature(self.model.forward).parameters)
+            self._cache_kwarg = forward_cache_kwarg(self.model.forward)
         kw = {"logits_to_keep": 1} if "logits_to_keep" in self._forward_params else {}
         if "position_ids" in self._forward_params:          # as generate: only where forward takes them
             pos = attention_mask.long().cumsum(-1) - 1
             kw["position_ids"] = pos.masked_fill_(attention_mask == 0, 1)[:, a:b]
-        self.model(input_ids=input_ids[:, a:b], attention_mask=attention_mask[:, :b], past_key_values=cache,
+        self.model(input_ids=input_ids[:, a:b], attention_mask=attention_mask[:, :b], **{self._cache_kwarg: cache},
                    use_cache=True, cache_position=torch.arange(a, b, device=input_ids.device), **kw)
 
     def _choose_transport(self, session, pool, lora=None):
@@ -1546,14 +1549,6 @@ def _with_generation_config(max_new_tokens, kwargs):
 
 
 _GC_FIELDS = tuple(k for k in vars(GenerationConfig()) if not k.startswith("_") and k != "transformers_version")
-
-
-def _without_cache(out):
-    """generate's output without its past_key_values: hetero's cache is closed with the call."""
-    if not isinstance(out, torch.Tensor) and getattr(out, "past_key_values", None) is not None:
-        collections.OrderedDict.__delitem__(out, "past_key_values")   # a ModelOutput: its mapping, then the field
-        out.past_key_values = None
-    return out
 
 
 @contextlib.contextmanager

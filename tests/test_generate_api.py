@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from hetero import HeteroGenerator
+from hetero import HeteroGenerator, compat
 from tests.conftest import build_model, padded_batch
 
 SCORES = dict(return_dict_in_generate=True, output_scores=True)
@@ -142,7 +142,7 @@ def test_outputs_are_ordinary_tensors_without_a_cache(model, gen):
     with gen.prefill(ids[:1, 4:]) as ctx:
         ctx_out = gen.generate(ids[:1, :2], context=ctx, max_new_tokens=3, **SCORES)
     for o in (out, ctx_out):
-        assert o.past_key_values is None                              # hetero's cache closed with the call
+        assert compat.output_cache(o) is None                              # hetero's cache closed with the call
         assert not o.sequences.is_inference() and not o.scores[0].is_inference()
         o.scores[0].div_(2)                                           # in place, as on HF's outputs
     loss = model(out.sequences, labels=out.sequences).loss            # and into a training step
@@ -231,7 +231,7 @@ def test_no_attention_mask_is_inferred_from_the_pad_as_transformers_does(llama, 
 def test_outputs_hold_no_cache_in_their_mapping_either(llama_gen):
     ids, mask = padded_batch()
     out = llama_gen.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0, **SCORES)
-    assert "past_key_values" not in out.keys() and all(not hasattr(x, "layers") for x in out.to_tuple())
+    assert compat.OUTPUT_CACHE_FIELD not in out.keys() and all(not hasattr(x, "layers") for x in out.to_tuple())
 
 
 def test_penalty_alpha_without_top_k_is_greedy_as_in_transformers(model, gen):

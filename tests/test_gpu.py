@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from hetero import HeteroGenerator
+from hetero.compat import forward_cache_kwarg
 from tests.conftest import build_model, padded_batch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -265,7 +266,7 @@ def test_cuda_prefill_offloads_layer_by_layer():
     torch.cuda.reset_peak_memory_stats()
     cache = DynamicCache(config=cfg)
     with torch.inference_mode():
-        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=ids, **{forward_cache_kwarg(model.forward): cache}, use_cache=True, logits_to_keep=1)
     peak_hf = torch.cuda.max_memory_allocated()
     ref = {layer: (cache.layers[layer].keys[0].cpu(), cache.layers[layer].values[0].cpu()) for layer in (0, 11)}
     del cache                                  # the peaks below count what is allocated when they start
