@@ -120,7 +120,7 @@ def bench_config(pool, cores, shape, dtype, L, reps, sdpa_threads):
                 q, *(x[None] for x in rows[rot.next()]), scale=scale, enable_gqa=Hq != Hkv)}, reps)[0]
             mm[threads] = median_times({0: lambda: grouped_matmul(q32, *rows32[rot.next()], scale)}, reps)[0]
         os.sched_setaffinity(0, parent)
-        del rows, rows32
+        rows = rows32 = None                       # the rows' memory back before the next config
     finally:
         session.close()
     # takers: the parent and n - 1 workers

@@ -29,7 +29,8 @@ def machine():
 
     return {
         "platform": platform.platform(), "python": platform.python_version(), "cpus_usable": len(os.sched_getaffinity(0)),
-        "lscpu": _run(["lscpu"]), "nvidia_smi": _run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv"]),
+        "lscpu": _run(["lscpu"]),
+        "nvidia_smi": _run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv"]),
         "shmem_thp": shmem_huge_pages(),   # KV in 2 MB pages unless "never"
         "torch": torch.__version__, "transformers": transformers.__version__,
         "commit": _run(["git", "-C", os.path.dirname(RESULTS), "rev-parse", "--short", "HEAD"]),

@@ -90,7 +90,8 @@ def decode_loop(model, cache, L, steps):
     with torch.inference_mode():
         for i in range(steps):
             t = time.perf_counter()
-            out = model(input_ids=tok, **{forward_cache_kwarg(model.forward): cache}, position_ids=torch.full((1, 1), L + i, device=DEVICE),
+            out = model(input_ids=tok, **{forward_cache_kwarg(model.forward): cache},
+                        position_ids=torch.full((1, 1), L + i, device=DEVICE),
                         cache_position=torch.tensor([L + i], device=DEVICE), use_cache=True)
             tok = out.logits[:, -1:].argmax(-1)
             sync()

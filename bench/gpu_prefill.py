@@ -292,7 +292,8 @@ def summarize(res, systems):
         if hf and het:
             fits_all = hf == max(r["context"] for r in res["prefill"])
             summary["longest prompt, hetero / HF (HF ran every length: a lower bound)" if fits_all else
-                    "longest prompt, hetero / HF"] = (round(het / hf, 2), None if fits_all else het / hf >= TARGETS["longest_vs_hf"])
+                    "longest prompt, hetero / HF"] = (round(het / hf, 2),
+                                                     None if fits_all else het / hf >= TARGETS["longest_vs_hf"])
     peaks = [r["hetero_chunked"]["peak_gpu_bytes"] for r in res["prefill"]
              if (r.get("hetero_chunked") or {}).get("peak_gpu_bytes")]
     if len(peaks) > 1:

@@ -10,7 +10,6 @@ per variant and shape, and the ratio. Each child is pinned to the last usable co
     python bench/kernel_prefetch.py [--rounds 2] [--mb 256] [--out kernel_prefetch]
 """
 import argparse
-import json
 import os
 import subprocess
 import sys

@@ -125,8 +125,10 @@ def main():
     lo = 10 if 10 in reg else min(reg)
     reg_lo, reg_hi = reg[lo], reg[max(reg)]
     checks = {
-        "rank-16 q/k/v/o per-token overhead at %dK" % (L // 1024): (result["overhead"]["b1_r16_qkvo"], "<=", TARGETS["one_worker_latency_overhead"]),
-        "%d registered vs %d: throughput ratio" % (max(reg), lo): (reg_hi["tokens_per_s"] / reg_lo["tokens_per_s"], ">=", TARGETS["registered_1000_vs_10"]),
+        "rank-16 q/k/v/o per-token overhead at %dK" % (L // 1024):
+            (result["overhead"]["b1_r16_qkvo"], "<=", TARGETS["one_worker_latency_overhead"]),
+        "%d registered vs %d: throughput ratio" % (max(reg), lo):
+            (reg_hi["tokens_per_s"] / reg_lo["tokens_per_s"], ">=", TARGETS["registered_1000_vs_10"]),
         "cold / warm time to first token": (t["cold"] / t["warm"], "<=", TARGETS["cold_ttft_vs_warm"]),
     }
     result["summary"] = {}

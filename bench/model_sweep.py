@@ -159,7 +159,7 @@ def build(model_type):
         kw = config_kwargs(model_type)
         cfg = AutoConfig.for_model(model_type, **kw)
     except Exception as e:
-        raise Skip(f"config cannot be built: {type(e).__name__}: {_first_line(e)}")
+        raise Skip(f"config cannot be built: {type(e).__name__}: {_first_line(e)}") from e
     if getattr(cfg, "is_encoder_decoder", False):
         raise Skip("encoder-decoder")
     n = _parameters(cfg)

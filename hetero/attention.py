@@ -39,7 +39,8 @@ def eager_attention(module, query, key, value, attention_mask, scaling, softcap=
         attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=w.device).tril(kv_len - q_len)
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
-            attention_mask = torch.zeros_like(attention_mask, dtype=w.dtype).masked_fill(~attention_mask, torch.finfo(w.dtype).min)
+            attention_mask = torch.zeros_like(attention_mask, dtype=w.dtype).masked_fill(
+                ~attention_mask, torch.finfo(w.dtype).min)
         w = w + attention_mask
     if sinks is not None:       # [B, Hq, q, kv] -> [B, Hq, q, kv + 1], the sink last
         w = torch.cat([w, sinks.reshape(1, -1, 1, 1).expand(w.shape[0], -1, q_len, 1).to(w.dtype)], dim=-1)

@@ -526,7 +526,7 @@ class HeteroGenerator:
             f"original_max_position_embeddings={N} ("
             + ("its generate then recomputes every key" if self.spec.drops_cache else
                "transformers' one pass over a prompt past it rotates every key with them")
-            + f"); keys hetero keeps from below it would differ: keep "
+            + "); keys hetero keeps from below it would differ: keep "
             + (f"prompt + max_new_tokens <= {N + 1}" if self.spec.drops_cache else
                f"the prompt within {N} (a call extending a context: prompt + max_new_tokens <= {N + 1}, or "
                "extend_context=False)")

@@ -361,7 +361,7 @@ def test_closed_context_says_so(llama):
         ctx = gen.prefill(doc[None], reserve=4)
     assert ctx.closed and "closed" in repr(ctx)
     with pytest.raises(ValueError, match="Context is closed"):
-        ctx.length
+        _ = ctx.length
     with HeteroGenerator(llama, cpu_workers=1) as gen:
         ctx = gen.prefill(doc[None], reserve=4)
         ctx.close()

@@ -264,8 +264,8 @@ class FixedPlan:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_workers_share_units_deterministically(dtype):
     """Through the real pool: the parent alone, the parent with any worker count, and the workers
-    alone take the units from the shared ticket and give bit-identical results (each unit's partials do not depend on who computed them), equal to
-    the reference, for a batch of unequal lengths."""
+    alone take the units from the shared ticket and give bit-identical results (each unit's partials
+    do not depend on who computed them), equal to the reference, for a batch of unequal lengths."""
     from hetero.ipc.pool import WorkerPool
     from hetero.model_spec import ModelSpec
     from hetero.offload.session import KVSession

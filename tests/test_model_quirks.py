@@ -228,8 +228,9 @@ def test_a_subclass_overriding_phi3s_input_preparation_is_refused_by_name():
 def test_longrope_of_a_family_that_keeps_its_cache_and_per_layer_type():
     """LongRoPE outside Phi-3: transformers' Llama keeps its cache when decode passes N, so a call
     whose prompt is within N passes it in the same forwards as transformers' (exact, no longer
-    refused), but not one extending a context (its keys would mix both factors). Gemma3 with LongRoPE on one layer type (rope_parameters per layer type) is guarded
-    like a top-level one: a context or a chunked prefill across N is refused, one pass is exact."""
+    refused), but not one extending a context (its keys would mix both factors). Gemma3 with LongRoPE
+    on one layer type (rope_parameters per layer type) is guarded like a top-level one: a context or a
+    chunked prefill across N is refused, one pass is exact."""
     from hetero import HeteroConfig
 
     hd, n = 16, 16

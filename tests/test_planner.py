@@ -14,7 +14,8 @@ def synthetic(workers=15, group=4, wake_us=15.0, merge_s=1e-7):
           "numba": "0", "group": group, "head_dim": 128, "code": 1}
     return P.Profile(fingerprint=fp, block_s=1e-6, unit_s=2e-6,
                      dispatch_s=[0.0] + [2e-6 + wake_us * 1e-6 * n for n in range(1, workers + 1)],
-                     agg_gbps=[min(16.0 * (n + 1), 60.0) for n in range(workers + 1)], merge_s=merge_s, merge_fixed_s=5e-6, block_bytes=16384)
+                     agg_gbps=[min(16.0 * (n + 1), 60.0) for n in range(workers + 1)], merge_s=merge_s,
+                     merge_fixed_s=5e-6, block_bytes=16384)
 
 
 def layout(batch=1, kv_heads=8, cap=1 << 20):

@@ -169,7 +169,8 @@ def from_peft_model(peft_model, name, model):
             if name in getattr(mod, "lora_variant", {}) or mod.use_dora.get(name):
                 raise AdapterError(f"adapter {name!r}: {path} uses a LoRA variant (e.g. DoRA), which hetero does not support")
             out[path] = _checked(name, model, path, mod.lora_A[name].weight, mod.lora_B[name].weight, mod.scaling[name])
-        elif isinstance(mod, LoraLayer) and (name in getattr(mod, "lora_embedding_A", {}) or name in getattr(mod, "lora_magnitude_vector", {})):
+        elif isinstance(mod, LoraLayer) and (name in getattr(mod, "lora_embedding_A", {})
+                                             or name in getattr(mod, "lora_magnitude_vector", {})):
             raise AdapterError(f"adapter {name!r}: {path} is not a plain LoRA linear layer")
     if not out:
         raise AdapterError(f"adapter {name!r} of the PeftModel has no LoRA linear layers")
