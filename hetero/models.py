@@ -41,7 +41,12 @@ def load_smollm2(dtype, keep_copy=True):
         model = AutoModelForCausalLM.from_pretrained(copy, dtype=dtype)
         return _plain(model).eval(), AutoTokenizer.from_pretrained(copy)   # _plain: a copy left read-only
     try:
-        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
+        # dequantize=True: dense weights also where transformers would keep them packed for the
+        # `kernels` package's ggml matmuls (since 5.17 for some architectures; hetero needs nn.Linear)
+        from transformers.utils.quantization_config import GgufConfig
+
+        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32,
+                                                     quantization_config=GgufConfig(dequantize=True))
     except ImportError as e:                  # no gguf package
         raise MissingDependencyError(f"loading SmolLM2's GGUF needs the gguf package ({e}): {INSTALL}") from e
     tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
