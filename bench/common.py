@@ -23,6 +23,27 @@ def _run(cmd):
         return None
 
 
+def steady(times, warm=1.10, falling=(0.97, 0.95)):
+    """A per-step time series' steady-state level, one rule for every system compared.
+    R = the median of the last 4 steps; the leading steps above warm * R are warm-up, dropped;
+    the level is the median of the steps kept. A series still falling at its end (its last step
+    < falling[0] * the mean of the last 4, and R < falling[1] * the median of its steps 3..n-4)
+    has no steady state yet: R, flagged, an upper bound. Returns {"ms", "warmup_dropped",
+    "still_falling", "kept_min_ms", "kept_max_ms"} (ms)."""
+    import statistics
+
+    t = [x * 1e3 for x in times]
+    R = statistics.median(t[-4:])
+    d = 0
+    while d < len(t) - 1 and t[d] > warm * R:
+        d += 1
+    kept = t[d:]
+    early = t[2:len(t) - 4]
+    still = bool(early) and t[-1] < falling[0] * statistics.mean(t[-4:]) and R < falling[1] * statistics.median(early)
+    return {"ms": R if still else statistics.median(kept), "warmup_dropped": d, "still_falling": still,
+            "kept_min_ms": min(kept), "kept_max_ms": max(kept)}
+
+
 def machine():
     import torch
     import transformers

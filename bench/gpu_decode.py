@@ -31,7 +31,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import machine, positive, run_child, stream_read_all_gbps, write_json  # noqa: E402
+from bench.common import machine, positive, run_child, steady, stream_read_all_gbps, write_json  # noqa: E402
 from hetero.compat import forward_cache_kwarg  # noqa: E402
 
 SHAPES = {  # hidden, intermediate, layers, q heads, kv heads, vocab
@@ -248,7 +248,7 @@ def main():
             for s in args.systems:
                 r = spawn(args, s, L)
                 if "times" in r:
-                    r["ms"] = statistics.median(r["times"][2:]) * 1e3
+                    r.update(steady(r["times"]))            # warm-up dropped and counted, as for every system
                 row[s] = r
                 info = dict(r.get("info") or {})
                 if info.pop("profile", None) and L == args.contexts[0]:
@@ -287,7 +287,8 @@ def save(args, cores, host_gbps, pcie, results, summary):
         "bench": "gpu_decode", "machine": machine(), "gpu": torch.cuda.get_device_name(), "cores": cores,
         "host_read_gbps": host_gbps, "pcie_gbps": pcie, "steps": args.steps, "targets": TARGETS,
         "results": results, "summary": summary,
-        "note": "ms = median per-token time after 2 warm-up steps, one fresh process per cell; bound = KV bytes / "
+        "note": "ms = steady-state per-token time (bench.common.steady: warm-up dropped and counted, "
+                "still_falling: an upper bound), one fresh process per cell; bound = KV bytes / "
                 "all-core host read bandwidth + the base layers' time (HF static cache at 256 tokens)"}, args.copy_to)
 
 

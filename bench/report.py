@@ -3,7 +3,7 @@ import glob
 import json
 import os
 
-from common import RESULTS
+from common import RESULTS, steady
 
 
 def _load(name):
@@ -143,8 +143,8 @@ def _bound(run, shape, row, fallback):
 
 
 def _static_fallback(runs):
-    statics = [row["static"]["ms"] for _, run in runs for shape in run["results"].values()
-               for row in shape["rows"] if "ms" in row.get("static", {})]
+    statics = [steady(row["static"]["times"])["ms"] for _, run in runs for shape in run["results"].values()
+               for row in shape["rows"] if "times" in row.get("static", {})]
     return min(statics) if statics else 0.0
 
 
@@ -162,23 +162,32 @@ def gpu_decode_table():
     fallback = _static_fallback(runs)
     run0 = runs[0][1]
     out = [f"{run0['gpu']}, {run0['cores']} host cores, Llama-3-8B shape (bf16, random weights), batch 1, "
-           f"median of {run0['steps'] - 2} steps; bound = KV bytes / the all-core host read bandwidth "
+           "ms per token at steady state (bench.common.steady; ≤: still falling at the run's end, an upper "
+           "bound); bound = KV bytes / the all-core host read bandwidth "
            "measured in the same run + the base layers' time:", "",
            "| run | context | " + " | ".join(title for _, title in ran) +
            " | host read GB/s | bound | hetero / bound | offloaded / hetero | peak GPU GiB hetero / HF dynamic |",
            "|" + "---|" * (len(ran) + 7)]
 
-    def ms(row, k):
-        return row[k]["ms"] if "ms" in row.get(k, {}) else None
+    def level(row, k):          # (ms, an upper bound?) at steady state, re-read from the steps
+        r = row.get(k, {})
+        if "times" not in r:
+            return None, False
+        s = steady(r["times"])
+        return s["ms"], s["still_falling"]
+
+    def cell(row, k):
+        v, up = level(row, k)
+        return (("≤" if up else "") + f"{v:.1f}") if v else ("OOM" if row.get(k, {}).get("oom") else "–")
 
     for name, run, shape, row in sorted(rows, key=lambda x: (x[3]["context"], x[0])):
         bound = _bound(run, shape, row, fallback)
-        cells = [f"{ms(row, k):.1f}" if ms(row, k) else ("OOM" if row.get(k, {}).get("oom") else "–") for k, _ in ran]
-        het, off = ms(row, "hetero"), ms(row, "offloaded")
+        cells = [cell(row, k) for k, _ in ran]
+        (het, het_up), (off, off_up) = level(row, "hetero"), level(row, "offloaded")
         peaks = [row.get(k, {}).get("peak_gpu_bytes") for k in ("hetero", "hf")]
         out.append(f"| {name} | {row['context'] // 1024}K | " + " | ".join(cells) +
                    f" | {run['host_read_gbps']:.0f} | {bound:.1f} | " + (f"{het / bound:.2f}" if het else "–") +
-                   " | " + (f"{off / het:.2f}x" if het and off else "–") + " | " +
+                   " | " + (("≤" if het_up or off_up else "") + f"{off / het:.2f}x" if het and off else "–") + " | " +
                    " / ".join(f"{p / 2**30:.1f}" if p else "–" for p in peaks) + " |")
     return "\n".join(out)
 
@@ -204,7 +213,8 @@ def gpu_decode_plot(path):
         for shape in run["results"].values():
             ctx = [row["context"] for row in shape["rows"]]
             for k in titles:
-                pts = [(row["context"], row[k]["ms"]) for row in shape["rows"] if "ms" in row.get(k, {})]
+                pts = [(row["context"], steady(row[k]["times"])["ms"]) for row in shape["rows"]
+                       if "times" in row.get(k, {})]
                 if pts:
                     ax.plot(*zip(*pts), marker=markers[name], color=colours[k], linestyle="-",
                             label=titles[k] if k not in seen else None)
