@@ -112,7 +112,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
         self.config, self.kv = config, kv
-        self.waiting: list[Request] = []     # preempted ones first, then in arrival order
+        self.waiting: list[Request] = []     # preempted ones first, then in the order added
         self.running: list[Request] = []     # in admission order: the last is preempted first
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -163,18 +163,11 @@ class Scheduler:
             n = min(r.num_new_tokens_to_compute, chunk, budget)
             if n <= 0:
                 raise AssertionError(f"running request with nothing to compute: {r}")
-            while not kv.allocate_slots(r, n):
-                victim = self.running.pop()        # never one scheduled already: those are before i
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is r:
-                    break
-            else:
-                out.append(ScheduledRequest(r, r.num_computed_tokens, n, self._samples(r, n)))
-                budget -= n
-                i += 1
-                continue
-            break
+            if not self._make_room(r, n, preempted):
+                break
+            out.append(ScheduledRequest(r, r.num_computed_tokens, n, self._samples(r, n)))
+            budget -= n
+            i += 1
 
         while not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             key = cfg.policy.sort_key(self.running)
@@ -222,6 +215,18 @@ class Scheduler:
                 self._finish(r, status)
                 finished.append(r)
         return finished
+
+    def _make_room(self, r: Request, n: int, preempted: list[str]) -> bool:
+        """Allocate n rows for running request r, preempting running requests from the last admitted
+        on (never one scheduled already this step: those precede r) until it fits. False when r
+        itself had to go."""
+        while not self.kv.allocate_slots(r, n):
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is r:
+                return False
+        return True
 
     def _samples(self, r: Request, n: int) -> bool:
         return r.num_computed_tokens + n == r.num_tokens and r.num_output_tokens < r.max_new_tokens
