@@ -438,16 +438,19 @@ class HeteroGenerator:
         ModelSpec.position_limit (None: a rotary model runs past max_position_embeddings, as in
         transformers). what: the name of the rows added, for a prompt's message (None: a context's)."""
         limit = self.spec.position_limit
-        if limit is None or tokens + new <= limit:          # new >= 1: the prompt is within it too
+        # generate's last new token is chosen, never fed: it takes no position (a reserve's rows all do)
+        fed = tokens + new - (what != "reserve")
+        if limit is None or fed <= limit:
             return
         if what is None:
-            raise CapacityError(f"{tokens + new} positions exceed the model's max_position_embeddings "
-                                f"({limit}){_LIMIT_WHY}")
-        if tokens >= limit:
+            raise CapacityError(f"{fed} positions exceed the model's max_position_embeddings ({limit}): {tokens} "
+                                f"tokens and {new} new ones, the last never fed{_LIMIT_WHY}")
+        if tokens >= limit + (what != "reserve"):
             raise CapacityError(f"the prompt ({tokens} positions) leaves no room in the model's "
                                 f"max_position_embeddings ({limit}){_LIMIT_WHY}")
-        raise CapacityError(f"prompt ({tokens} positions) + {what} ({new}) = {tokens + new} exceeds the model's "
-                            f"max_position_embeddings ({limit}){_LIMIT_WHY}")
+        last = "" if what == "reserve" else " (the last new token is never fed)"
+        raise CapacityError(f"prompt ({tokens} positions) + {what} ({new}) needs {fed} positions{last}, more than "
+                            f"the model's max_position_embeddings ({limit}){_LIMIT_WHY}")
 
     def _default_new_tokens(self, prompt, model_new=True, max_length=MODEL_DEFAULT):
         """max_new_tokens when the call gives none, as transformers decides it: the model's
@@ -563,13 +566,15 @@ class HeteroGenerator:
         self._feed(cache, input_ids, attention_mask, first, S, whole=to_end, piece=chunk)
 
     def _plan_cache(self, attention_mask, max_new_tokens, tmax=1, private=0, groups=0, what="max_new_tokens"):
-        """what: the setting that asked for the max_new_tokens rows past the prompt (for messages)."""
+        """what: the setting that asked for the max_new_tokens rows past the prompt (for messages):
+        generate's new tokens (the last one's KV is never written) or a context's reserve."""
         real = attention_mask.sum(1).cpu()
-        rows = int(real.max()) + max_new_tokens
+        rows = int(real.max()) + max_new_tokens - (what != "reserve")
         cap = whole_blocks(rows)
         limit = self.config.max_cache_tokens
         if limit is not None and rows > limit:
-            raise CapacityError(f"a request needs {rows} KV rows (prompt {int(real.max())} + {max_new_tokens} new) "
+            new = "reserved" if what == "reserve" else "new, the last one's never written"
+            raise CapacityError(f"a request needs {rows} KV rows (prompt {int(real.max())} + {max_new_tokens} {new}) "
                                 f"but the cache capacity is max_cache_tokens={limit}")
         s = self.spec
         layout = KVSession.layout_for(s, len(real), cap, tmax, private, groups)   # sliding layers: a ring of their window
