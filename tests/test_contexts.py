@@ -1,6 +1,7 @@
 """Contexts (HeteroGenerator.prefill): a request's KV kept in shared memory between calls. Each
 call continuing a context must give what HF generate gives on the whole conversation so far."""
 import os
+import threading
 
 import pytest
 import torch
@@ -224,6 +225,37 @@ def test_bad_context_files_raise_and_leave_nothing(tmp_path, llama):
     with HeteroGenerator(moved, cpu_workers=1) as gen3:
         with pytest.raises(ContextFileError, match="another config: rope_parameters"):
             gen3.load_context(good)
+
+
+def test_a_context_path_that_is_no_regular_file_is_refused_at_once(tmp_path, llama):
+    """load_context on a FIFO (whose open waits for a writer: it hung), a directory or a device
+    raises ContextFileError naming the path and what it is, without opening it."""
+    from hetero import ContextFileError
+
+    fifo = tmp_path / "ctx.fifo"
+    os.mkfifo(fifo)
+    with HeteroGenerator(llama, cpu_workers=1) as gen:
+        before = set(our_segments(os.getpid()))
+        for path, kind in ((fifo, "a FIFO"), (tmp_path, "a directory"), ("/dev/null", "a character device")):
+            raised = []
+
+            def load():
+                try:
+                    gen.load_context(path)
+                except Exception as e:
+                    raised.append(e)
+
+            t = threading.Thread(target=load, daemon=True)
+            t.start()
+            t.join(20)
+            if t.is_alive():                  # blocked in open(): a writer lets it go, so the test cannot hang
+                with open(fifo, "wb"):
+                    pass
+                t.join(20)
+                pytest.fail(f"load_context({path}) blocked")
+            assert len(raised) == 1 and isinstance(raised[0], ContextFileError), raised
+            assert str(raised[0]).startswith(f"{path} is not a regular file ({kind})")
+        assert set(our_segments(os.getpid())) == before
 
 
 def _with_header(data, **fields):

@@ -12,6 +12,7 @@ arena on any error: a truncated, corrupted or mismatched file raises and leaves 
 import hashlib
 import json
 import os
+import stat
 import zlib
 
 import numpy as np
@@ -111,7 +112,10 @@ def save(ctx, path):
 def read_header(path):
     """The header of a saved context, checked for format and size (not yet for the model)."""
     try:
-        size = os.path.getsize(path)
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):      # a FIFO's open would wait for a writer, a device's read forever
+            raise ContextFileError(f"{path} is not a regular file ({_file_kind(st.st_mode)}); a saved context is one")
+        size = st.st_size
         with open(path, "rb") as f:
             magic, n = f.read(len(MAGIC)), f.read(8)
             if magic != MAGIC or len(n) != 8:
@@ -144,6 +148,14 @@ def read_header(path):
         raise ContextFileError(f"{path} is truncated or padded: {size} bytes, the header says "
                                f"{header['offset'] + header['payload_bytes']}")
     return header
+
+
+def _file_kind(mode):
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "not a plain file"
 
 
 def check_model(header, model, spec, path, adapter_digest):
