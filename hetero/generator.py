@@ -1040,13 +1040,17 @@ class HeteroGenerator:
         name = saved.check_model(header, self.model, self.spec, path,
                                  lambda n: self._store.digest(loaded[n]) if n in loaded else None)
         n = header["length"]
-        tokens = torch.tensor(header["tokens"], dtype=torch.long)
-        pending = torch.tensor(header["pending"], dtype=torch.long)
         if reserve is None:
             reserve = self._default_reserve(n)
-        mask, reserve = self._check_inputs(tokens[None].to(self.model.device), None, reserve, "reserve")
+        # the token ids are checked against the vocabulary after the payload's CRC (fill), which covers
+        # them: a corrupted id is named as the file's corruption, not as a bad prompt
+        mask, reserve = self._check_inputs(torch.zeros(1, n, dtype=torch.long, device=self.model.device), None,
+                                           reserve, "reserve")
         with self._context_session(mask, reserve) as session:
             saved.fill(session, header, path)
+            saved.check_vocabulary(header, getattr(self.model.get_input_embeddings(), "num_embeddings", None), path)
+            tokens = torch.tensor(header["tokens"], dtype=torch.long)
+            pending = torch.tensor(header["pending"], dtype=torch.long)
             session.finish_prefill()
             ctx = Context(self, session, tokens, loaded[name] if name is not None else None)
             ctx.pending = pending

@@ -227,6 +227,44 @@ def test_bad_context_files_raise_and_leave_nothing(tmp_path, llama):
             gen3.load_context(good)
 
 
+def test_an_out_of_vocabulary_token_in_a_context_file_is_the_files_error(tmp_path, llama):
+    """A token id past the vocabulary in a saved context's header raised a ValueError about
+    input_ids (the ids were checked as a prompt before the CRC). The CRC comes first: a corrupted
+    id is named as corruption; an id the CRC covers (a file written so) as the file's, by name."""
+    import json
+    import zlib
+
+    from hetero import ContextFileError
+    from hetero.offload import saved
+
+    doc = turns(30, 40)[0]
+    good = tmp_path / "good.ctx"
+    with HeteroGenerator(llama, cpu_workers=1) as gen:
+        with gen.prefill(doc[None]) as ctx:
+            gen.generate(doc[None, :3], context=ctx, max_new_tokens=2)       # a pending token too
+            ctx.save(good)
+        data = good.read_bytes()
+        header = json.loads(data[24:24 + int.from_bytes(data[16:24], "little")])
+        before = set(our_segments(os.getpid()))
+        cases = [("tokens", VOCAB + 7, False, "is corrupted: payload CRC-32"),
+                 ("tokens", VOCAB + 7, True, f"holds token id {VOCAB + 7}, outside the model's vocabulary of {VOCAB}"),
+                 ("pending", VOCAB, True, f"holds token id {VOCAB}, outside the model's vocabulary"),
+                 ("tokens", 10 ** 30, True, f"holds token id {10 ** 30}, outside")]
+        for i, (field, token, crc_holds, match) in enumerate(cases):
+            ids = [token] + header[field][1:]
+            fields = {field: ids}
+            if crc_holds:                    # the CRC a file written with these ids would carry
+                h = {**header, **fields}
+                crc = saved._meta_crc(h["tokens"], h["pending"], h["length"], h["layers"])
+                fields["crc32"] = zlib.crc32(data[-header["payload_bytes"]:], crc)
+            bad = tmp_path / f"bad{i}.ctx"
+            bad.write_bytes(_with_header(data, **fields))
+            with pytest.raises(ContextFileError, match=match) as raised:
+                gen.load_context(bad)
+            assert str(raised.value).startswith(str(bad))
+            assert set(our_segments(os.getpid())) == before                 # nothing half-loaded
+
+
 def test_a_context_path_that_is_no_regular_file_is_refused_at_once(tmp_path, llama):
     """load_context on a FIFO (whose open waits for a writer: it hung), a directory or a device
     raises ContextFileError naming the path and what it is, without opening it."""

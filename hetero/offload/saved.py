@@ -137,7 +137,7 @@ def read_header(path):
         header["offset"] = -(-(len(MAGIC) + 8 + n) // ALIGN) * ALIGN
         ints = lambda xs: all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in xs)  # noqa: E731
         ok = (ints(header["tokens"]) and ints(header["pending"]) and ints([header["length"], header["payload_bytes"],
-              header["crc32"]]) and len(header["tokens"]) == header["length"] and header["layers"]
+              header["crc32"]]) and len(header["tokens"]) == header["length"] > 0 and header["layers"]
               and all(ints([lay["start"], lay["rows"]]) for lay in header["layers"])
               and isinstance(header["fingerprint"], dict) and isinstance(header["fingerprint"].get("config"), dict))
     except (KeyError, TypeError) as e:
@@ -221,3 +221,12 @@ def fill(session, header, path):
                                    f"{header['crc32']:#010x}")
     finally:
         del mm
+
+
+def check_vocabulary(header, vocab, path):
+    """After fill (the CRC covers the tokens): each token id within the model's vocabulary of
+    `vocab` (None: not known), or ContextFileError."""
+    bad = [t for t in header["tokens"] + header["pending"] if vocab is not None and t >= vocab]
+    if bad:
+        raise ContextFileError(f"{path} holds token id {bad[0]}, outside the model's vocabulary of {vocab} "
+                               "(its CRC holds: it was written so): not a context of this model")
