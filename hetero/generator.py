@@ -22,6 +22,7 @@ from hetero.adapters import hooks as lora_hooks, source as lora_source
 from hetero.compat import GENERATE_CACHE_KWARG, forward_cache_kwarg, without_cache
 from hetero.config import HeteroConfig
 from hetero.context import Context
+from hetero.digest import weight_digest
 from hetero.errors import AdapterError, CapacityError, GeneratorClosedError, UnsupportedModelError, WorkerError
 from hetero.ipc import shm
 from hetero.ipc.pool import WorkerPool
@@ -1224,7 +1225,7 @@ class HeteroGenerator:
     def _check_contexts(self, contexts):
         if not contexts:
             raise ValueError("context= got an empty list")
-        now = _weights_key(self.model)                          # once per call: it samples every weight
+        now = _weights_key(self.model)                          # once per call: it looks up every weight
         for c in contexts:
             if not isinstance(c, Context) or c.generator is not self or c.closed:
                 raise ValueError(f"context= takes open Contexts from this generator's prefill(), got {c!r}"
@@ -1484,11 +1485,12 @@ _STALE = ("the model's weights changed since this context was prefilled (its KV 
 
 
 def _weights_key(model):
-    """What tells the base weights apart over time: each one's identity, storage, dtype and
-    in-place version counter, and 8 of its values (`.data = ...` and a dtype round trip keep the
-    counter; peft's merge writes through .data). peft's adapter weights aside (LoRA,
-    modules_to_save copies): adapters come and go, and each adapter's KV is tied to it by name
-    and digest. One copy to the host per device, per call."""
+    """What tells the base weights apart over time: each one's dtype, shape and digest of every
+    element (hetero.digest: computed once per in-place version, storage and dtype, so a call
+    with unchanged weights only looks them up), and 8 of its values read now (writes through
+    .data or numpy bypass the version counter; peft's merge writes so). peft's adapter weights
+    aside (LoRA, modules_to_save copies): adapters come and go, and each adapter's KV is tied
+    to it by name and digest. One copy of the samples to the host per device, per call."""
     adapters = {id(p) for m in lora_hooks.peft_layers(model)          # any peft tuner's own weights
                 for name in getattr(m, "adapter_layer_names", ()) if isinstance(getattr(m, name, None), torch.nn.Module)
                 for p in getattr(m, name).parameters()}
@@ -1499,7 +1501,7 @@ def _weights_key(model):
         for p in params:
             samples.setdefault((p.device, p.dtype), []).append(p.detach().reshape(-1)[::max(1, p.numel() // 8)][:8])
     values = b"".join(torch.cat(v).cpu().view(torch.uint8).numpy().tobytes() for v in samples.values())
-    return tuple((id(p), _storage(p), p.dtype, _version(p)) for p in params), values
+    return tuple((p.dtype, tuple(p.shape), weight_digest(p)) for p in params), values
 
 
 def _peft_adapter_keys(layers):

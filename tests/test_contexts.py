@@ -1,5 +1,6 @@
 """Contexts (HeteroGenerator.prefill): a request's KV kept in shared memory between calls. Each
 call continuing a context must give what HF generate gives on the whole conversation so far."""
+import contextlib
 import os
 import threading
 
@@ -829,3 +830,90 @@ def test_a_context_is_not_reused_after_the_weights_change(change):
                 gen.generate(msg[None], context=context, max_new_tokens=2)
         del ctx                                                   # kept unreferenced as a prefix cache
         assert torch.equal(gen.generate(full, max_new_tokens=4, **KW).sequences, out.sequences)
+
+
+def _one_row_retrained(model):
+    """A copy of `model` whose embedding differs in one element of one row (37, 5), an element
+    neither the old fingerprint's samples (the even ones here) nor the old staleness key's held."""
+    import copy
+
+    other = copy.deepcopy(model)
+    with torch.inference_mode():
+        other.get_input_embeddings().weight[37, 5] += 0.25
+    return other
+
+
+@pytest.mark.parametrize("mode", ["normal", "inference"])
+def test_weights_one_element_apart_refuse_each_others_contexts(tmp_path, mode):
+    """Two models whose weights differ in ONE element of one embedding row: (a) a live context made
+    with the other weights (copied in place with load_state_dict) is stale, also for weights made
+    inside torch.inference_mode() (no version counter tells their writes: their digest is taken
+    at every call); (b) a context one saved does not load into the other (every element counts in
+    the fingerprint: 8 or 4,096 samples per weight missed it, and the context continued wrongly)."""
+    from hetero import ContextFileError
+
+    with torch.inference_mode() if mode == "inference" else contextlib.nullcontext():
+        model, _ = build_model("llama")
+    other = _one_row_retrained(model)
+    doc, msg = turns(31, 45, 5)
+    path = tmp_path / "doc.ctx"
+    with HeteroGenerator(model, config=HeteroConfig(cpu_workers=1)) as gen:
+        with gen.prefill(doc[None]) as ctx:
+            ctx.save(path)
+            with gen.load_context(path) as loaded:                   # the same weights: it loads
+                assert torch.equal(loaded.token_ids, doc)
+            with HeteroGenerator(other, cpu_workers=1) as gen2:
+                before = set(our_segments(os.getpid()))
+                with pytest.raises(ContextFileError, match=f"{path} was saved from another model: weights_sha256"):
+                    gen2.load_context(path)
+                assert set(our_segments(os.getpid())) == before
+            with torch.inference_mode() if mode == "inference" else torch.no_grad():
+                model.load_state_dict(other.state_dict())
+            for context in (ctx, [ctx]):
+                with pytest.raises(ValueError, match="weights changed since this context was prefilled"):
+                    gen.generate(msg[None], context=context, max_new_tokens=2)
+            full = torch.cat([doc, msg])[None]                  # a prompt over its tokens: prefilled anew
+            assert torch.equal(gen.generate(full, max_new_tokens=4, **KW).sequences,
+                               hf(model, full[0], 4).sequences)
+            with pytest.raises(ContextFileError, match="another model: weights_sha256"):
+                gen.load_context(path)                                # the fingerprint sees the new weights too
+
+
+def test_an_older_context_file_format_is_named(tmp_path, llama):
+    """A file of format version 2 (its fingerprint sampled the weights) is refused by name."""
+    from hetero import ContextFileError
+
+    path = tmp_path / "old.ctx"
+    with HeteroGenerator(llama, cpu_workers=1) as gen:
+        with gen.prefill(turns(32, 20)[0][None]) as ctx:
+            ctx.save(path)
+        path.write_bytes(_with_header(path.read_bytes(), version=2))
+        with pytest.raises(ContextFileError, match=rf"{path}: saved context format version 2, this hetero reads "
+                                                   r"version 3 only \(an older hetero saved it: prefill"):
+            gen.load_context(path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8])
+def test_weight_digest_sees_every_element_and_is_the_same_on_any_device(dtype):
+    """hetero.digest: any one element changed (here each of a few, in a tensor spanning several
+    blocks and a short last one) changes the digest, rows swapped too; torch's ops (a GPU's) give
+    numpy's (a CPU's) digest; a changed version or storage is seen, an unchanged one is looked up."""
+    from hetero import digest
+
+    t = (torch.randn(3 * digest.BLOCK + 77, generator=torch.Generator().manual_seed(0)) * 50).to(dtype)
+    d = digest._digest(t)
+    assert digest._digest(t, torch_ops=True) == d
+    for i in (0, digest.BLOCK - 1, 2 * digest.BLOCK + 5, t.numel() - 1):
+        u = t.clone()
+        u[i] = (u[i].double() + 1).to(dtype)
+        assert digest._digest(u) != d and digest._digest(u, torch_ops=True) == digest._digest(u)
+    rows = t[:64 * 64].reshape(64, 64).clone()
+    swapped = rows[[1, 0, *range(2, 64)]]
+    assert digest._digest(swapped) != digest._digest(rows)
+    p = torch.nn.Parameter(t.clone(), requires_grad=False)
+    assert digest.weight_digest(p) == d and digest._cache[id(p)][1] == d
+    with torch.no_grad():
+        p[7] = (p[7].double() + 1).to(dtype)                  # in place: the version counter moves
+    assert digest.weight_digest(p) != d
+    p.data = t.clone()                                        # replaced: another storage
+    assert digest.weight_digest(p) == d
