@@ -19,7 +19,8 @@ MAX_WORKERS_PER_CORE = 4      # more worker processes than this per CPU of the m
 class HeteroConfig:
     cpu_workers: int | None = None        # None: usable cores - 1 (one core is left to the parent), at least 1
     worker_cores: tuple | None = None     # cores to pin workers to; None: the usable cores after the first
-    max_cache_tokens: int | None = None   # per-request KV capacity (prompt + new tokens); None: bounded by RAM
+    max_cache_tokens: int | None = None   # per-request KV capacity (prompt + new tokens but the last, whose KV
+                                          # is never written); None: bounded by RAM
     ram_fraction: float = 0.8             # share of available RAM one generate's KV arena may take
     spin_budget: int = 20000              # atomic polls before a waiter backs off
     start_timeout: float = 300.0          # seconds for workers to start (numba compiles on a cold cache)

@@ -22,6 +22,7 @@ from hetero.adapters import hooks as lora_hooks, source as lora_source
 from hetero.compat import GENERATE_CACHE_KWARG, forward_cache_kwarg, without_cache
 from hetero.config import HeteroConfig
 from hetero.context import Context
+from hetero.digest import weight_digest
 from hetero.errors import AdapterError, CapacityError, GeneratorClosedError, UnsupportedModelError, WorkerError
 from hetero.ipc import shm
 from hetero.ipc.pool import WorkerPool
@@ -438,16 +439,19 @@ class HeteroGenerator:
         ModelSpec.position_limit (None: a rotary model runs past max_position_embeddings, as in
         transformers). what: the name of the rows added, for a prompt's message (None: a context's)."""
         limit = self.spec.position_limit
-        if limit is None or tokens + new <= limit:          # new >= 1: the prompt is within it too
+        # generate's last new token is chosen, never fed: it takes no position (a reserve's rows all do)
+        fed = tokens + new - (what != "reserve")
+        if limit is None or fed <= limit:
             return
         if what is None:
-            raise CapacityError(f"{tokens + new} positions exceed the model's max_position_embeddings "
-                                f"({limit}){_LIMIT_WHY}")
-        if tokens >= limit:
+            raise CapacityError(f"{fed} positions exceed the model's max_position_embeddings ({limit}): {tokens} "
+                                f"tokens and {new} new ones, the last never fed{_LIMIT_WHY}")
+        if tokens >= limit + (what != "reserve"):
             raise CapacityError(f"the prompt ({tokens} positions) leaves no room in the model's "
                                 f"max_position_embeddings ({limit}){_LIMIT_WHY}")
-        raise CapacityError(f"prompt ({tokens} positions) + {what} ({new}) = {tokens + new} exceeds the model's "
-                            f"max_position_embeddings ({limit}){_LIMIT_WHY}")
+        last = "" if what == "reserve" else " (the last new token is never fed)"
+        raise CapacityError(f"prompt ({tokens} positions) + {what} ({new}) needs {fed} positions{last}, more than "
+                            f"the model's max_position_embeddings ({limit}){_LIMIT_WHY}")
 
     def _default_new_tokens(self, prompt, model_new=True, max_length=MODEL_DEFAULT):
         """max_new_tokens when the call gives none, as transformers decides it: the model's
@@ -563,13 +567,15 @@ class HeteroGenerator:
         self._feed(cache, input_ids, attention_mask, first, S, whole=to_end, piece=chunk)
 
     def _plan_cache(self, attention_mask, max_new_tokens, tmax=1, private=0, groups=0, what="max_new_tokens"):
-        """what: the setting that asked for the max_new_tokens rows past the prompt (for messages)."""
+        """what: the setting that asked for the max_new_tokens rows past the prompt (for messages):
+        generate's new tokens (the last one's KV is never written) or a context's reserve."""
         real = attention_mask.sum(1).cpu()
-        rows = int(real.max()) + max_new_tokens
+        rows = int(real.max()) + max_new_tokens - (what != "reserve")
         cap = whole_blocks(rows)
         limit = self.config.max_cache_tokens
         if limit is not None and rows > limit:
-            raise CapacityError(f"a request needs {rows} KV rows (prompt {int(real.max())} + {max_new_tokens} new) "
+            new = "reserved" if what == "reserve" else "new, the last one's never written"
+            raise CapacityError(f"a request needs {rows} KV rows (prompt {int(real.max())} + {max_new_tokens} {new}) "
                                 f"but the cache capacity is max_cache_tokens={limit}")
         s = self.spec
         layout = KVSession.layout_for(s, len(real), cap, tmax, private, groups)   # sliding layers: a ring of their window
@@ -1035,13 +1041,17 @@ class HeteroGenerator:
         name = saved.check_model(header, self.model, self.spec, path,
                                  lambda n: self._store.digest(loaded[n]) if n in loaded else None)
         n = header["length"]
-        tokens = torch.tensor(header["tokens"], dtype=torch.long)
-        pending = torch.tensor(header["pending"], dtype=torch.long)
         if reserve is None:
             reserve = self._default_reserve(n)
-        mask, reserve = self._check_inputs(tokens[None].to(self.model.device), None, reserve, "reserve")
+        # the token ids are checked against the vocabulary after the payload's CRC (fill), which covers
+        # them: a corrupted id is named as the file's corruption, not as a bad prompt
+        mask, reserve = self._check_inputs(torch.zeros(1, n, dtype=torch.long, device=self.model.device), None,
+                                           reserve, "reserve")
         with self._context_session(mask, reserve) as session:
             saved.fill(session, header, path)
+            saved.check_vocabulary(header, getattr(self.model.get_input_embeddings(), "num_embeddings", None), path)
+            tokens = torch.tensor(header["tokens"], dtype=torch.long)
+            pending = torch.tensor(header["pending"], dtype=torch.long)
             session.finish_prefill()
             ctx = Context(self, session, tokens, loaded[name] if name is not None else None)
             ctx.pending = pending
@@ -1215,7 +1225,7 @@ class HeteroGenerator:
     def _check_contexts(self, contexts):
         if not contexts:
             raise ValueError("context= got an empty list")
-        now = _weights_key(self.model)                          # once per call: it samples every weight
+        now = _weights_key(self.model)                          # once per call: it looks up every weight
         for c in contexts:
             if not isinstance(c, Context) or c.generator is not self or c.closed:
                 raise ValueError(f"context= takes open Contexts from this generator's prefill(), got {c!r}"
@@ -1475,11 +1485,12 @@ _STALE = ("the model's weights changed since this context was prefilled (its KV 
 
 
 def _weights_key(model):
-    """What tells the base weights apart over time: each one's identity, storage, dtype and
-    in-place version counter, and 8 of its values (`.data = ...` and a dtype round trip keep the
-    counter; peft's merge writes through .data). peft's adapter weights aside (LoRA,
-    modules_to_save copies): adapters come and go, and each adapter's KV is tied to it by name
-    and digest. One copy to the host per device, per call."""
+    """What tells the base weights apart over time: each one's dtype, shape and digest of every
+    element (hetero.digest: computed once per in-place version, storage and dtype, so a call
+    with unchanged weights only looks them up), and 8 of its values read now (writes through
+    .data or numpy bypass the version counter; peft's merge writes so). peft's adapter weights
+    aside (LoRA, modules_to_save copies): adapters come and go, and each adapter's KV is tied
+    to it by name and digest. One copy of the samples to the host per device, per call."""
     adapters = {id(p) for m in lora_hooks.peft_layers(model)          # any peft tuner's own weights
                 for name in getattr(m, "adapter_layer_names", ()) if isinstance(getattr(m, name, None), torch.nn.Module)
                 for p in getattr(m, name).parameters()}
@@ -1490,7 +1501,7 @@ def _weights_key(model):
         for p in params:
             samples.setdefault((p.device, p.dtype), []).append(p.detach().reshape(-1)[::max(1, p.numel() // 8)][:8])
     values = b"".join(torch.cat(v).cpu().view(torch.uint8).numpy().tobytes() for v in samples.values())
-    return tuple((id(p), _storage(p), p.dtype, _version(p)) for p in params), values
+    return tuple((p.dtype, tuple(p.shape), weight_digest(p)) for p in params), values
 
 
 def _peft_adapter_keys(layers):

@@ -1,6 +1,8 @@
 """Contexts (HeteroGenerator.prefill): a request's KV kept in shared memory between calls. Each
 call continuing a context must give what HF generate gives on the whole conversation so far."""
+import contextlib
 import os
+import threading
 
 import pytest
 import torch
@@ -224,6 +226,75 @@ def test_bad_context_files_raise_and_leave_nothing(tmp_path, llama):
     with HeteroGenerator(moved, cpu_workers=1) as gen3:
         with pytest.raises(ContextFileError, match="another config: rope_parameters"):
             gen3.load_context(good)
+
+
+def test_an_out_of_vocabulary_token_in_a_context_file_is_the_files_error(tmp_path, llama):
+    """A token id past the vocabulary in a saved context's header raised a ValueError about
+    input_ids (the ids were checked as a prompt before the CRC). The CRC comes first: a corrupted
+    id is named as corruption; an id the CRC covers (a file written so) as the file's, by name."""
+    import json
+    import zlib
+
+    from hetero import ContextFileError
+    from hetero.offload import saved
+
+    doc = turns(30, 40)[0]
+    good = tmp_path / "good.ctx"
+    with HeteroGenerator(llama, cpu_workers=1) as gen:
+        with gen.prefill(doc[None]) as ctx:
+            gen.generate(doc[None, :3], context=ctx, max_new_tokens=2)       # a pending token too
+            ctx.save(good)
+        data = good.read_bytes()
+        header = json.loads(data[24:24 + int.from_bytes(data[16:24], "little")])
+        before = set(our_segments(os.getpid()))
+        cases = [("tokens", VOCAB + 7, False, "is corrupted: payload CRC-32"),
+                 ("tokens", VOCAB + 7, True, f"holds token id {VOCAB + 7}, outside the model's vocabulary of {VOCAB}"),
+                 ("pending", VOCAB, True, f"holds token id {VOCAB}, outside the model's vocabulary"),
+                 ("tokens", 10 ** 30, True, f"holds token id {10 ** 30}, outside")]
+        for i, (field, token, crc_holds, match) in enumerate(cases):
+            ids = [token] + header[field][1:]
+            fields = {field: ids}
+            if crc_holds:                    # the CRC a file written with these ids would carry
+                h = {**header, **fields}
+                crc = saved._meta_crc(h["tokens"], h["pending"], h["length"], h["layers"])
+                fields["crc32"] = zlib.crc32(data[-header["payload_bytes"]:], crc)
+            bad = tmp_path / f"bad{i}.ctx"
+            bad.write_bytes(_with_header(data, **fields))
+            with pytest.raises(ContextFileError, match=match) as raised:
+                gen.load_context(bad)
+            assert str(raised.value).startswith(str(bad))
+            assert set(our_segments(os.getpid())) == before                 # nothing half-loaded
+
+
+def test_a_context_path_that_is_no_regular_file_is_refused_at_once(tmp_path, llama):
+    """load_context on a FIFO (whose open waits for a writer: it hung), a directory or a device
+    raises ContextFileError naming the path and what it is, without opening it."""
+    from hetero import ContextFileError
+
+    fifo = tmp_path / "ctx.fifo"
+    os.mkfifo(fifo)
+    with HeteroGenerator(llama, cpu_workers=1) as gen:
+        before = set(our_segments(os.getpid()))
+        for path, kind in ((fifo, "a FIFO"), (tmp_path, "a directory"), ("/dev/null", "a character device")):
+            raised = []
+
+            def load():
+                try:
+                    gen.load_context(path)
+                except Exception as e:
+                    raised.append(e)
+
+            t = threading.Thread(target=load, daemon=True)
+            t.start()
+            t.join(20)
+            if t.is_alive():                  # blocked in open(): a writer lets it go, so the test cannot hang
+                with open(fifo, "wb"):
+                    pass
+                t.join(20)
+                pytest.fail(f"load_context({path}) blocked")
+            assert len(raised) == 1 and isinstance(raised[0], ContextFileError), raised
+            assert str(raised[0]).startswith(f"{path} is not a regular file ({kind})")
+        assert set(our_segments(os.getpid())) == before
 
 
 def _with_header(data, **fields):
@@ -759,3 +830,90 @@ def test_a_context_is_not_reused_after_the_weights_change(change):
                 gen.generate(msg[None], context=context, max_new_tokens=2)
         del ctx                                                   # kept unreferenced as a prefix cache
         assert torch.equal(gen.generate(full, max_new_tokens=4, **KW).sequences, out.sequences)
+
+
+def _one_row_retrained(model):
+    """A copy of `model` whose embedding differs in one element of one row (37, 5), an element
+    neither the old fingerprint's samples (the even ones here) nor the old staleness key's held."""
+    import copy
+
+    other = copy.deepcopy(model)
+    with torch.inference_mode():
+        other.get_input_embeddings().weight[37, 5] += 0.25
+    return other
+
+
+@pytest.mark.parametrize("mode", ["normal", "inference"])
+def test_weights_one_element_apart_refuse_each_others_contexts(tmp_path, mode):
+    """Two models whose weights differ in ONE element of one embedding row: (a) a live context made
+    with the other weights (copied in place with load_state_dict) is stale, also for weights made
+    inside torch.inference_mode() (no version counter tells their writes: their digest is taken
+    at every call); (b) a context one saved does not load into the other (every element counts in
+    the fingerprint: 8 or 4,096 samples per weight missed it, and the context continued wrongly)."""
+    from hetero import ContextFileError
+
+    with torch.inference_mode() if mode == "inference" else contextlib.nullcontext():
+        model, _ = build_model("llama")
+    other = _one_row_retrained(model)
+    doc, msg = turns(31, 45, 5)
+    path = tmp_path / "doc.ctx"
+    with HeteroGenerator(model, config=HeteroConfig(cpu_workers=1)) as gen:
+        with gen.prefill(doc[None]) as ctx:
+            ctx.save(path)
+            with gen.load_context(path) as loaded:                   # the same weights: it loads
+                assert torch.equal(loaded.token_ids, doc)
+            with HeteroGenerator(other, cpu_workers=1) as gen2:
+                before = set(our_segments(os.getpid()))
+                with pytest.raises(ContextFileError, match=f"{path} was saved from another model: weights_sha256"):
+                    gen2.load_context(path)
+                assert set(our_segments(os.getpid())) == before
+            with torch.inference_mode() if mode == "inference" else torch.no_grad():
+                model.load_state_dict(other.state_dict())
+            for context in (ctx, [ctx]):
+                with pytest.raises(ValueError, match="weights changed since this context was prefilled"):
+                    gen.generate(msg[None], context=context, max_new_tokens=2)
+            full = torch.cat([doc, msg])[None]                  # a prompt over its tokens: prefilled anew
+            assert torch.equal(gen.generate(full, max_new_tokens=4, **KW).sequences,
+                               hf(model, full[0], 4).sequences)
+            with pytest.raises(ContextFileError, match="another model: weights_sha256"):
+                gen.load_context(path)                                # the fingerprint sees the new weights too
+
+
+def test_an_older_context_file_format_is_named(tmp_path, llama):
+    """A file of format version 2 (its fingerprint sampled the weights) is refused by name."""
+    from hetero import ContextFileError
+
+    path = tmp_path / "old.ctx"
+    with HeteroGenerator(llama, cpu_workers=1) as gen:
+        with gen.prefill(turns(32, 20)[0][None]) as ctx:
+            ctx.save(path)
+        path.write_bytes(_with_header(path.read_bytes(), version=2))
+        with pytest.raises(ContextFileError, match=rf"{path}: saved context format version 2, this hetero reads "
+                                                   r"version 3 only \(an older hetero saved it: prefill"):
+            gen.load_context(path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8])
+def test_weight_digest_sees_every_element_and_is_the_same_on_any_device(dtype):
+    """hetero.digest: any one element changed (here each of a few, in a tensor spanning several
+    blocks and a short last one) changes the digest, rows swapped too; torch's ops (a GPU's) give
+    numpy's (a CPU's) digest; a changed version or storage is seen, an unchanged one is looked up."""
+    from hetero import digest
+
+    t = (torch.randn(3 * digest.BLOCK + 77, generator=torch.Generator().manual_seed(0)) * 50).to(dtype)
+    d = digest._digest(t)
+    assert digest._digest(t, torch_ops=True) == d
+    for i in (0, digest.BLOCK - 1, 2 * digest.BLOCK + 5, t.numel() - 1):
+        u = t.clone()
+        u[i] = (u[i].double() + 1).to(dtype)
+        assert digest._digest(u) != d and digest._digest(u, torch_ops=True) == digest._digest(u)
+    rows = t[:64 * 64].reshape(64, 64).clone()
+    swapped = rows[[1, 0, *range(2, 64)]]
+    assert digest._digest(swapped) != digest._digest(rows)
+    p = torch.nn.Parameter(t.clone(), requires_grad=False)
+    assert digest.weight_digest(p) == d and digest._cache[id(p)][1] == d
+    with torch.no_grad():
+        p[7] = (p[7].double() + 1).to(dtype)                  # in place: the version counter moves
+    assert digest.weight_digest(p) != d
+    p.data = t.clone()                                        # replaced: another storage
+    assert digest.weight_digest(p) == d

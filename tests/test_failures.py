@@ -1,4 +1,5 @@
 """Bad input, dead workers, exceptions and killed parents: clear errors, nothing leaked or hung."""
+import contextlib
 import os
 import signal
 import subprocess
@@ -12,6 +13,7 @@ import torch
 from hetero import compat
 from hetero import (CapacityError, GeneratorClosedError, HeteroConfig, HeteroGenerator, UnsupportedModelError,
                     WorkerDiedError)
+from hetero.ipc import shm
 from tests.conftest import build_model, our_segments, padded_batch
 
 
@@ -49,9 +51,10 @@ def test_bad_inputs_raise_and_generator_stays_usable(llama, llama_gen):
 def test_cache_capacity_and_ram_limits(llama):
     ids, mask = padded_batch()
     with HeteroGenerator(llama, config=HeteroConfig(cpu_workers=1, max_cache_tokens=16)) as gen:
-        with pytest.raises(CapacityError, match=r"needs 22 KV rows .* max_cache_tokens=16"):
+        with pytest.raises(CapacityError, match=r"needs 21 KV rows .* max_cache_tokens=16"):
             gen.generate(ids, attention_mask=mask, max_new_tokens=10)
-        gen.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0)  # 16 rows fit
+        gen.generate(ids, attention_mask=mask, max_new_tokens=5, pad_token_id=0)  # 16 rows fit: the last token's
+        #                                                                           KV is never written
         with gen.prefill(ids[:1, 4:]) as ctx:                 # 8 tokens: the default reserve fits the cap
             assert ctx.capacity >= 16 and ctx.length == 8
     with HeteroGenerator(llama, config=HeteroConfig(cpu_workers=1, ram_fraction=1e-9)) as gen:
@@ -267,6 +270,72 @@ def test_parent_killed_after_a_worker_died_leaves_no_context_segments():
     while time.monotonic() < deadline and (our_segments(parent.pid) or any(map(_alive, workers))):
         time.sleep(0.05)
     assert our_segments(parent.pid) == [] and not any(map(_alive, workers))
+
+
+CLOSE_PARENT = textwrap.dedent("""
+    import subprocess, sys, time
+    sys.path.insert(0, {root!r})
+    from hetero import HeteroGenerator
+    from tests.conftest import build_model
+    gen = HeteroGenerator(build_model("llama")[0], cpu_workers=2)
+    procs = gen._pool.procs
+    print("PIDS", *[p.pid for p in procs], flush=True)
+    sys.stdin.readline()
+    wait = subprocess.Popen.wait
+
+    def killed_here(self, timeout=None):   # close() waits for its workers once EXIT is posted: stop there
+        if {exited}:
+            for p in procs:
+                wait(p)
+        print("IN CLOSE", flush=True)
+        time.sleep(600)
+
+    subprocess.Popen.wait = killed_here
+    gen.close()
+""")
+
+
+def test_a_parent_killed_inside_close_leaves_nothing():
+    """A parent SIGKILLed inside close(), once EXIT is posted: the control segment's name went
+    before it (it stayed in /dev/shm, with the lock, when the kill came after the workers had read
+    EXIT). Workers that read EXIT only after the parent died (stopped meanwhile here) unlink the
+    rest, the parent's lock included; a kill after they exited leaves only the lock, which lives
+    as long as the process (the next pool's sweep removes it)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    parents = {exited: subprocess.Popen([sys.executable, "-c", CLOSE_PARENT.format(root=root, exited=exited)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                        start_new_session=True) for exited in (False, True)}
+    workers = {}
+    try:
+        for exited, parent in parents.items():
+            line = parent.stdout.readline()
+            assert line.startswith("PIDS"), line
+            workers[exited] = [int(p) for p in line.split()[1:]]
+            if not exited:                   # they read EXIT only after the parent is gone
+                for pid in workers[exited]:
+                    os.kill(pid, signal.SIGSTOP)
+            parent.stdin.write("close\n")
+            parent.stdin.flush()
+        for parent in parents.values():
+            assert parent.stdout.readline() == "IN CLOSE\n"
+            assert our_segments(parent.pid) == []
+    finally:
+        for exited, parent in parents.items():
+            parent.kill()
+            parent.wait()
+            for pid in workers.get(exited, []):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+    everything = lambda pid: [n for n in shm.list_ours() if n.startswith((f"{shm.PREFIX}{pid}_",  # noqa: E731
+                                                                          f"{shm.LOCK_PREFIX}{pid}_"))]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (everything(parents[False].pid) or our_segments(parents[True].pid)
+                                           or any(_alive(p) for w in workers.values() for p in w)):
+        time.sleep(0.05)
+    assert everything(parents[False].pid) == [] and our_segments(parents[True].pid) == []
+    assert not any(_alive(p) for w in workers.values() for p in w)
+    shm.sweep_stale()                                       # the lock left by the late kill, as the next pool does
+    assert everything(parents[True].pid) == []
 
 
 def _alive(pid):

@@ -359,22 +359,60 @@ def test_a_model_whose_positions_end_at_max_position_embeddings_is_refused_there
         same(g.generate(ids, attention_mask=mask, **kw), ref)
         with g.prefill(ids[:1, 2:10]), g.prefill(ids[1:, 8:12]):     # live prefixes of both rows: reused
             same(g.generate(ids, attention_mask=mask, **kw), ref)
-        with g.prefill(ids[:1, 2:18]) as ctx:                         # 16 + 2 + 6 = 24 fits; + 7 does not
-            same(g.generate(ids[:1, 18:], context=ctx, extend_context=False, **kw), gpt2.generate(ids[:1, 2:], **kw))
+        with g.prefill(ids[:1, 2:18]) as ctx:           # 16 + 2 + 7 - 1 = 24 fits (the last token is not fed)
+            kw7 = dict(kw, max_new_tokens=7)
+            same(g.generate(ids[:1, 18:], context=ctx, extend_context=False, **kw7), gpt2.generate(ids[:1, 2:], **kw7))
             for context in (ctx, [ctx]):
                 with pytest.raises(CapacityError, match=r"25 positions exceed the model's max_position_embeddings"):
-                    g.generate(ids[:1, 18:], context=context, max_new_tokens=7)
+                    g.generate(ids[:1, 18:], context=context, max_new_tokens=8)
     for m, M in ((gpt2, 24), (dynamic, 256)):
         with HeteroGenerator(m, cpu_workers=1) as g:
             assert g.spec.position_limit == M
-            with pytest.raises(CapacityError, match=rf"\+ max_new_tokens \(20\) = {M + 8} exceeds .*\({M}\); "
+            with pytest.raises(CapacityError, match=rf"\+ max_new_tokens \(20\) needs {M + 7} positions .*\({M}\); "
                                                     "hetero runs past it only a rotary"):
                 g.generate(torch.randint(3, 100, (1, M - 12)), max_new_tokens=20)
-            full = torch.full((1, M), 5)
-            for call in (lambda: g.generate(full, max_new_tokens=1), lambda: g.prefill(full)):
-                with pytest.raises(CapacityError, match=rf"prompt \({M} positions\) leaves no room") as e:
+            calls = ((M + 1, lambda: g.generate(torch.full((1, M + 1), 5), max_new_tokens=1)),
+                     (M, lambda: g.prefill(torch.full((1, M), 5))))                 # a reserve's rows are all fed
+            for n, call in calls:
+                with pytest.raises(CapacityError, match=rf"prompt \({n} positions\) leaves no room") as e:
                     call()
                 assert "reserve" not in str(e.value) and "max_new_tokens" not in str(e.value)
+
+
+def test_the_last_new_token_needs_no_position_and_no_kv_row():
+    """generate chooses its last new token without feeding it: with learned positions (GPT-2,
+    n_positions=64) prompt 64 + 1 new, 60 + 5 and 63 + 2 run as in transformers (they were refused
+    one position early); past that, where transformers would index past its position table, a
+    CapacityError. Likewise max_cache_tokens=256 holds prompt 250 + 7 new: 256 rows are written."""
+    from transformers import GPT2Config, AutoModelForCausalLM
+
+    from hetero import CapacityError, HeteroConfig
+
+    cfg = GPT2Config(vocab_size=160, n_positions=64, n_embd=64, n_layer=2, n_head=4, bos_token_id=1,
+                     eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    gpt2 = AutoModelForCausalLM.from_config(cfg).eval()
+    g = torch.Generator().manual_seed(5)
+    kw = dict(pad_token_id=0, eos_token_id=None, do_sample=False, **SCORES)
+    with HeteroGenerator(gpt2, cpu_workers=1) as gen:
+        for prompt, new in ((64, 1), (60, 5), (63, 2)):
+            ids = torch.randint(3, 160, (1, prompt), generator=g)
+            same(gen.generate(ids, max_new_tokens=new, **kw), gpt2.generate(ids, max_new_tokens=new, **kw))
+        for prompt, new in ((64, 2), (65, 1)):
+            ids = torch.randint(3, 160, (1, prompt), generator=g)
+            with pytest.raises(IndexError):                          # transformers runs off its position table
+                gpt2.generate(ids, max_new_tokens=new, **kw)
+            with pytest.raises(CapacityError, match=r"max_position_embeddings \(64\)"):
+                gen.generate(ids, max_new_tokens=new, **kw)
+        with pytest.raises(ValueError, match="max_new_tokens must be a positive int, got 0"):
+            gen.generate(torch.randint(3, 160, (1, 65), generator=g), max_new_tokens=0)
+    llama = build_model("llama")[0]
+    ids = torch.randint(3, 160, (1, 250), generator=g)
+    kw = dict(pad_token_id=0, **SCORES)
+    with HeteroGenerator(llama, config=HeteroConfig(cpu_workers=1, max_cache_tokens=256)) as gen:
+        same(gen.generate(ids, max_new_tokens=7, **kw), llama.generate(ids, max_new_tokens=7, **kw))
+        with pytest.raises(CapacityError, match=r"needs 257 KV rows \(prompt 250 \+ 8 new.*max_cache_tokens=256"):
+            gen.generate(ids, max_new_tokens=8)
 
 
 def test_pad_ids_hetero_cannot_mask_are_named(gen):

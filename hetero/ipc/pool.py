@@ -1,6 +1,6 @@
 """Parent side of the process-per-core worker pool.
 
-The parent owns the control segment (creates and unlinks it). A job is: write
+The parent owns the control segment (creates it; unlinks it first at close). A job is: write
 CMD and params, release-store the job number and command into the GO word of
 each worker it uses (the first `active`), then spin until each of those DONE
 words holds it. An attention job instead ends when all its units are finished
@@ -249,6 +249,10 @@ class WorkerPool:
             return
         atexit.unregister(self.close)
         try:
+            # the name goes before EXIT: a worker that reads EXIT exits, and this process, were it
+            # killed after that, would leave it in /dev/shm (one that reads EXIT after this process
+            # died unlinks the rest: Worker.clean_up)
+            self.ctrl.unlink()
             if any(p.poll() is None for p in self.procs):  # survivors read EXIT; the dead ignore it
                 self._publish(C.CMD_EXIT, self.n)          # (a worker still on a job reads it after)
             for r in self.stuck:                           # stopped or stuck: it would not read EXIT

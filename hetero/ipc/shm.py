@@ -147,6 +147,10 @@ class Segment:
             except BufferError:   # a numpy/torch view still references it: the memory stays mapped
                 warnings.warn(f"shared segment {self.name} is still referenced by a view and stays mapped "
                               f"({self.size} bytes) until that view is freed", ResourceWarning, stacklevel=2)
+        self.unlink()
+
+    def unlink(self):
+        """The owner: remove the name now (the mappings stay until closed). Idempotent."""
         if self.owner:
             self.owner = False
             if os.getpid() == self.pid:

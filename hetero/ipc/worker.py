@@ -7,7 +7,7 @@ named in it (GO = job number and command), publish DONE. An attention job is
 shared with the other workers and the parent through a tagged ticket
 (kernel.run_job): a worker that wakes after its job ended finds it empty.
 Exits on CMD_EXIT, or when the parent dies (rank 0 then unlinks the parent's
-segments, so nothing is left in /dev/shm).
+segments, so nothing is left in /dev/shm; so does any worker that reads EXIT after the parent died).
 """
 import os
 import signal
@@ -126,13 +126,17 @@ class Worker:
         if os.getppid() == self.parent_pid:
             return False
         if self.rank == 0:  # the parent cannot clean up any more: do it for it
-            for name in [self.session_name, *(seg.name for seg in self.psegs), self.lora_seg and self.lora_seg.name,
-                         *(seg.name for seg in self.adapter_segs.values())]:
-                if name:
-                    shm.unlink(name)
-            shm.unlink(self.ctrl.name)
-            shm.sweep_owner(self.ctrl.name)   # the rest of the dead parent's names, its lock included
+            self.clean_up()
         return True
+
+    def clean_up(self):
+        """Unlink a dead parent's names (they may be gone already: unlinking twice is harmless)."""
+        for name in [self.session_name, *(seg.name for seg in self.psegs), self.lora_seg and self.lora_seg.name,
+                     *(seg.name for seg in self.adapter_segs.values())]:
+            if name:
+                shm.unlink(name)
+        shm.unlink(self.ctrl.name)
+        shm.sweep_owner(self.ctrl.name)   # the rest of the dead parent's names, its lock included
 
     def run(self):
         w, last = self.words, 0
@@ -174,6 +178,8 @@ class Worker:
                 elif cmd == C.CMD_EXIT:
                     self.close_session()
                     atomics.store(w, C.done_word(self.rank), seq)
+                    if os.getppid() != self.parent_pid:   # the parent was killed inside close(): whoever reads
+                        self.clean_up()                   # EXIT after that is left to clean up for it
                     return
             except Exception:
                 traceback.print_exc()

@@ -12,18 +12,19 @@ arena on any error: a truncated, corrupted or mismatched file raises and leaves 
 import hashlib
 import json
 import os
+import stat
 import zlib
 
 import numpy as np
 import torch
 
 from hetero.cpu_attention.simd import BK
+from hetero.digest import weight_digest
 from hetero.errors import ContextFileError
 
 MAGIC = b"HETERO-CONTEXT\n\0"
-VERSION = 2          # 2: the model config and a LoRA adapter in the fingerprint, weights sampled throughout
+VERSION = 3          # 2: the model config and a LoRA adapter in the fingerprint; 3: every weight's every element
 ALIGN = 4096
-SAMPLE = 4096        # values hashed per parameter, evenly spaced (and 64 from each end)
 # config fields that do not shape the KV: names, token ids, output switches, the attention kernel
 IGNORED_CONFIG = frozenset({
     "architectures", "transformers_version", "dtype", "torch_dtype", "use_cache", "attn_implementation",
@@ -42,19 +43,17 @@ def model_config(model):
 def fingerprint(model, spec, adapter=None):
     """What must match between the model that saved a context and the one loading it: the
     attention shape (hetero's ModelSpec), the config fields that shape the KV, and a hash of the
-    weights (every parameter's name, shape, 64 values from each end and SAMPLE spread through
-    it: any layer's weights shape the KV; reading all of them would take seconds for a large
-    model). peft's wrapping (`.base_layer`, `lora_` adapters) is left out, so a PeftModel's
-    base matches the plain model; the device does not count. adapter: the LoRA adapter the
-    context was prefilled with ({"name", "sha256"}: AdapterStore.digest), or None."""
+    weights (every parameter's name, shape, dtype and digest of every element, hetero.digest:
+    any layer's weights shape the KV, and one retrained embedding row changes the KV of every
+    context holding its token; computed once per weight version, a lookup after). peft's
+    wrapping (`.base_layer`, `lora_` adapters) is left out, so a PeftModel's base matches the
+    plain model; the device does not count. adapter: the LoRA adapter the context was prefilled
+    with ({"name", "sha256"}: AdapterStore.digest), or None."""
     h = hashlib.sha256()
     for name, p in model.named_parameters():
         if "lora_" in name:
             continue
-        flat = p.detach().reshape(-1)
-        spread = flat[::max(1, flat.numel() // SAMPLE)][:SAMPLE]
-        h.update(f"{name.replace('.base_layer', '')}:{tuple(p.shape)}".encode())
-        h.update(torch.cat([flat[:64], spread, flat[-64:]]).to("cpu", torch.float32).numpy().tobytes())
+        h.update(f"{name.replace('.base_layer', '')}:{tuple(p.shape)}:{p.dtype}:{weight_digest(p):016x};".encode())
     return {"model_type": spec.model_type, "layers": spec.layers, "q_heads": spec.q_heads,
             "kv_heads": spec.kv_heads, "head_dim": spec.head_dim, "dtype": str(spec.dtype),
             "windows": list(spec.windows or ()), "weights_sha256": h.hexdigest(), "config": model_config(model),
@@ -111,7 +110,10 @@ def save(ctx, path):
 def read_header(path):
     """The header of a saved context, checked for format and size (not yet for the model)."""
     try:
-        size = os.path.getsize(path)
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):      # a FIFO's open would wait for a writer, a device's read forever
+            raise ContextFileError(f"{path} is not a regular file ({_file_kind(st.st_mode)}); a saved context is one")
+        size = st.st_size
         with open(path, "rb") as f:
             magic, n = f.read(len(MAGIC)), f.read(8)
             if magic != MAGIC or len(n) != 8:
@@ -126,14 +128,17 @@ def read_header(path):
         raise ContextFileError(f"cannot read saved context {path}: {e}") from e
     except ValueError as e:
         raise ContextFileError(f"{path}: corrupted header ({e})") from e
-    if not isinstance(header, dict) or header.get("version") != VERSION:
-        raise ContextFileError(f"{path}: format version {header.get('version') if isinstance(header, dict) else '?'}, "
-                               f"this hetero reads {VERSION}")
+    version = header.get("version") if isinstance(header, dict) else "?"
+    if version != VERSION:
+        older = isinstance(version, int) and version < VERSION
+        raise ContextFileError(f"{path}: saved context format version {version}, this hetero reads version {VERSION}"
+                               + (" only (an older hetero saved it: prefill the context and save it again)"
+                                  if older else ""))
     try:
         header["offset"] = -(-(len(MAGIC) + 8 + n) // ALIGN) * ALIGN
         ints = lambda xs: all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in xs)  # noqa: E731
         ok = (ints(header["tokens"]) and ints(header["pending"]) and ints([header["length"], header["payload_bytes"],
-              header["crc32"]]) and len(header["tokens"]) == header["length"] and header["layers"]
+              header["crc32"]]) and len(header["tokens"]) == header["length"] > 0 and header["layers"]
               and all(ints([lay["start"], lay["rows"]]) for lay in header["layers"])
               and isinstance(header["fingerprint"], dict) and isinstance(header["fingerprint"].get("config"), dict))
     except (KeyError, TypeError) as e:
@@ -144,6 +149,14 @@ def read_header(path):
         raise ContextFileError(f"{path} is truncated or padded: {size} bytes, the header says "
                                f"{header['offset'] + header['payload_bytes']}")
     return header
+
+
+def _file_kind(mode):
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "not a plain file"
 
 
 def check_model(header, model, spec, path, adapter_digest):
@@ -209,3 +222,12 @@ def fill(session, header, path):
                                    f"{header['crc32']:#010x}")
     finally:
         del mm
+
+
+def check_vocabulary(header, vocab, path):
+    """After fill (the CRC covers the tokens): each token id within the model's vocabulary of
+    `vocab` (None: not known), or ContextFileError."""
+    bad = [t for t in header["tokens"] + header["pending"] if vocab is not None and t >= vocab]
+    if bad:
+        raise ContextFileError(f"{path} holds token id {bad[0]}, outside the model's vocabulary of {vocab} "
+                               "(its CRC holds: it was written so): not a context of this model")
