@@ -171,8 +171,8 @@ def gpu_decode_table():
 
     def level(row, k):          # (ms, an upper bound?) at steady state, re-read from the steps
         r = row.get(k, {})
-        if "times" not in r:
-            return None, False
+        if "times" not in r:    # a run that kept no steps: its own figure
+            return r.get("ms"), bool(r.get("still_falling"))
         s = steady(r["times"])
         return s["ms"], s["still_falling"]
 
