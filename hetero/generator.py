@@ -1,10 +1,8 @@
 """HeteroGenerator: HF-style generate() with the KV cache and decode attention on CPU workers."""
-import collections
 import contextlib
 import inspect
 import logging
 import os
-import sys
 import threading
 import time
 import weakref
@@ -14,7 +12,8 @@ import psutil
 import torch
 
 from hetero import attention
-from hetero.adapters import hooks as lora_hooks, source as lora_source
+from hetero.adapters import hooks as lora_hooks, source as lora_source, sync
+from hetero.adapters.sync import adapter_keys as _peft_adapter_keys  # noqa: F401 (re-exported: tests import it)
 from hetero.compat import GENERATE_CACHE_KWARG, forward_cache_kwarg, without_cache
 from hetero.config import HeteroConfig
 from hetero.context import Context
@@ -65,7 +64,7 @@ class HeteroGenerator:
         self.config = config
         if adapters is not None and not isinstance(adapters, dict):
             raise TypeError(f"adapters= takes {{name: save_pretrained directory}}, got {type(adapters).__name__}")
-        peft_model = model if _is_peft_model(model) else None
+        peft_model = model if sync.is_peft_model(model) else None
         if peft_model is not None:
             model = peft_model.get_base_model()
         self.spec = inspect_model(model)
@@ -108,7 +107,7 @@ class HeteroGenerator:
                     with self._lock:
                         self._add_adapter(name, lora_source.from_peft_model(peft_model, name, model))
                 # what the served adapters' weights were when copied (_sync_peft_adapters)
-                self._peft_keys = _peft_adapter_keys(self._peft_layers())
+                self._peft_keys = sync.adapter_keys(sync.peft_layers(self.model))
             for name, src in (adapters or {}).items():
                 self.load_adapter(name, src)
         except BaseException:
@@ -131,7 +130,7 @@ class HeteroGenerator:
     @property
     def adapters(self):
         """Names of the loaded adapters."""
-        return sorted(self._store.adapters) if self._store else []
+        return sync.loaded_names(self._store)
 
     def load_adapter(self, name, path):
         """Load a peft LoRA adapter saved with save_pretrained (adapter_config.json +
@@ -185,28 +184,10 @@ class HeteroGenerator:
             self._hooks.ensure(path, self._store.sites[path])
 
     def _check_model_state(self):
-        """Refused, before a call runs the model: a peft adapter merged into the base weights
-        (merge_adapter), which would reach every request, the base-model ones too, and add twice to
-        its own (peft refuses adapter_names then); a model in training mode with dropout (hetero's
-        attention and LoRA deltas apply none, transformers' would). Returns the model's peft layers,
-        for the call's _default_adapter and _lora_batch (one scan: ~2 ms per 2,500 modules)."""
-        if self.model.dtype != self.spec.dtype:
-            raise ValueError(f"the model is in {self.model.dtype} now, but this HeteroGenerator was built over it in "
-                             f"{self.spec.dtype} (its KV cache and kernels hold {self.spec.dtype}); build a new "
-                             "HeteroGenerator after changing the model's dtype")
-        if self.model.training:
-            cfg = self.model.config.get_text_config()
-            p = max([getattr(cfg, "attention_dropout", 0.0) or 0.0] +
-                    [m.p for m in self.model.modules() if isinstance(m, torch.nn.Dropout)])
-            if p > 0:
-                raise ValueError(f"the model is in training mode with dropout (p={p}): transformers' generate "
-                                 "would drop activations at random and hetero would not; call model.eval()")
-        layers = self._peft_layers()
-        merged = sorted({a for m in layers for a in m.merged_adapters})
-        if merged:
-            raise AdapterError(f"the model's weights hold merged LoRA adapters {merged} (peft merge_adapter): "
-                               "hetero adds adapters per request over the base weights; call unmerge_adapter() "
-                               "first (or merge_and_unload() and pass the merged model without adapters)")
+        """sync.check_model_state, then a PeftModel's adapters brought up to date
+        (_sync_peft_adapters). Returns the model's peft layers, for the call's _default_adapter
+        and _lora_batch."""
+        layers = sync.check_model_state(self.model, self.spec)
         if self._peft_model is not None:
             self._sync_peft_adapters(layers)
         return layers
@@ -216,8 +197,7 @@ class HeteroGenerator:
         they were copied to shared memory (a training step, set_peft_model_state_dict) is copied
         again, one deleted from the PeftModel (delete_adapter) is unloaded here, as peft's own
         generate would see them. Contexts prefilled with the old copy then refuse to go on."""
-        now = _peft_adapter_keys(layers)
-        changed = [n for n, key in self._peft_keys.items() if now.get(n) != key]
+        changed, now = sync.changed_adapters(self._peft_keys, layers)
         if not changed:
             return
         with self._lock:
@@ -230,55 +210,13 @@ class HeteroGenerator:
                     self._add_adapter(name, lora_source.from_peft_model(self._peft_model, name, self.model))
                     self._peft_keys[name] = now[name]
 
-    def _peft_layers(self):
-        """peft's tuner layers in the model now (merge_adapter() writes an adapter into their base
-        weights; adapters come and go after the generator was built); none without peft imported."""
-        return lora_hooks.peft_layers(self.model)
-
-    def _adapters_disabled(self, layers=None):
-        """A PeftModel inside its disable_adapter(): peft then runs the base model, whatever
-        adapter_names say. layers: the model's peft layers, when the call has them already."""
-        return self._peft_model is not None and any(getattr(m, "disable_adapters", False)
-                                                    for m in (self._peft_layers() if layers is None else layers))
-
     def _default_adapter(self, layers):
-        """What adapter_names=None (prefill's adapter_name=None) runs: the base model; for a
-        PeftModel, its active adapter, as its own generate runs it (the base model while its
-        adapters are disabled: peft's disable_adapter()). layers: the model's peft layers."""
-        pm = self._peft_model
-        if pm is None or self._adapters_disabled(layers):
-            return None
-        active = list(pm.active_adapters)
-        if len(active) != 1:
-            raise AdapterError(f"the PeftModel has {len(active)} active adapters {active} (peft adds them up); hetero "
-                               "runs one adapter per request: pass adapter_names (or set_adapter one)")
-        if self._store is None or active[0] not in self._store.adapters:
-            raise AdapterError(f"the PeftModel's active adapter {active[0]!r} is not loaded in this generator (added "
-                               f"after it was built?); loaded: {self.adapters}")
-        return active[0]
+        """What adapter_names=None runs (sync.default_adapter)."""
+        return sync.default_adapter(self._peft_model, self.model, self._store, layers)
 
     def _lora_batch(self, adapter_names, batch, layers=None):
-        """The call's LoraBatch (None: no adapters anywhere). layers: the model's peft layers (None: found here)."""
-        if self._store is None and adapter_names is None:
-            return None
-        if adapter_names is None:           # every request on the base model (_default_adapter: None)
-            adapter_names = [None] * batch
-        if isinstance(adapter_names, str) or not isinstance(adapter_names, (list, tuple)):
-            raise TypeError(f"adapter_names must be a list with one name (or None) per request, got {adapter_names!r}")
-        if len(adapter_names) != batch:
-            raise ValueError(f"adapter_names has {len(adapter_names)} entries for a batch of {batch} requests")
-        chosen = []
-        for n in adapter_names:
-            if n is None or n == lora_source.BASE:
-                chosen.append(None)
-            elif self._store is not None and n in self._store.adapters:
-                chosen.append(self._store.adapters[n])
-            else:
-                raise AdapterError(f"adapter_names names {n!r}, which is not loaded (loaded: {self.adapters}; "
-                                   f"None or {lora_source.BASE!r} = base model)")
-        if self._adapters_disabled(layers):       # as peft: its LoRA layers skip adapter_names then
-            chosen = [None] * len(chosen)
-        return lora_hooks.LoraBatch(self._store, chosen, owner=self._hooks)   # only this generator's hooks act on it
+        """The call's LoraBatch (None: no adapters anywhere; sync.lora_batch)."""
+        return sync.lora_batch(self._store, self._hooks, self._peft_model, self.model, adapter_names, batch, layers)
 
     @property
     def cpu_workers(self):
@@ -485,8 +423,9 @@ class HeteroGenerator:
         if context is not None:
             if self.spec.one_pass_only:
                 raise UnsupportedModelError(one_pass_only(self.spec, "continuing a context"))
-            adapter_names = self._context_adapters(list(context) if many else [context], adapter_names,
-                                                   input_ids.shape[0] if isinstance(input_ids, torch.Tensor) else None)
+            batch = input_ids.shape[0] if isinstance(input_ids, torch.Tensor) else None
+            adapter_names = sync.context_adapters(self, self._store, self._peft_model,
+                                                  list(context) if many else [context], adapter_names, batch)
         if many:
             self._check_contexts(context)
             if extend_context:
@@ -535,38 +474,9 @@ class HeteroGenerator:
                 self.prefill_chunks(cache, input_ids, attention_mask, chunk)
             return self.model.generate(input_ids, attention_mask=attention_mask, **{GENERATE_CACHE_KWARG: cache}, **call)
 
-    def _context_adapters(self, contexts, adapter_names, batch):
-        """adapter_names for a call continuing `contexts`: each request goes on with the LoRA adapter
-        its context was prefilled with (its KV holds that adapter's keys and values); None takes
-        theirs, naming another raises."""
-        own = [self._loaded(c.adapter) for c in contexts if isinstance(c, Context) and not c.closed
-               and c.generator is self]
-        if len(own) != len(contexts) or len(contexts) != batch:
-            return adapter_names                 # not this generator's open Contexts, or not one per request: raised later
-        names = [None if a is None else a.name for a in own]
-        if any(names) and self._adapters_disabled():
-            raise AdapterError(f"the contexts were prefilled with adapters {names}, but the PeftModel's adapters are "
-                               "disabled (disable_adapter()); continue them outside it")
-        if adapter_names is None:
-            return names if any(names) else None
-        given = [None if n == lora_source.BASE else n for n in adapter_names] \
-            if isinstance(adapter_names, (list, tuple)) else adapter_names
-        if given != names:
-            raise ValueError(f"adapter_names={adapter_names!r}, but the contexts were prefilled with {names} "
-                             "(None: the base model); a context goes on with its own adapter")
-        return adapter_names
-
-    def _loaded(self, adapter):
-        """A context's adapter (or None), checked to be still the one loaded under its name."""
-        if adapter is not None and (self._store is None or self._store.adapters.get(adapter.name) is not adapter):
-            raise AdapterError(f"a context was prefilled with adapter {adapter.name!r}, which has been unloaded or "
-                               "changed since (a PeftModel's adapter whose weights changed is copied again); its KV "
-                               "holds the old adapter's keys and values: prefill it again")
-        return adapter
-
     def _adapter_id(self, ctx):
-        """A saved context's adapter record (AdapterStore.digest), or None."""
-        return None if self._loaded(ctx.adapter) is None else self._store.digest(ctx.adapter)
+        """A saved context's adapter record (AdapterStore.digest), or None (offload.saved)."""
+        return None if sync.loaded(self._store, ctx.adapter) is None else self._store.digest(ctx.adapter)
 
     @contextlib.contextmanager
     def kv_context(self, pads, real_lens, cap, lora=None, tmax=1, prefix_groups=()):
@@ -1231,39 +1141,6 @@ def _weights_key(model):
     return tuple((p.dtype, tuple(p.shape), weight_digest(p)) for p in params), values
 
 
-def _peft_adapter_keys(layers):
-    """{adapter name: what tells its LoRA weights apart over time (each lora_A / lora_B weight's
-    identity, storage and in-place version counter, and the layer's scaling)} over peft layers."""
-    if not layers:
-        return {}
-    from peft.tuners.lora import LoraLayer
-
-    keys = collections.defaultdict(list)
-    for m in layers:
-        if isinstance(m, LoraLayer):
-            for name, a in m.lora_A.items():
-                b = m.lora_B[name]
-                keys[name].append(tuple((id(w), _storage(w), _version(w)) for w in (a.weight, b.weight))
-                                  + (m.scaling.get(name),))
-    return {name: tuple(k) for name, k in keys.items()}
-
-
-def _storage(tensor):
-    """Its storage's address (a tensor subclass without one: None)."""
-    try:
-        return tensor.data_ptr()
-    except RuntimeError:
-        return None
-
-
-def _version(tensor):
-    """Its in-place version counter (an inference tensor has none: -1)."""
-    try:
-        return tensor._version
-    except RuntimeError:
-        return -1
-
-
 @contextlib.contextmanager
 def _active(lora_batch):
     token = lora_hooks.active_batch.set(lora_batch)
@@ -1271,8 +1148,3 @@ def _active(lora_batch):
         yield
     finally:
         lora_hooks.active_batch.reset(token)
-
-
-def _is_peft_model(model):
-    peft = sys.modules.get("peft")      # a PeftModel exists only if peft was imported
-    return peft is not None and isinstance(model, peft.PeftModel)
