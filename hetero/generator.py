@@ -17,7 +17,6 @@ from hetero.adapters.sync import adapter_keys as _peft_adapter_keys  # noqa: F40
 from hetero.compat import GENERATE_CACHE_KWARG, forward_cache_kwarg, without_cache
 from hetero.config import HeteroConfig
 from hetero.context import Context
-from hetero.digest import weight_digest
 from hetero.errors import AdapterError, CapacityError, GeneratorClosedError, UnsupportedModelError, WorkerError
 from hetero.ipc import shm
 from hetero.ipc.pool import WorkerPool
@@ -29,6 +28,7 @@ from hetero.cpu_attention import kernel
 from hetero.cpu_attention.simd import BK
 from hetero.offload.arena import whole_blocks
 from hetero.offload.cache import HeteroCache
+from hetero.offload.registry import STALE, ContextRegistry, close_kept, closed_why
 from hetero.offload.session import KVSession
 from hetero.settings import (MODEL_DEFAULT, check_inputs, check_positions, default_new_tokens, generation_settings,
                              inferred_mask, one_pass_only, pad_id, resolve_lengths, rope_ok, rope_refused)
@@ -78,9 +78,7 @@ class HeteroGenerator:
         self._pool = None
         self._planner = None
         self._store = None                 # LoRA adapters in shared memory (created on first load)
-        # open contexts: id(session) -> (session, weak reference to its Context). A context nobody
-        # references any more keeps its arena until the next prefill/load_context (_sweep) or close()
-        self._contexts = {}
+        self._contexts = ContextRegistry(model)   # open contexts (hetero.offload.registry)
         self._parent_affinity = None       # _pin_parent (a GPU model): (thread, its affinity, torch threads
                                            # before, torch threads set)
         self._forward_params = None        # the names the model's forward takes (logits_to_keep, position_ids)
@@ -427,7 +425,7 @@ class HeteroGenerator:
             adapter_names = sync.context_adapters(self, self._store, self._peft_model,
                                                   list(context) if many else [context], adapter_names, batch)
         if many:
-            self._check_contexts(context)
+            self._contexts.check_contexts(self, context)
             if extend_context:
                 raise ValueError("extend_context=True needs a single Context; a list of contexts is only read")
         if context is not None and max_new_tokens is None and (many or (isinstance(context, Context)
@@ -577,7 +575,7 @@ class HeteroGenerator:
             raise GeneratorClosedError("prefill() called on a closed HeteroGenerator")
         if reserve is None and isinstance(input_ids, torch.Tensor) and input_ids.ndim == 2:
             reserve = self._default_reserve(input_ids.shape[1])
-        self._sweep()
+        self._contexts.sweep(self.config.context_memory)
         attention_mask, reserve = check_inputs(self.model, self.spec, input_ids, attention_mask, reserve, "reserve")
         if input_ids.shape[0] != 1:
             raise ValueError(f"a context holds one request: input_ids must be [1, S], got {tuple(input_ids.shape)}")
@@ -599,7 +597,7 @@ class HeteroGenerator:
                     self._forward(cache, input_ids, attention_mask, 0, input_ids.shape[1])
             session.end_call()
             adapter = lora.adapters[0] if lora is not None else None      # kept before the session is let go
-            return self._keep(Context(self, session, input_ids[0].detach().to("cpu", torch.long).clone(), adapter))
+            return self._contexts.keep(Context(self, session, input_ids[0].detach().to("cpu", torch.long).clone(), adapter))
 
     def _default_reserve(self, n):
         """prefill/load_context's default reserve for a context of n tokens: DEFAULT_RESERVE rows,
@@ -615,13 +613,13 @@ class HeteroGenerator:
         tmax = min(self._piece, attention_mask.shape[1] + reserve)   # no piece outgrows the context's rows
         pads, real, cap = self._plan_cache(attention_mask, reserve, tmax=tmax, what="reserve")
         with self._exclusive():
-            self._check_budget(KVSession.layout_for(self.spec, 1, cap, tmax).nbytes)
+            self._contexts.check_budget(KVSession.layout_for(self.spec, 1, cap, tmax).nbytes, self.config.context_memory)
             pool = self._ensure_pool()
             session = KVSession(pool, self.spec, pads, real, cap, planner=self._ensure_planner(pool), tmax=tmax)
             try:
                 yield session
             except BaseException:
-                self._contexts.pop(id(session), None)     # an interrupt may come right after _keep
+                self._contexts.forget(session)            # an interrupt may come right after keep
                 try:
                     session.close()
                 except WorkerError:                       # the error raised above says what happened
@@ -631,55 +629,9 @@ class HeteroGenerator:
                         self._drop_pool()
                 raise
 
-    def _keep(self, ctx):
-        ctx.session.weights = _weights_key(self.model)      # what computed its KV (_stale)
-        self._contexts[id(ctx.session)] = _Kept(ctx)
-        return ctx
-
-    def _stale(self, session, now=None):
-        """Whether the model's base weights changed (in place: a training step, load_state_dict;
-        or replaced) since the context's KV was computed: its KV is not what they would give.
-        now: _weights_key computed once for several contexts."""
-        return session.weights != (_weights_key(self.model) if now is None else now)
-
     def _forget(self, ctx):
-        self._contexts.pop(id(ctx.session), None)
-
-    def _used(self, ctx):
-        """A call read or extended ctx: its registry entry's tokens and last use."""
-        kept = self._contexts.get(id(ctx.session))
-        if kept is not None:
-            kept.note(ctx)
-
-    def _sweep(self):
-        """Without a context_memory budget: close the contexts nobody references any more. With one,
-        they stay as a prefix cache (_reusable finds them) until _check_budget needs their room."""
-        if self.config.context_memory is not None:
-            return
-        for key, kept in list(self._contexts.items()):
-            if kept.ref() is None:
-                del self._contexts[key]
-                kept.session.close()
-
-    def _check_budget(self, nbytes):
-        """Before a new context of `nbytes`: within HeteroConfig.context_memory, closing unreferenced
-        contexts least recently used first, or CapacityError naming what the open contexts hold."""
-        budget = self.config.context_memory
-        if budget is None:
-            return
-        if nbytes > budget:
-            raise CapacityError(f"a new context needs {nbytes / 2**20:.1f} MiB, more than all of HeteroConfig."
-                                f"context_memory={budget} bytes ({budget / 2**20:.1f} MiB; a smaller reserve= needs less)")
-        while sum(k.session.layout.nbytes for k in self._contexts.values()) + nbytes > budget:
-            idle = [(k.used, key) for key, k in self._contexts.items() if k.ref() is None]
-            if not idle:
-                held = [f"{k.session.layout.nbytes / 2**20:.1f} MiB ({int(k.session.lengths[0])} tokens)"
-                        for k in self._contexts.values()]
-                used = sum(k.session.layout.nbytes for k in self._contexts.values())
-                raise CapacityError(f"a new context needs {nbytes / 2**20:.1f} MiB, but the open contexts {held} "
-                                    f"hold {used / 2**20:.1f} MiB of HeteroConfig.context_memory={budget} bytes "
-                                    f"({budget / 2**20:.1f} MiB) and are all still referenced; close some")
-            self._contexts.pop(min(idle)[1]).session.close()
+        """A closed Context's registry entry dropped (Context._close)."""
+        self._contexts.forget(ctx.session)
 
     def load_context(self, path, reserve=None):
         """A Context saved by Context.save, copied into a new arena (no prefill). The file must
@@ -694,7 +646,7 @@ class HeteroGenerator:
             raise UnsupportedModelError(one_pass_only(self.spec, "a context"))
         if self.spec.drops_cache:        # an override set since __init__: no call could continue the context
             _keeping_cache(self.model)
-        self._sweep()
+        self._contexts.sweep(self.config.context_memory)
         header = saved.read_header(path)
         loaded = self._store.adapters if self._store is not None else {}
         name = saved.check_model(header, self.model, self.spec, path,
@@ -714,7 +666,7 @@ class HeteroGenerator:
             session.finish_prefill()
             ctx = Context(self, session, tokens, loaded[name] if name is not None else None)
             ctx.pending = pending
-            return self._keep(ctx)
+            return self._contexts.keep(ctx)
 
     def _generate_in_context(self, ctx, input_ids, attention_mask, max_new_tokens, call, lora, extend=True):
         """generate() continuing `ctx`: [cached tokens, the last call's unstored token, new tokens].
@@ -722,16 +674,16 @@ class HeteroGenerator:
         appended lie past it and are overwritten later, except in sliding-window rings, which a
         call may wrap: those are saved before and put back)."""
         if ctx.generator is not self or ctx.closed:
-            raise ValueError("context= takes an open Context from this generator's prefill()" + _closed_why(ctx))
+            raise ValueError("context= takes an open Context from this generator's prefill()" + closed_why(ctx))
         if input_ids.shape[0] != 1:
             raise ValueError(f"a context continues one request: input_ids must be [1, n], got {tuple(input_ids.shape)}")
         if not bool(attention_mask.all()):
             raise ValueError("the new tokens of a context cannot be padded (attention_mask all ones)")
         with self._exclusive():
             if ctx.closed:
-                raise ValueError("context= takes an open Context from this generator's prefill()" + _closed_why(ctx))
-            if self._stale(ctx.session):
-                raise ValueError(_STALE)
+                raise ValueError("context= takes an open Context from this generator's prefill()" + closed_why(ctx))
+            if self._contexts.stale(ctx.session):
+                raise ValueError(STALE)
             full = torch.cat([ctx.token_ids, ctx.pending, input_ids[0].to("cpu")]).to(self.model.device)[None]
             session, cached = ctx.session, ctx.length                    # full: [1, S]
             if not rope_ok(self.spec, full.shape[1], max_new_tokens, (cached,), keeps=extend):
@@ -772,7 +724,7 @@ class HeteroGenerator:
                 seq = out if isinstance(out, torch.Tensor) else out.sequences
                 stored = int(session.lengths[0])
                 ctx.token_ids, ctx.pending = seq[0, :stored].to("cpu"), seq[0, stored:].to("cpu")
-            self._used(ctx)
+            self._contexts.used(ctx)
         return out
 
     def _feed(self, cache, ids, mask, a, end, whole=False, piece=None):
@@ -857,40 +809,9 @@ class HeteroGenerator:
             return None
         if bool((input_ids[attention_mask == 0] != pad_id(settings)).any()):
             return None
-        cached = self.config.context_memory is not None     # unreferenced contexts are a cache (see _sweep)
-        now = _weights_key(self.model)
-        tokens = [(k, k.tokens) for k in list(self._contexts.values())          # a snapshot: no lock held yet
-                  if (cached or k.ref() is not None) and k.adapter is None and k.session.weights == now]
-        picks, rests = [], []
-        for b in range(input_ids.shape[0]):
-            row = input_ids[b, attention_mask[b].bool()].to("cpu")
-            best = max((kt for kt in tokens if len(kt[1]) < len(row) and torch.equal(row[:len(kt[1])], kt[1])),
-                       key=lambda kt: len(kt[1]), default=None)
-            if best is None:
-                return None
-            picks.append(best[0].context(self))
-            rests.append(row[len(best[1]):])
-        if len(picks) == 1 and len(input_ids[0]) + max_new_tokens > picks[0].capacity:
-            return None                          # no room in the context's arena: an ordinary generate
-        if not rope_ok(self.spec, input_ids.shape[1], max_new_tokens, [p.length for p in picks]):
-            return None
-        width = max(len(r) for r in rests)
-        ids = torch.zeros(len(rests), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for b, r in enumerate(rests):
-            ids[b, width - len(r):], mask[b, width - len(r):] = r, 1
-        return picks, ids.to(input_ids.device), mask.to(input_ids.device)
-
-    def _check_contexts(self, contexts):
-        if not contexts:
-            raise ValueError("context= got an empty list")
-        now = _weights_key(self.model)                          # once per call: it looks up every weight
-        for c in contexts:
-            if not isinstance(c, Context) or c.generator is not self or c.closed:
-                raise ValueError(f"context= takes open Contexts from this generator's prefill(), got {c!r}"
-                                 + _closed_why(c))
-            if self._stale(c.session, now):
-                raise ValueError(_STALE)
+        cached = self.config.context_memory is not None     # unreferenced contexts are a cache (see sweep)
+        return self._contexts.reusable(self, input_ids, attention_mask, max_new_tokens, cached, lambda picks: rope_ok(
+            self.spec, input_ids.shape[1], max_new_tokens, [p.length for p in picks]))
 
     def _generate_in_contexts(self, contexts, input_ids, attention_mask, max_new_tokens, settings, call, lora,
                               width=0):
@@ -906,7 +827,7 @@ class HeteroGenerator:
         if len(contexts) != B:
             raise ValueError(f"context= has {len(contexts)} contexts for a batch of {B} requests")
         with self._exclusive():
-            self._check_contexts(contexts)
+            self._contexts.check_contexts(self, contexts)
             new = [input_ids[b, attention_mask[b].bool()].to("cpu") for b in range(B)]      # real new tokens
             seqs = [torch.cat([c.token_ids, c.pending, n]) for c, n in zip(contexts, new)]
             cached = [c.length for c in contexts]
@@ -939,7 +860,7 @@ class HeteroGenerator:
                                             groups=len(groups))
             full, mask = full.to(self.model.device), mask.to(self.model.device)
             for c in contexts:
-                self._used(c)
+                self._contexts.used(c)
             with self._call_session(pads, cached, cap, lora, tmax, groups) as cache, torch.no_grad(), \
                     _active(lora):
                 session = cache.session
@@ -1015,41 +936,13 @@ class HeteroGenerator:
         self.close()
 
 
-class _Kept:
-    """A context's registry entry: its arena, a weak reference to its Context, and its tokens and
-    last use kept here too, so a context nobody references any more can be found and continued
-    again (a prefix cache under HeteroConfig.context_memory) until it is evicted."""
-
-    def __init__(self, ctx):
-        self.session, self.adapter = ctx.session, ctx.adapter
-        self.ref = weakref.ref(ctx)
-        self.note(ctx)
-
-    def note(self, ctx):
-        self.token_ids, self.pending, self.used = ctx.token_ids, ctx.pending, time.monotonic()
-
-    @property
-    def tokens(self):
-        return torch.cat([self.token_ids, self.pending])
-
-    def context(self, generator):
-        """The Context (a new one over the same arena when nobody references the old any more)."""
-        ctx = self.ref()
-        if ctx is None:
-            ctx = Context(generator, self.session, self.token_ids, self.adapter)
-            ctx.pending = self.pending
-            self.ref = weakref.ref(ctx)
-        return ctx
-
-
 def _release(state):
     """What close() frees, from a HeteroGenerator's attributes (also its finalizer's, when it is
     collected without close()): its contexts, hooks, adapters, workers, and the cores its thread
     was pinned away from. Every step runs; the first error other than a worker's (the contexts
     are closed whatever their workers did) is raised after them."""
-    contexts = list(state["_contexts"].values())
-    state["_contexts"].clear()
-    steps = [(lambda kept=kept: _close_kept(kept)) for kept in contexts] + [state["_hooks"].remove]
+    contexts = state["_contexts"].take_all()
+    steps = [(lambda kept=kept: close_kept(kept)) for kept in contexts] + [state["_hooks"].remove]
     steps += [state[name].close for name in ("_store", "_pool") if state[name] is not None]
     if state["_parent_affinity"] is not None:         # a GPU model pinned its thread: give the cores back
         tid, cores, threads, pinned = state["_parent_affinity"]
@@ -1064,14 +957,6 @@ def _release(state):
                 first = e
     if first is not None:
         raise first
-
-
-def _close_kept(kept):
-    """A registry entry's arena, closed; its Context, if one is still held, says so when used."""
-    ctx = kept.ref()
-    if ctx is not None:
-        ctx.closed = True
-    kept.session.close()
 
 
 def _restore_affinity(tid, cores):
@@ -1110,35 +995,6 @@ def _keeping_cache(model):
 
     keeping_cache._hetero_keeping_cache = True     # hetero's own, put on the instance during a call (_routed)
     return keeping_cache
-
-
-def _closed_why(ctx):
-    return ("; this one is closed (ctx.close(), its generator's close(), or a failed call that could not keep "
-            "it consistent: a sliding-window ring it had begun to overwrite)") if getattr(ctx, "closed", False) else ""
-
-
-_STALE = ("the model's weights changed since this context was prefilled (its KV is what the old ones computed); "
-          "prefill it again")
-
-
-def _weights_key(model):
-    """What tells the base weights apart over time: each one's dtype, shape and digest of every
-    element (hetero.digest: computed once per in-place version, storage and dtype, so a call
-    with unchanged weights only looks them up), and 8 of its values read now (writes through
-    .data or numpy bypass the version counter; peft's merge writes so). peft's adapter weights
-    aside (LoRA, modules_to_save copies): adapters come and go, and each adapter's KV is tied
-    to it by name and digest. One copy of the samples to the host per device, per call."""
-    adapters = {id(p) for m in lora_hooks.peft_layers(model)          # any peft tuner's own weights
-                for name in getattr(m, "adapter_layer_names", ()) if isinstance(getattr(m, name, None), torch.nn.Module)
-                for p in getattr(m, name).parameters()}
-    params = [p for n, p in model.named_parameters()
-              if id(p) not in adapters and "lora_" not in n and ".modules_to_save." not in n and p.device.type != "meta"]
-    samples = {}                    # (device, dtype) -> 8-value views, joined on the device: one copy each
-    with torch.no_grad():
-        for p in params:
-            samples.setdefault((p.device, p.dtype), []).append(p.detach().reshape(-1)[::max(1, p.numel() // 8)][:8])
-    values = b"".join(torch.cat(v).cpu().view(torch.uint8).numpy().tobytes() for v in samples.values())
-    return tuple((p.dtype, tuple(p.shape), weight_digest(p)) for p in params), values
 
 
 @contextlib.contextmanager
