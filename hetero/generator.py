@@ -20,16 +20,15 @@ from hetero.context import Context
 from hetero.errors import AdapterError, CapacityError, GeneratorClosedError, UnsupportedModelError, WorkerError
 from hetero.ipc import shm
 from hetero.ipc.pool import WorkerPool
-from hetero.ipc.cuda_transport import CudaTransport
-from hetero.ipc.transport import PinnedTransport
 from hetero.model_spec import inspect_model
 from hetero.cpu_attention.planner import ProfiledPlanner, StaticPlanner
 from hetero.cpu_attention import kernel
 from hetero.cpu_attention.simd import BK
 from hetero.offload.arena import whole_blocks
-from hetero.offload.cache import HeteroCache
 from hetero.offload.registry import STALE, ContextRegistry, close_kept, closed_why
 from hetero.offload.session import KVSession
+from hetero.routing import CallLock, choose_transport, keeping_cache, routed
+from hetero.routing import keeping_cache as _keeping_cache  # noqa: F401 (re-exported: tests import it)
 from hetero.settings import (MODEL_DEFAULT, check_inputs, check_positions, default_new_tokens, generation_settings,
                              inferred_mask, one_pass_only, pad_id, resolve_lengths, rope_ok, rope_refused)
 # re-exported: tests, benchmarks and callers import these from here
@@ -37,8 +36,6 @@ from hetero.settings import (DEFAULT_NEW_TOKENS, GC_FIELDS as _GC_FIELDS, PASS_T
                              UNSUPPORTED_SETTINGS)
 
 log = logging.getLogger("hetero")
-_MODEL_LOCKS = weakref.WeakKeyDictionary()    # model -> the lock of the one call it serves (across generators)
-_MODELS_LOCK = threading.Lock()
 
 DEFAULT_RESERVE = 1024   # KV rows a context keeps free for later calls, unless prefill(reserve=) says
 CONTINUE_CHUNK = 256     # a context's continuations go to the workers in pieces of at most this many tokens
@@ -69,8 +66,8 @@ class HeteroGenerator:
             model = peft_model.get_base_model()
         self.spec = inspect_model(model)
         self.model = model
-        if self.spec.drops_cache:        # refused up front: a user's override hetero would skip (_keeping_cache)
-            _keeping_cache(model)
+        if self.spec.drops_cache:        # refused up front: a user's override hetero would skip (keeping_cache)
+            keeping_cache(model)
         # a prefill attends eagerly (scores materialized: prefill_chunk="auto" counts them) with a
         # logit soft-cap or attention sinks (hetero.attention)
         self._eager = bool(getattr(model.config.get_text_config(), "attn_logit_softcapping", None)) or any(
@@ -90,10 +87,8 @@ class HeteroGenerator:
         self._peft_model = peft_model      # its active adapter is what adapter_names=None runs (_default_adapter)
         self._peft_keys = {}               # its adapters served here -> _peft_adapter_keys when copied
         self._closed = False
-        # one generate (or adapter load, or context close) at a time: the pool has one control block.
-        # Reentrant so a call can close its own context (_recover); _busy refuses a nested call
-        self._lock = threading.RLock()
-        self._busy = False
+        self._calls = CallLock()           # one call at a time (hetero.routing)
+        self._lock = self._calls.lock      # taken by Context.save/close too
         # dropped without close(): its workers, segments and hooks go when it is collected (the
         # finalizer holds its attributes, which hold nothing that holds the generator)
         self._finalizer = weakref.finalize(self, _release, self.__dict__)
@@ -150,9 +145,12 @@ class HeteroGenerator:
             self._store.remove(name)
 
     def _refuse_nested(self, what):
-        """Under the lock: this thread is not inside a call (a streamer calling back)."""
-        if self._busy:
-            raise RuntimeError(f"{what} called from inside a call of the same HeteroGenerator; not supported")
+        self._calls.refuse_nested(what)
+
+    @property
+    def _busy(self):
+        """A call of this generator is running (in this thread: a streamer calling back)."""
+        return self._calls.busy
 
     def adapter_on_device(self, name):
         """True once `name`'s device copy is ready (before that its prefill runs on the CPU workers)."""
@@ -510,56 +508,17 @@ class HeteroGenerator:
                 self._drop_pool()
                 raise
 
-    @contextlib.contextmanager
     def _exclusive(self):
-        if not self._lock.acquire(blocking=False):
-            raise RuntimeError("this HeteroGenerator is already generating (in another thread); "
-                               "use one generator per thread")
-        try:
-            if self._busy:
-                raise RuntimeError("generate/prefill called from inside a call of the same HeteroGenerator "
-                                   "(a streamer or logits processor?); not supported")
-            with _MODELS_LOCK:
-                model_lock = _MODEL_LOCKS.setdefault(self.model, threading.Lock())
-            if not model_lock.acquire(blocking=False):     # a call sets the model's attention implementation
-                raise RuntimeError("another HeteroGenerator over the same model is running a call (in another "
-                                   "thread, or the call this one is made from); a model serves one call at a time")
-            self._busy = True
-            try:
-                yield
-            finally:
-                self._busy = False
-                model_lock.release()
-        finally:
-            self._lock.release()
+        """The call lock (routing.CallLock.exclusive), for one call."""
+        return self._calls.exclusive(self.model)
 
-    @contextlib.contextmanager
     def _routed(self, session, lora=None):
-        """For one call: pick the session's transport, route the model's attention to it and yield
-        a HeteroCache over it; restore the model's attention implementation afterwards."""
-        patched = self.spec.drops_cache      # the generic input preparation: the cache stays (calls checked: rope_ok)
-        keeping = _keeping_cache(self.model) if patched else None
-        self._choose_transport(session, session.pool, lora)
-        if lora is not None:                 # peft layers not served here run their base layer (under the lock)
-            self._hooks.route_peft_layers()
-        token = attention.active_session.set(session)
-        previous = self.model.config._attn_implementation
-        hook = None
-        try:
-            if patched:                      # on the instance, which has none of its own (_keeping_cache)
-                self.model.prepare_inputs_for_generation = keeping
-            hook = self.model.register_forward_pre_hook(lambda *_: session.begin_forward())
-            self.model.set_attn_implementation(attention.NAME)
-            yield HeteroCache(session)
-        finally:
-            try:
-                if hook is not None:
-                    hook.remove()
-                self.model.set_attn_implementation(previous)
-            finally:
-                attention.active_session.reset(token)
-                if patched:
-                    self.model.__dict__.pop("prepare_inputs_for_generation", None)
+        """For one call: the model's attention routed to `session` (routing.routed)."""
+        return routed(self.model, self.spec, self._hooks, session, lora, self._choose_transport)
+
+    def _choose_transport(self, session, pool, lora=None):
+        """A CUDA model's decode transport for `session` (routing.choose_transport)."""
+        choose_transport(self.model, self.config.transport, session, pool, lora)
 
     # ---- contexts: a request's KV kept between calls
     def prefill(self, input_ids, attention_mask=None, reserve=None, adapter_name=None):
@@ -645,7 +604,7 @@ class HeteroGenerator:
         if self.spec.one_pass_only:
             raise UnsupportedModelError(one_pass_only(self.spec, "a context"))
         if self.spec.drops_cache:        # an override set since __init__: no call could continue the context
-            _keeping_cache(self.model)
+            keeping_cache(self.model)
         self._contexts.sweep(self.config.context_memory)
         header = saved.read_header(path)
         loaded = self._store.adapters if self._store is not None else {}
@@ -896,27 +855,6 @@ class HeteroGenerator:
         self.model(input_ids=input_ids[:, a:b], attention_mask=attention_mask[:, :b], **{self._cache_kwarg: cache},
                    use_cache=True, cache_position=torch.arange(a, b, device=input_ids.device), **kw)
 
-    def _choose_transport(self, session, pool, lora=None):
-        """A CUDA model's decode round trip: the CUDA extension where HeteroConfig.transport and the
-        batch allow (see hetero.ipc.transport), else host copies through page-locked buffers
-        (PinnedTransport). With `lora` (the call's LoraBatch), its decode deltas go through the
-        CUDA transport too."""
-        want, dev = self.config.transport, self.model.device
-        if dev.type != "cuda":
-            return
-        gpus = {p.device for p in self.model.parameters() if p.device.type == "cuda"}
-        if len(gpus) > 1:          # a device_map over several GPUs: the transports serve one device
-            raise UnsupportedModelError(f"the model is spread over {len(gpus)} GPUs ({sorted(map(str, gpus))}); "
-                                        "hetero runs a model on one GPU (its KV lives in host memory)")
-        store = None if lora is None else lora.store         # None: no adapter loaded (every request base)
-        t = None if want == "host" else CudaTransport.open(pool, session, dev, quiet=want == "cuda", lora=store)
-        if t is None and want == "cuda":
-            raise UnsupportedModelError(f"HeteroConfig.transport='cuda': the CUDA extension is unavailable "
-                                        f"({CudaTransport.why})")
-        session.use_transport(t or PinnedTransport(dev))
-        if t is not None and store is not None:
-            lora.use_transport(t)
-
     def close(self):
         """Stop the workers and free every shared segment; restore the model's modules. Idempotent.
         Waits for a call running in another thread."""
@@ -972,29 +910,6 @@ def _restore_threads(threads, pinned):
     this generator set `pinned` (another generator pinned after it, say: its close() restores)."""
     if torch.get_num_threads() == pinned:
         torch.set_num_threads(threads)
-
-
-def _keeping_cache(model):
-    """`model`'s prepare_inputs_for_generation without its family's override that drops the cache
-    (CACHE_DROPPING_MODEL_TYPES): the method of the next class in its MRO."""
-    own = [c for c in type(model).__mro__ if "prepare_inputs_for_generation" in c.__dict__]
-    on_instance = model.__dict__.get("prepare_inputs_for_generation")
-    user = "the model instance has its own" if on_instance is not None and \
-        not getattr(on_instance, "_hetero_keeping_cache", False) else \
-        None if own[0].__module__.startswith("transformers.") else f"{own[0].__name__} overrides"
-    if user is not None:                   # hetero's replacement would skip the user's override
-        raise UnsupportedModelError(
-            f"{user} prepare_inputs_for_generation of a {model.config.model_type} model, whose "
-            "transformers version drops the KV cache past original_max_position_embeddings; hetero replaces "
-            "that method during a call and would skip the override")
-    cls = next(c for c in own if c.__module__.startswith("transformers.models."))
-    generic = super(cls, model).prepare_inputs_for_generation
-
-    def keeping_cache(*args, **kwargs):
-        return generic(*args, **kwargs)
-
-    keeping_cache._hetero_keeping_cache = True     # hetero's own, put on the instance during a call (_routed)
-    return keeping_cache
 
 
 @contextlib.contextmanager
