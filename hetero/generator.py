@@ -1,6 +1,5 @@
 """HeteroGenerator: HF-style generate() with the KV cache and decode attention on CPU workers."""
 import contextlib
-import inspect
 import logging
 import os
 import threading
@@ -13,8 +12,8 @@ import torch
 
 from hetero import attention
 from hetero.adapters import hooks as lora_hooks, source as lora_source, sync
-from hetero.adapters.sync import adapter_keys as _peft_adapter_keys  # noqa: F401 (re-exported: tests import it)
-from hetero.compat import GENERATE_CACHE_KWARG, forward_cache_kwarg, without_cache
+from hetero.adapters.sync import active, active as _active, adapter_keys as _peft_adapter_keys  # noqa: F401 (re-exported)
+from hetero.compat import GENERATE_CACHE_KWARG, without_cache
 from hetero.config import HeteroConfig
 from hetero.context import Context
 from hetero.errors import AdapterError, CapacityError, GeneratorClosedError, UnsupportedModelError, WorkerError
@@ -22,14 +21,13 @@ from hetero.ipc import shm
 from hetero.ipc.pool import WorkerPool
 from hetero.model_spec import inspect_model
 from hetero.cpu_attention.planner import ProfiledPlanner, StaticPlanner
-from hetero.cpu_attention import kernel
-from hetero.cpu_attention.simd import BK
 from hetero.offload.arena import whole_blocks
-from hetero.offload.registry import STALE, ContextRegistry, close_kept, closed_why
+from hetero.offload.registry import ContextRegistry, close_kept
 from hetero.offload.session import KVSession
+from hetero.prefill import CONTINUE_CHUNK, PrefillMixin  # noqa: F401 (CONTINUE_CHUNK re-exported: tests import it)
 from hetero.routing import CallLock, choose_transport, keeping_cache, routed
 from hetero.routing import keeping_cache as _keeping_cache  # noqa: F401 (re-exported: tests import it)
-from hetero.settings import (MODEL_DEFAULT, check_inputs, check_positions, default_new_tokens, generation_settings,
+from hetero.settings import (MODEL_DEFAULT, check_inputs, default_new_tokens, generation_settings,
                              inferred_mask, one_pass_only, pad_id, resolve_lengths, rope_ok, rope_refused)
 # re-exported: tests, benchmarks and callers import these from here
 from hetero.settings import (DEFAULT_NEW_TOKENS, GC_FIELDS as _GC_FIELDS, PASS_THROUGH,  # noqa: F401
@@ -38,11 +36,10 @@ from hetero.settings import (DEFAULT_NEW_TOKENS, GC_FIELDS as _GC_FIELDS, PASS_T
 log = logging.getLogger("hetero")
 
 DEFAULT_RESERVE = 1024   # KV rows a context keeps free for later calls, unless prefill(reserve=) says
-CONTINUE_CHUNK = 256     # a context's continuations go to the workers in pieces of at most this many tokens
 SHARED_IDLE_SPIN = 400   # ~10 us of polls before a CPU model's worker sleeps (atomics.sleep_until_changed)
 
 
-class HeteroGenerator:
+class HeteroGenerator(PrefillMixin):
     """Generate with a transformers causal LM whose KV cache and decode attention live on CPU workers.
 
         with HeteroGenerator(model, adapters={"legal": "path/to/lora"}) as gen:
@@ -281,66 +278,6 @@ class HeteroGenerator:
                 self._planner = ProfiledPlanner(profile, pool.n)
         return self._planner
 
-    def _chunk_size(self, attention_mask):
-        """HeteroConfig.prefill_chunk for this prompt: an int, or None (one pass). "auto": one pass
-        on a CPU model; on a GPU, one pass where the prompt's forward fits the device's free memory
-        (what the caching allocator holds unused counts as free), else the longest chunk that fits
-        (hetero.prefetch.policy.prefill_chunk)."""
-        C = self.config.prefill_chunk
-        if C != "auto":
-            return C
-        dev = self.model.device
-        if dev.type != "cuda":
-            return None
-        from hetero.prefetch import policy
-
-        free = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
-        B, S = attention_mask.shape
-        return policy.prefill_chunk(self.model.config.get_text_config(), self.spec, B, S, free, self._eager,
-                                    padded=not bool(attention_mask.all()))
-
-    def _chunk(self, attention_mask):
-        """The chunk size of a chunked prefill (_chunk_size), or None for one pass: the first forward
-        covers the left pads and one chunk, so later chunks hold real tokens only."""
-        C = self._chunk_size(attention_mask)
-        if C is None:
-            return None
-        first = int((attention_mask.shape[1] - attention_mask.sum(1)).max()) + C
-        if attention_mask.shape[1] <= first:
-            return None
-        if self.spec.one_pass_only:
-            raise UnsupportedModelError(one_pass_only(self.spec, "a chunked prefill (HeteroConfig.prefill_chunk)"))
-        return C
-
-    def _staged(self, chunk):
-        """Query tokens per step the workers' staging holds for a prompt prefilled in chunks of
-        `chunk` (None: one pass): the chunk a set HeteroConfig.prefill_chunk gives; an "auto" chunk
-        (fitted to GPU memory, its pieces attended on the GPU after a prefetch: _feed) only up to
-        CONTINUE_CHUNK, since a staging sized to a long chunk grows the host arena by ~256 KiB per
-        token at the Llama-3-8B shape (the workers, when they take a chunk, take it in pieces)."""
-        if chunk and self.config.prefill_chunk == "auto":
-            return min(chunk, CONTINUE_CHUNK)
-        return chunk
-
-    @property
-    def _piece(self):
-        """Tokens per forward when a context is continued (a set prefill_chunk, else CONTINUE_CHUNK)."""
-        C = self.config.prefill_chunk
-        return C if isinstance(C, int) else CONTINUE_CHUNK
-
-    def prefill_chunks(self, cache, input_ids, attention_mask, chunk, to_end=False):
-        """Run a prompt through the model into `cache` in chunks: the first forward (pads + one
-        chunk) with the model's own attention, each later chunk of `chunk` tokens attending to the
-        cached KV (on the CPU workers, or on the model's device after a layer-wise prefetch: see
-        _feed). to_end: all of it; else the rest (at most one chunk) is left to generate's first
-        forward, which continues the cache."""
-        S = input_ids.shape[1]
-        first = min(S, S - int(attention_mask.sum(1).min()) + chunk)      # the longest left pad + one chunk
-        if first == S and not to_end:
-            return
-        self._forward(cache, input_ids, attention_mask, 0, first)
-        self._feed(cache, input_ids, attention_mask, first, S, whole=to_end, piece=chunk)
-
     def _plan_cache(self, attention_mask, max_new_tokens, tmax=1, private=0, groups=0, what="max_new_tokens"):
         """what: the setting that asked for the max_new_tokens rows past the prompt (for messages):
         generate's new tokens (the last one's KV is never written) or a context's reserve."""
@@ -465,7 +402,7 @@ class HeteroGenerator:
             raise rope_refused(self.spec)
         tmax = self._staged(chunk) or 1
         pads, real, cap = self._plan_cache(attention_mask, max_new_tokens, tmax=tmax)
-        with self.kv_context(pads, real, cap, lora=lora, tmax=tmax) as cache, torch.no_grad(), _active(lora):
+        with self.kv_context(pads, real, cap, lora=lora, tmax=tmax) as cache, torch.no_grad(), active(lora):
             if chunk:
                 self.prefill_chunks(cache, input_ids, attention_mask, chunk)
             return self.model.generate(input_ids, attention_mask=attention_mask, **{GENERATE_CACHE_KWARG: cache}, **call)
@@ -549,7 +486,7 @@ class HeteroGenerator:
         adapter_name = self._default_adapter(layers) if adapter_name is None else adapter_name
         lora = self._lora_batch(None if adapter_name is None else [adapter_name], 1, layers)
         with self._context_session(attention_mask, reserve) as session:
-            with self._routed(session, lora) as cache, torch.no_grad(), _active(lora):
+            with self._routed(session, lora) as cache, torch.no_grad(), active(lora):
                 if chunk:                                # all chunks; the last one too
                     self.prefill_chunks(cache, input_ids, attention_mask, chunk, to_end=True)
                 else:
@@ -627,136 +564,6 @@ class HeteroGenerator:
             ctx.pending = pending
             return self._contexts.keep(ctx)
 
-    def _generate_in_context(self, ctx, input_ids, attention_mask, max_new_tokens, call, lora, extend=True):
-        """generate() continuing `ctx`: [cached tokens, the last call's unstored token, new tokens].
-        extend=False: afterwards the context is as before (its length restored; the rows the call
-        appended lie past it and are overwritten later, except in sliding-window rings, which a
-        call may wrap: those are saved before and put back)."""
-        if ctx.generator is not self or ctx.closed:
-            raise ValueError("context= takes an open Context from this generator's prefill()" + closed_why(ctx))
-        if input_ids.shape[0] != 1:
-            raise ValueError(f"a context continues one request: input_ids must be [1, n], got {tuple(input_ids.shape)}")
-        if not bool(attention_mask.all()):
-            raise ValueError("the new tokens of a context cannot be padded (attention_mask all ones)")
-        with self._exclusive():
-            if ctx.closed:
-                raise ValueError("context= takes an open Context from this generator's prefill()" + closed_why(ctx))
-            if self._contexts.stale(ctx.session):
-                raise ValueError(STALE)
-            full = torch.cat([ctx.token_ids, ctx.pending, input_ids[0].to("cpu")]).to(self.model.device)[None]
-            session, cached = ctx.session, ctx.length                    # full: [1, S]
-            if not rope_ok(self.spec, full.shape[1], max_new_tokens, (cached,), keeps=extend):
-                raise rope_refused(self.spec)
-            need = full.shape[1] + max_new_tokens - 1           # KV rows once the last new token is chosen
-            if need > session.layout.cap:
-                raise CapacityError(f"the context holds {cached} tokens and this call adds {full.shape[1] - cached} "
-                                    f"+ {max_new_tokens} new: {need} rows, but it was prefilled with room for "
-                                    f"{session.layout.cap} (prefill(..., reserve=...))")
-            check_positions(self.spec, full.shape[1], max_new_tokens)
-            pool = self._ensure_pool()
-            session.begin_call(pool, self._ensure_planner(pool))
-            rings = None if extend or not session.layout.ring_layers else (session.Kr.clone(), session.Vr.clone())
-            err = None
-            try:
-                with self._routed(session, lora) as cache, torch.no_grad(), _active(lora):
-                    for layer in cache.layers:
-                        layer.seen = cached
-                    mask = torch.ones_like(full)
-                    self._feed(cache, full, mask, cached, full.shape[1])     # generate's first forward: the rest
-                    out = self.model.generate(full, attention_mask=mask, **{GENERATE_CACHE_KWARG: cache}, **call)
-            except BaseException as e:
-                err = e
-            try:
-                session.end_call(check=err is None)          # a GPU's last step settled, its page locks freed
-            except BaseException as e:                       # Ctrl-C too: the context is put back below
-                err = err or e
-            if not extend:
-                session.rewind(cached, rings)
-            elif err is not None:
-                self._recover(ctx, cached)
-            if isinstance(err, WorkerError) and self._pool is not None:
-                self._drop_pool()                            # the context stays; the next call maps it again
-            if err is not None:
-                raise err
-            # still under the lock: a close() waiting in another thread must find the call complete
-            if extend:
-                seq = out if isinstance(out, torch.Tensor) else out.sequences
-                stored = int(session.lengths[0])
-                ctx.token_ids, ctx.pending = seq[0, :stored].to("cpu"), seq[0, stored:].to("cpu")
-            self._contexts.used(ctx)
-        return out
-
-    def _feed(self, cache, ids, mask, a, end, whole=False, piece=None):
-        """Forward positions [a, end) of ids into a prefilled session's cache, each piece attending
-        to the cached KV: on the CPU workers in pieces of at most the session's tmax tokens
-        (generate's first forward then takes the last piece), or, when HeteroConfig.continuation /
-        the policy prefers it, on the model's device over KV prefetched layer by layer
-        (hetero.prefetch; generate's first forward takes the last token) in pieces of up to
-        `piece` tokens (no staging holds them; a sliding window's ring holds only tmax new rows,
-        so with ring layers, tmax). whole: feed everything."""
-        session = cache.session
-        tmax = session.layout.tmax
-        n = end - a
-        if n <= 0:
-            return
-        if not whole and n == 1:
-            return                                       # generate's first forward takes it
-        big = max(piece or 0, tmax) if session.layout.ring_layers == 0 else tmax
-        prefetch = session.batch == 1 and self._continuation(session, int(session.lengths[0]), min(n, big)) == "prefetch"
-        stop = end if whole else end - (1 if prefetch else (n - 1) % tmax + 1)
-        if stop <= a:
-            return
-        if not prefetch:
-            for p in range(a, stop, tmax):
-                self._forward(cache, ids, mask, p, min(p + tmax, stop))
-            return
-        from hetero.prefetch.schedule import LayerPrefetcher
-
-        pre = LayerPrefetcher(session, self.model.device)
-        started = time.perf_counter()
-        try:
-            for p in range(a, stop, big):
-                session.prefetcher = pre
-                pre.start()
-                self._forward(cache, ids, mask, p, min(p + big, stop))
-                log.info("hetero: tokens %d-%d of %d attended over the prefetched cache (%.1f s)", p,
-                         min(p + big, stop), stop, time.perf_counter() - started)     # long prompts' progress
-        except BaseException:
-            session.prefetcher = None
-            try:
-                pre.close()
-            except BaseException:
-                pass                                     # the forward's own error is the one to raise
-            raise
-        session.prefetcher = None
-        pre.close()
-        self.last_prefetch_log, self.last_prefetch_plan = pre.log, pre.planned    # for tests and benchmarks
-
-    def _continuation(self, session, L, T):
-        """HeteroConfig.continuation for T new tokens over L cached rows ("auto": hetero.prefetch.policy)."""
-        want = self.config.continuation
-        if want != "auto":
-            return want
-        from hetero.prefetch import policy
-
-        profile = getattr(self._planner, "profile", None)
-        if profile is None or self.model.device.type != "cuda":
-            return "workers"                             # see policy.choose
-        if self._rates is None:
-            self._rates = policy.measure(self.model.device, self.spec)
-        return policy.choose(profile, self._rates, self.spec, L, T, self._pool.n)
-
-    def _recover(self, ctx, cached):
-        """A call that extends ctx failed midway: some of its rows may be cached. Without sliding
-        -window rings, or before any KV update (a setting transformers refuses as it starts), back
-        to the `cached` rows the context had (later rows are overwritten by the next call); a ring
-        may have been wrapped over rows the context still needs, so such a context is closed
-        (using it again raises), rather than left silently wrong."""
-        if ctx.session.layout.ring_layers == 0 or not ctx.session.touched:
-            ctx.session.rewind(cached)
-        else:
-            ctx._close()
-
     def _reusable(self, input_ids, attention_mask, max_new_tokens, settings):
         """Automatic prefix reuse (HeteroConfig.reuse_contexts): when every request's prompt starts
         with the tokens of a live Context (its cached and pending ones) and goes on past them,
@@ -771,89 +578,6 @@ class HeteroGenerator:
         cached = self.config.context_memory is not None     # unreferenced contexts are a cache (see sweep)
         return self._contexts.reusable(self, input_ids, attention_mask, max_new_tokens, cached, lambda picks: rope_ok(
             self.spec, input_ids.shape[1], max_new_tokens, [p.length for p in picks]))
-
-    def _generate_in_contexts(self, contexts, input_ids, attention_mask, max_new_tokens, settings, call, lora,
-                              width=0):
-        """generate() for a batch whose request b continues contexts[b] (read, not changed): the
-        requests continuing one context form a shared-prefix group that reads the context's
-        whole blocks in place (KVSession prefix_groups; not a context with sliding-window rings,
-        nor with share_contexts=False); the call's own session holds
-        each request's rows past them (pstart), copied from its context (all of them for a
-        request in no group). Request b's sequence is [its context's tokens (pending ones too),
-        its new tokens], left-padded to the longest (or to `width`); the steps that feed them count, per
-        request, the tokens that are not its own (session.skip)."""
-        B = input_ids.shape[0]
-        if len(contexts) != B:
-            raise ValueError(f"context= has {len(contexts)} contexts for a batch of {B} requests")
-        with self._exclusive():
-            self._contexts.check_contexts(self, contexts)
-            new = [input_ids[b, attention_mask[b].bool()].to("cpu") for b in range(B)]      # real new tokens
-            seqs = [torch.cat([c.token_ids, c.pending, n]) for c, n in zip(contexts, new)]
-            cached = [c.length for c in contexts]
-            S = max(width, max(len(q) for q in seqs))
-            pad = pad_id(settings)
-            full = torch.full((B, S), pad, dtype=torch.long)                     # [B, S], left-padded
-            mask = torch.zeros(B, S, dtype=torch.long)
-            for b, q in enumerate(seqs):
-                full[b, S - len(q):], mask[b, S - len(q):] = q, 1
-            check_positions(self.spec, max(len(q) for q in seqs), max_new_tokens)     # each row's own positions
-            if not rope_ok(self.spec, S, max_new_tokens, cached):
-                raise rope_refused(self.spec)
-            uncached = [len(q) - n for q, n in zip(seqs, cached)]
-            U = max(uncached)
-            rows = S + max_new_tokens           # no window can hide a row from a query below it
-            share = self.config.share_contexts and all(w == 0 or w >= rows for w in self.spec.windows or ())
-            groups = {}                                          # id(context) -> (its session, members)
-            for b, c in enumerate(contexts):
-                if share and cached[b] >= BK and c.session.layout.ring_layers == 0:
-                    groups.setdefault(id(c.session), (c.session, []))[1].append(b)
-            # at most MAX_GROUPS read in place, the largest; the other requests copy their contexts
-            groups = sorted(groups.values(), key=lambda g: -len(g[1]))[:kernel.MAX_GROUPS]
-            pstart = [0] * B
-            for src, members in groups:
-                for b in members:
-                    pstart[b] = int(src.lengths[0]) // BK * BK
-            tmax = min(self._piece, U)                              # the staging holds one step's tokens
-            pads, _, cap = self._plan_cache(mask, max_new_tokens, tmax=tmax,
-                                            private=whole_blocks(rows) - min(pstart) if groups else 0,
-                                            groups=len(groups))
-            full, mask = full.to(self.model.device), mask.to(self.model.device)
-            for c in contexts:
-                self._contexts.used(c)
-            with self._call_session(pads, cached, cap, lora, tmax, groups) as cache, torch.no_grad(), \
-                    _active(lora):
-                session = cache.session
-                for b, c in enumerate(contexts):                    # rows past the shared prefix
-                    src = c.session
-                    for layer in range(self.spec.layers):
-                        window = session.ring_window[layer]
-                        start = max(0, cached[b] - window + 1) // BK * BK if window else pstart[b]
-                        src_window = src.ring_window[layer]       # the source may keep fewer rows (a ring)
-                        if src_window:
-                            start = max(start, max(0, cached[b] - src_window + 1) // BK * BK)
-                        k, v = src.read_rows(layer, 0, cached[b], start)
-                        session.write_rows(layer, b, k, v, start)
-                session.finish_prefill()                           # lengths = cached
-                session.skip[:] = [U - u for u in uncached]        # the first U - u_b tokens fed are b's cached ones or pads
-                for layer in cache.layers:
-                    layer.seen = S - U
-                a = S - U
-                while S - a > tmax:                                # continue in pieces of at most tmax tokens
-                    self._forward(cache, full, mask, a, a + tmax)
-                    a += tmax
-                return self.model.generate(full, attention_mask=mask, **{GENERATE_CACHE_KWARG: cache}, **call)
-
-    def _forward(self, cache, input_ids, attention_mask, a, b):
-        """The model over positions [a, b) of input_ids into `cache` (no logits kept but the last)."""
-        if self._forward_params is None:
-            self._forward_params = set(inspect.signature(self.model.forward).parameters)
-            self._cache_kwarg = forward_cache_kwarg(self.model.forward)
-        kw = {"logits_to_keep": 1} if "logits_to_keep" in self._forward_params else {}
-        if "position_ids" in self._forward_params:          # as generate: only where forward takes them
-            pos = attention_mask.long().cumsum(-1) - 1
-            kw["position_ids"] = pos.masked_fill_(attention_mask == 0, 1)[:, a:b]
-        self.model(input_ids=input_ids[:, a:b], attention_mask=attention_mask[:, :b], **{self._cache_kwarg: cache},
-                   use_cache=True, cache_position=torch.arange(a, b, device=input_ids.device), **kw)
 
     def close(self):
         """Stop the workers and free every shared segment; restore the model's modules. Idempotent.
@@ -910,12 +634,3 @@ def _restore_threads(threads, pinned):
     this generator set `pinned` (another generator pinned after it, say: its close() restores)."""
     if torch.get_num_threads() == pinned:
         torch.set_num_threads(threads)
-
-
-@contextlib.contextmanager
-def _active(lora_batch):
-    token = lora_hooks.active_batch.set(lora_batch)
-    try:
-        yield
-    finally:
-        lora_hooks.active_batch.reset(token)

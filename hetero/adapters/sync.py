@@ -4,11 +4,12 @@ Owns: the checks of the model's state before a call (dtype, dropout in training 
 merged into the base weights: check_model_state); what tells a PeftModel's adapters apart over
 time (adapter_keys, changed_adapters: HeteroGenerator copies a changed one again); what
 adapter_names=None means for a PeftModel (default_adapter, adapters_disabled); a call's
-LoraBatch (lora_batch); and the adapters a context's continuation must keep (context_adapters,
+LoraBatch (lora_batch, active); and the adapters a context's continuation must keep (context_adapters,
 loaded). Plain functions over the model, its PeftModel (or None) and the generator's AdapterStore
 (or None); the generator holds the state (the store, the keys of the adapters it copied).
 """
 import collections
+import contextlib
 import sys
 
 import torch
@@ -179,3 +180,13 @@ def _version(tensor):
         return tensor._version
     except RuntimeError:
         return -1
+
+
+@contextlib.contextmanager
+def active(lora_batch):
+    """The call's LoraBatch (or None) is what the LoRA hooks apply while inside."""
+    token = lora_hooks.active_batch.set(lora_batch)
+    try:
+        yield
+    finally:
+        lora_hooks.active_batch.reset(token)
