@@ -7,7 +7,6 @@ import time
 import weakref
 from dataclasses import replace
 
-import psutil
 import torch
 
 from hetero import attention
@@ -16,13 +15,13 @@ from hetero.adapters.sync import active, active as _active, adapter_keys as _pef
 from hetero.compat import GENERATE_CACHE_KWARG, without_cache
 from hetero.config import HeteroConfig
 from hetero.context import Context
-from hetero.errors import AdapterError, CapacityError, GeneratorClosedError, UnsupportedModelError, WorkerError
-from hetero.ipc import shm
+from hetero.errors import AdapterError, GeneratorClosedError, UnsupportedModelError, WorkerError
+from hetero.ipc import shm  # noqa: F401 (re-exported: tests patch the filesystem check through it)
 from hetero.ipc.pool import WorkerPool
 from hetero.model_spec import inspect_model
 from hetero.cpu_attention.planner import ProfiledPlanner, StaticPlanner
-from hetero.offload.arena import whole_blocks
 from hetero.offload.registry import ContextRegistry, close_kept
+from hetero.memory import default_reserve, plan_cache
 from hetero.offload.session import KVSession
 from hetero.prefill import CONTINUE_CHUNK, PrefillMixin  # noqa: F401 (CONTINUE_CHUNK re-exported: tests import it)
 from hetero.routing import CallLock, choose_transport, keeping_cache, routed
@@ -35,7 +34,6 @@ from hetero.settings import (DEFAULT_NEW_TOKENS, GC_FIELDS as _GC_FIELDS, PASS_T
 
 log = logging.getLogger("hetero")
 
-DEFAULT_RESERVE = 1024   # KV rows a context keeps free for later calls, unless prefill(reserve=) says
 SHARED_IDLE_SPIN = 400   # ~10 us of polls before a CPU model's worker sleeps (atomics.sleep_until_changed)
 
 
@@ -278,35 +276,6 @@ class HeteroGenerator(PrefillMixin):
                 self._planner = ProfiledPlanner(profile, pool.n)
         return self._planner
 
-    def _plan_cache(self, attention_mask, max_new_tokens, tmax=1, private=0, groups=0, what="max_new_tokens"):
-        """what: the setting that asked for the max_new_tokens rows past the prompt (for messages):
-        generate's new tokens (the last one's KV is never written) or a context's reserve."""
-        real = attention_mask.sum(1).cpu()
-        rows = int(real.max()) + max_new_tokens - (what != "reserve")
-        cap = whole_blocks(rows)
-        limit = self.config.max_cache_tokens
-        if limit is not None and rows > limit:
-            new = "reserved" if what == "reserve" else "new, the last one's never written"
-            raise CapacityError(f"a request needs {rows} KV rows (prompt {int(real.max())} + {max_new_tokens} {new}) "
-                                f"but the cache capacity is max_cache_tokens={limit}")
-        s = self.spec
-        layout = KVSession.layout_for(s, len(real), cap, tmax, private, groups)   # sliding layers: a ring of their window
-        rings = f"; {layout.ring_layers} sliding layers keep {layout.ring} rows" if layout.ring_layers else ""
-        what = (f"the KV cache for this batch needs {layout.nbytes / 2**30:.2f} GiB ({len(real)} requests x {cap} rows "
-                f"x {s.layers} layers x 2 x {s.kv_heads} heads x {s.head_dim} x {s.dtype}{rings}; the rows are the "
-                f"prompt's {int(real.max())} + {what}={max_new_tokens}, allocated up front: a smaller {what} needs less)")
-        avail = psutil.virtual_memory().available
-        if layout.nbytes > self.config.ram_fraction * avail:
-            raise CapacityError(f"{what} but only {avail / 2**30:.2f} GiB of RAM is available "
-                                f"(ram_fraction={self.config.ram_fraction})")
-        shm_free = shm.free_bytes()     # a segment past the tmpfs's free space dies of SIGBUS on first touch
-        if shm_free is not None and layout.nbytes > shm_free:
-            raise CapacityError(f"{what} but the shared-memory filesystem {shm.SHM_DIR} has only "
-                                f"{shm_free / 2**30:.2f} GiB free; enlarge it (docker run --shm-size=..., or "
-                                f"mount -o remount,size=... {shm.SHM_DIR})")
-        pads = attention_mask.shape[1] - real
-        return pads.tolist(), real.tolist(), cap
-
     def generate(self, input_ids=None, attention_mask=None, max_new_tokens=MODEL_DEFAULT, adapter_names=None, context=None,
                  extend_context=None, **kwargs):
         """transformers-style generate; returns a tensor of sequences, or a GenerateOutput when
@@ -401,7 +370,7 @@ class HeteroGenerator(PrefillMixin):
         if not rope_ok(self.spec, input_ids.shape[1], max_new_tokens, (0,) if chunk else ()):
             raise rope_refused(self.spec)
         tmax = self._staged(chunk) or 1
-        pads, real, cap = self._plan_cache(attention_mask, max_new_tokens, tmax=tmax)
+        pads, real, cap = plan_cache(self.spec, self.config, attention_mask, max_new_tokens, tmax=tmax)
         with self.kv_context(pads, real, cap, lora=lora, tmax=tmax) as cache, torch.no_grad(), active(lora):
             if chunk:
                 self.prefill_chunks(cache, input_ids, attention_mask, chunk)
@@ -470,7 +439,7 @@ class HeteroGenerator(PrefillMixin):
         if self._closed:
             raise GeneratorClosedError("prefill() called on a closed HeteroGenerator")
         if reserve is None and isinstance(input_ids, torch.Tensor) and input_ids.ndim == 2:
-            reserve = self._default_reserve(input_ids.shape[1])
+            reserve = default_reserve(self.spec, self.config, input_ids.shape[1])
         self._contexts.sweep(self.config.context_memory)
         attention_mask, reserve = check_inputs(self.model, self.spec, input_ids, attention_mask, reserve, "reserve")
         if input_ids.shape[0] != 1:
@@ -495,19 +464,13 @@ class HeteroGenerator(PrefillMixin):
             adapter = lora.adapters[0] if lora is not None else None      # kept before the session is let go
             return self._contexts.keep(Context(self, session, input_ids[0].detach().to("cpu", torch.long).clone(), adapter))
 
-    def _default_reserve(self, n):
-        """prefill/load_context's default reserve for a context of n tokens: DEFAULT_RESERVE rows,
-        within the model's max positions and HeteroConfig.max_cache_tokens."""
-        rooms = [limit - n for limit in (self.spec.position_limit, self.config.max_cache_tokens) if limit is not None]
-        return max(1, min([DEFAULT_RESERVE] + rooms))
-
     @contextlib.contextmanager
     def _context_session(self, attention_mask, reserve):
         """Under the generator's lock: a new context's session (one request, `reserve` rows free,
         continuations in pieces of prefill_chunk or CONTINUE_CHUNK tokens) within context_memory;
         closed again if the body raises (and a pool that died with it)."""
         tmax = min(self._piece, attention_mask.shape[1] + reserve)   # no piece outgrows the context's rows
-        pads, real, cap = self._plan_cache(attention_mask, reserve, tmax=tmax, what="reserve")
+        pads, real, cap = plan_cache(self.spec, self.config, attention_mask, reserve, tmax=tmax, what="reserve")
         with self._exclusive():
             self._contexts.check_budget(KVSession.layout_for(self.spec, 1, cap, tmax).nbytes, self.config.context_memory)
             pool = self._ensure_pool()
@@ -549,7 +512,7 @@ class HeteroGenerator(PrefillMixin):
                                  lambda n: self._store.digest(loaded[n]) if n in loaded else None)
         n = header["length"]
         if reserve is None:
-            reserve = self._default_reserve(n)
+            reserve = default_reserve(self.spec, self.config, n)
         # the token ids are checked against the vocabulary after the payload's CRC (fill), which covers
         # them: a corrupted id is named as the file's corruption, not as a bad prompt
         ids = torch.zeros(1, n, dtype=torch.long, device=self.model.device)

@@ -24,6 +24,7 @@ from hetero.compat import GENERATE_CACHE_KWARG, forward_cache_kwarg
 from hetero.cpu_attention import kernel
 from hetero.cpu_attention.simd import BK
 from hetero.errors import CapacityError, UnsupportedModelError, WorkerError
+from hetero.memory import plan_cache
 from hetero.offload.arena import whole_blocks
 from hetero.offload.registry import STALE, closed_why
 from hetero.settings import check_positions, one_pass_only, pad_id, rope_ok, rope_refused
@@ -267,7 +268,7 @@ class PrefillMixin:
                 for b in members:
                     pstart[b] = int(src.lengths[0]) // BK * BK
             tmax = min(self._piece, U)                              # the staging holds one step's tokens
-            pads, _, cap = self._plan_cache(mask, max_new_tokens, tmax=tmax,
+            pads, _, cap = plan_cache(self.spec, self.config, mask, max_new_tokens, tmax=tmax,
                                             private=whole_blocks(rows) - min(pstart) if groups else 0,
                                             groups=len(groups))
             full, mask = full.to(self.model.device), mask.to(self.model.device)
