@@ -1,4 +1,12 @@
-"""HeteroGenerator: HF-style generate() with the KV cache and decode attention on CPU workers."""
+"""HeteroGenerator: HF-style generate() with the KV cache and decode attention on CPU workers.
+
+The facade: the public API (generate, prefill, load_context, the LoRA adapters, close) and what
+ties a call together: the worker pool and planner it runs on, the KV session it opens, the lock.
+The parts live in modules named for them: settings (a call's arguments), memory (its KV rows),
+adapters.sync (a PeftModel's adapters), offload.registry (the contexts kept between calls),
+routing (the call lock, the attention routed to a session, the transport) and prefill (chunked
+prefill and the continuation of contexts, a mixin of HeteroGenerator).
+"""
 import contextlib
 import logging
 import os
@@ -11,25 +19,28 @@ import torch
 
 from hetero import attention
 from hetero.adapters import hooks as lora_hooks, source as lora_source, sync
-from hetero.adapters.sync import active, active as _active, adapter_keys as _peft_adapter_keys  # noqa: F401 (re-exported)
+from hetero.adapters.sync import active
 from hetero.compat import GENERATE_CACHE_KWARG, without_cache
 from hetero.config import HeteroConfig
 from hetero.context import Context
-from hetero.errors import AdapterError, GeneratorClosedError, UnsupportedModelError, WorkerError
-from hetero.ipc import shm  # noqa: F401 (re-exported: tests patch the filesystem check through it)
-from hetero.ipc.pool import WorkerPool
-from hetero.model_spec import inspect_model
 from hetero.cpu_attention.planner import ProfiledPlanner, StaticPlanner
-from hetero.offload.registry import ContextRegistry, close_kept
+from hetero.errors import AdapterError, GeneratorClosedError, UnsupportedModelError, WorkerError
+from hetero.ipc.pool import WorkerPool
 from hetero.memory import default_reserve, plan_cache
+from hetero.model_spec import inspect_model
+from hetero.offload.registry import ContextRegistry, close_kept
 from hetero.offload.session import KVSession
-from hetero.prefill import CONTINUE_CHUNK, PrefillMixin  # noqa: F401 (CONTINUE_CHUNK re-exported: tests import it)
+from hetero.prefill import PrefillMixin
 from hetero.routing import CallLock, choose_transport, keeping_cache, routed
-from hetero.routing import keeping_cache as _keeping_cache  # noqa: F401 (re-exported: tests import it)
 from hetero.settings import (MODEL_DEFAULT, check_inputs, default_new_tokens, generation_settings,
                              inferred_mask, one_pass_only, pad_id, resolve_lengths, rope_ok, rope_refused)
-# re-exported: tests, benchmarks and callers import these from here
-from hetero.settings import (DEFAULT_NEW_TOKENS, GC_FIELDS as _GC_FIELDS, PASS_THROUGH,  # noqa: F401
+
+# re-exported from their new homes: tests and benchmarks import or patch these here
+from hetero.adapters.sync import active as _active, adapter_keys as _peft_adapter_keys  # noqa: F401, E402
+from hetero.ipc import shm  # noqa: F401, E402
+from hetero.prefill import CONTINUE_CHUNK  # noqa: F401, E402
+from hetero.routing import keeping_cache as _keeping_cache  # noqa: F401, E402
+from hetero.settings import (DEFAULT_NEW_TOKENS, GC_FIELDS as _GC_FIELDS, PASS_THROUGH,  # noqa: F401, E402
                              UNSUPPORTED_SETTINGS)
 
 log = logging.getLogger("hetero")
