@@ -1,6 +1,6 @@
 """Weight digests that see every element: what tells a model's weights from another's (or from
 what they were), down to one element of one embedding row. The staleness key of live contexts
-(generator._weights_key) and the fingerprint of saved ones (offload.saved) are built on it.
+(offload.registry.weights_key) and the fingerprint of saved ones (offload.saved) are built on it.
 
 A weight's digest is a weighted sum of its bits: its elements viewed as integers (4-byte and
 smaller dtypes widened to int32, 8-byte ones as int64), each times a fixed odd pseudo-random

@@ -1,84 +1,54 @@
-"""HeteroGenerator: HF-style generate() with the KV cache and decode attention on CPU workers."""
-import collections
+"""HeteroGenerator: HF-style generate() with the KV cache and decode attention on CPU workers.
+
+The facade: the public API (generate, prefill, load_context, the LoRA adapters, close) and what
+ties a call together: the worker pool and planner it runs on, the KV session it opens, the lock.
+The parts live in modules named for them: settings (a call's arguments), memory (its KV rows),
+adapters.sync (a PeftModel's adapters), offload.registry (the contexts kept between calls),
+routing (the call lock, the attention routed to a session, the transport) and prefill (chunked
+prefill and the continuation of contexts, a mixin of HeteroGenerator).
+"""
 import contextlib
-import copy
-import inspect
 import logging
-import numbers
 import os
-import sys
 import threading
 import time
 import weakref
 from dataclasses import replace
 
-import psutil
 import torch
-from transformers import GenerationConfig, MaxTimeCriteria, StoppingCriteriaList, WatermarkingConfig
-from transformers.generation import GenerationMode
 
 from hetero import attention
-from hetero.adapters import hooks as lora_hooks, source as lora_source
-from hetero.compat import GENERATE_CACHE_KWARG, forward_cache_kwarg, without_cache
+from hetero.adapters import hooks as lora_hooks, source as lora_source, sync
+from hetero.adapters.sync import active
+from hetero.compat import GENERATE_CACHE_KWARG, without_cache
 from hetero.config import HeteroConfig
 from hetero.context import Context
-from hetero.digest import weight_digest
-from hetero.errors import AdapterError, CapacityError, GeneratorClosedError, UnsupportedModelError, WorkerError
-from hetero.ipc import shm
-from hetero.ipc.pool import WorkerPool
-from hetero.ipc.cuda_transport import CudaTransport
-from hetero.ipc.transport import PinnedTransport
-from hetero.model_spec import inspect_model
 from hetero.cpu_attention.planner import ProfiledPlanner, StaticPlanner
-from hetero.cpu_attention import kernel
-from hetero.cpu_attention.simd import BK
-from hetero.offload.arena import whole_blocks
-from hetero.offload.cache import HeteroCache
+from hetero.errors import AdapterError, GeneratorClosedError, UnsupportedModelError, WorkerError
+from hetero.ipc.pool import WorkerPool
+from hetero.memory import default_reserve, plan_cache
+from hetero.model_spec import inspect_model
+from hetero.offload.registry import ContextRegistry, close_kept
 from hetero.offload.session import KVSession
+from hetero.prefill import PrefillMixin
+from hetero.routing import CallLock, choose_transport, keeping_cache, routed
+from hetero.settings import (MODEL_DEFAULT, check_inputs, default_new_tokens, generation_settings,
+                             inferred_mask, one_pass_only, pad_id, resolve_lengths, rope_ok, rope_refused)
+
+# re-exported from their new homes: tests and benchmarks import or patch these here
+from hetero.adapters.sync import active as _active, adapter_keys as _peft_adapter_keys  # noqa: F401, E402
+from hetero.ipc import shm  # noqa: F401, E402
+from hetero.prefill import CONTINUE_CHUNK  # noqa: F401, E402
+from hetero.routing import keeping_cache as _keeping_cache  # noqa: F401, E402
+from hetero.settings import (DEFAULT_NEW_TOKENS, GC_FIELDS as _GC_FIELDS, PASS_THROUGH,  # noqa: F401, E402
+                             UNSUPPORTED_SETTINGS)
 
 log = logging.getLogger("hetero")
-_MODEL_LOCKS = weakref.WeakKeyDictionary()    # model -> the lock of the one call it serves (across generators)
-_MODELS_LOCK = threading.Lock()
 
-DEFAULT_RESERVE = 1024   # KV rows a context keeps free for later calls, unless prefill(reserve=) says
-CONTINUE_CHUNK = 256     # a context's continuations go to the workers in pieces of at most this many tokens
 SHARED_IDLE_SPIN = 400   # ~10 us of polls before a CPU model's worker sleeps (atomics.sleep_until_changed)
-PASS_THROUGH = ("streamer", "logits_processor", "stopping_criteria", "tokenizer")  # objects, not GenerationConfig fields
-DEFAULT_NEW_TOKENS = 20  # transformers' default when the model's generation_config sets no max_length
 
 
-class _ModelDefault:
-    """generate()'s max_new_tokens when omitted (None given sets the model's aside, as in transformers)."""
-
-    def __repr__(self):
-        return "<the model's generation_config>"
-
-
-MODEL_DEFAULT = _ModelDefault()
-# generation settings hetero does not run, refused by name whether the call or the model's
-# generation_config sets them: beam search, several sequences per prompt, no KV cache, classifier-
-# free guidance, assisted and contrastive decoding, attention / hidden-state outputs
-UNSUPPORTED_SETTINGS = {
-    "num_beams": lambda v: v is not None and v > 1,
-    "num_beam_groups": lambda v: v is not None and v > 1,
-    "num_return_sequences": lambda v: v is not None and v > 1,
-    "use_cache": lambda v: v is False,
-    "guidance_scale": lambda v: v is not None and v != 1,
-    "prompt_lookup_num_tokens": lambda v: v is not None,
-    "penalty_alpha": lambda v: v is not None and v > 0,
-    "output_attentions": bool,
-    "output_hidden_states": bool,
-    "assistant_early_exit": lambda v: v is not None,
-    "use_mtp": bool,
-    "dola_layers": lambda v: v is not None,
-    "constraints": lambda v: v is not None,
-    "force_words_ids": lambda v: v is not None,
-    "prefill_chunk_size": lambda v: v is not None,      # HF's own chunked prefill (HeteroConfig.prefill_chunk is ours)
-    "token_healing": bool,                              # rewrites the prompt's tail inside generate
-}
-
-
-class HeteroGenerator:
+class HeteroGenerator(PrefillMixin):
     """Generate with a transformers causal LM whose KV cache and decode attention live on CPU workers.
 
         with HeteroGenerator(model, adapters={"legal": "path/to/lora"}) as gen:
@@ -97,13 +67,13 @@ class HeteroGenerator:
         self.config = config
         if adapters is not None and not isinstance(adapters, dict):
             raise TypeError(f"adapters= takes {{name: save_pretrained directory}}, got {type(adapters).__name__}")
-        peft_model = model if _is_peft_model(model) else None
+        peft_model = model if sync.is_peft_model(model) else None
         if peft_model is not None:
             model = peft_model.get_base_model()
         self.spec = inspect_model(model)
         self.model = model
-        if self.spec.drops_cache:        # refused up front: a user's override hetero would skip (_keeping_cache)
-            _keeping_cache(model)
+        if self.spec.drops_cache:        # refused up front: a user's override hetero would skip (keeping_cache)
+            keeping_cache(model)
         # a prefill attends eagerly (scores materialized: prefill_chunk="auto" counts them) with a
         # logit soft-cap or attention sinks (hetero.attention)
         self._eager = bool(getattr(model.config.get_text_config(), "attn_logit_softcapping", None)) or any(
@@ -111,9 +81,7 @@ class HeteroGenerator:
         self._pool = None
         self._planner = None
         self._store = None                 # LoRA adapters in shared memory (created on first load)
-        # open contexts: id(session) -> (session, weak reference to its Context). A context nobody
-        # references any more keeps its arena until the next prefill/load_context (_sweep) or close()
-        self._contexts = {}
+        self._contexts = ContextRegistry(model)   # open contexts (hetero.offload.registry)
         self._parent_affinity = None       # _pin_parent (a GPU model): (thread, its affinity, torch threads
                                            # before, torch threads set)
         self._forward_params = None        # the names the model's forward takes (logits_to_keep, position_ids)
@@ -125,10 +93,8 @@ class HeteroGenerator:
         self._peft_model = peft_model      # its active adapter is what adapter_names=None runs (_default_adapter)
         self._peft_keys = {}               # its adapters served here -> _peft_adapter_keys when copied
         self._closed = False
-        # one generate (or adapter load, or context close) at a time: the pool has one control block.
-        # Reentrant so a call can close its own context (_recover); _busy refuses a nested call
-        self._lock = threading.RLock()
-        self._busy = False
+        self._calls = CallLock()           # one call at a time (hetero.routing)
+        self._lock = self._calls.lock      # taken by Context.save/close too
         # dropped without close(): its workers, segments and hooks go when it is collected (the
         # finalizer holds its attributes, which hold nothing that holds the generator)
         self._finalizer = weakref.finalize(self, _release, self.__dict__)
@@ -140,7 +106,7 @@ class HeteroGenerator:
                     with self._lock:
                         self._add_adapter(name, lora_source.from_peft_model(peft_model, name, model))
                 # what the served adapters' weights were when copied (_sync_peft_adapters)
-                self._peft_keys = _peft_adapter_keys(self._peft_layers())
+                self._peft_keys = sync.adapter_keys(sync.peft_layers(self.model))
             for name, src in (adapters or {}).items():
                 self.load_adapter(name, src)
         except BaseException:
@@ -163,7 +129,7 @@ class HeteroGenerator:
     @property
     def adapters(self):
         """Names of the loaded adapters."""
-        return sorted(self._store.adapters) if self._store else []
+        return sync.loaded_names(self._store)
 
     def load_adapter(self, name, path):
         """Load a peft LoRA adapter saved with save_pretrained (adapter_config.json +
@@ -185,9 +151,12 @@ class HeteroGenerator:
             self._store.remove(name)
 
     def _refuse_nested(self, what):
-        """Under the lock: this thread is not inside a call (a streamer calling back)."""
-        if self._busy:
-            raise RuntimeError(f"{what} called from inside a call of the same HeteroGenerator; not supported")
+        self._calls.refuse_nested(what)
+
+    @property
+    def _busy(self):
+        """A call of this generator is running (in this thread: a streamer calling back)."""
+        return self._calls.busy
 
     def adapter_on_device(self, name):
         """True once `name`'s device copy is ready (before that its prefill runs on the CPU workers)."""
@@ -217,28 +186,10 @@ class HeteroGenerator:
             self._hooks.ensure(path, self._store.sites[path])
 
     def _check_model_state(self):
-        """Refused, before a call runs the model: a peft adapter merged into the base weights
-        (merge_adapter), which would reach every request, the base-model ones too, and add twice to
-        its own (peft refuses adapter_names then); a model in training mode with dropout (hetero's
-        attention and LoRA deltas apply none, transformers' would). Returns the model's peft layers,
-        for the call's _default_adapter and _lora_batch (one scan: ~2 ms per 2,500 modules)."""
-        if self.model.dtype != self.spec.dtype:
-            raise ValueError(f"the model is in {self.model.dtype} now, but this HeteroGenerator was built over it in "
-                             f"{self.spec.dtype} (its KV cache and kernels hold {self.spec.dtype}); build a new "
-                             "HeteroGenerator after changing the model's dtype")
-        if self.model.training:
-            cfg = self.model.config.get_text_config()
-            p = max([getattr(cfg, "attention_dropout", 0.0) or 0.0] +
-                    [m.p for m in self.model.modules() if isinstance(m, torch.nn.Dropout)])
-            if p > 0:
-                raise ValueError(f"the model is in training mode with dropout (p={p}): transformers' generate "
-                                 "would drop activations at random and hetero would not; call model.eval()")
-        layers = self._peft_layers()
-        merged = sorted({a for m in layers for a in m.merged_adapters})
-        if merged:
-            raise AdapterError(f"the model's weights hold merged LoRA adapters {merged} (peft merge_adapter): "
-                               "hetero adds adapters per request over the base weights; call unmerge_adapter() "
-                               "first (or merge_and_unload() and pass the merged model without adapters)")
+        """sync.check_model_state, then a PeftModel's adapters brought up to date
+        (_sync_peft_adapters). Returns the model's peft layers, for the call's _default_adapter
+        and _lora_batch."""
+        layers = sync.check_model_state(self.model, self.spec)
         if self._peft_model is not None:
             self._sync_peft_adapters(layers)
         return layers
@@ -248,8 +199,7 @@ class HeteroGenerator:
         they were copied to shared memory (a training step, set_peft_model_state_dict) is copied
         again, one deleted from the PeftModel (delete_adapter) is unloaded here, as peft's own
         generate would see them. Contexts prefilled with the old copy then refuse to go on."""
-        now = _peft_adapter_keys(layers)
-        changed = [n for n, key in self._peft_keys.items() if now.get(n) != key]
+        changed, now = sync.changed_adapters(self._peft_keys, layers)
         if not changed:
             return
         with self._lock:
@@ -262,55 +212,13 @@ class HeteroGenerator:
                     self._add_adapter(name, lora_source.from_peft_model(self._peft_model, name, self.model))
                     self._peft_keys[name] = now[name]
 
-    def _peft_layers(self):
-        """peft's tuner layers in the model now (merge_adapter() writes an adapter into their base
-        weights; adapters come and go after the generator was built); none without peft imported."""
-        return lora_hooks.peft_layers(self.model)
-
-    def _adapters_disabled(self, layers=None):
-        """A PeftModel inside its disable_adapter(): peft then runs the base model, whatever
-        adapter_names say. layers: the model's peft layers, when the call has them already."""
-        return self._peft_model is not None and any(getattr(m, "disable_adapters", False)
-                                                    for m in (self._peft_layers() if layers is None else layers))
-
     def _default_adapter(self, layers):
-        """What adapter_names=None (prefill's adapter_name=None) runs: the base model; for a
-        PeftModel, its active adapter, as its own generate runs it (the base model while its
-        adapters are disabled: peft's disable_adapter()). layers: the model's peft layers."""
-        pm = self._peft_model
-        if pm is None or self._adapters_disabled(layers):
-            return None
-        active = list(pm.active_adapters)
-        if len(active) != 1:
-            raise AdapterError(f"the PeftModel has {len(active)} active adapters {active} (peft adds them up); hetero "
-                               "runs one adapter per request: pass adapter_names (or set_adapter one)")
-        if self._store is None or active[0] not in self._store.adapters:
-            raise AdapterError(f"the PeftModel's active adapter {active[0]!r} is not loaded in this generator (added "
-                               f"after it was built?); loaded: {self.adapters}")
-        return active[0]
+        """What adapter_names=None runs (sync.default_adapter)."""
+        return sync.default_adapter(self._peft_model, self.model, self._store, layers)
 
     def _lora_batch(self, adapter_names, batch, layers=None):
-        """The call's LoraBatch (None: no adapters anywhere). layers: the model's peft layers (None: found here)."""
-        if self._store is None and adapter_names is None:
-            return None
-        if adapter_names is None:           # every request on the base model (_default_adapter: None)
-            adapter_names = [None] * batch
-        if isinstance(adapter_names, str) or not isinstance(adapter_names, (list, tuple)):
-            raise TypeError(f"adapter_names must be a list with one name (or None) per request, got {adapter_names!r}")
-        if len(adapter_names) != batch:
-            raise ValueError(f"adapter_names has {len(adapter_names)} entries for a batch of {batch} requests")
-        chosen = []
-        for n in adapter_names:
-            if n is None or n == lora_source.BASE:
-                chosen.append(None)
-            elif self._store is not None and n in self._store.adapters:
-                chosen.append(self._store.adapters[n])
-            else:
-                raise AdapterError(f"adapter_names names {n!r}, which is not loaded (loaded: {self.adapters}; "
-                                   f"None or {lora_source.BASE!r} = base model)")
-        if self._adapters_disabled(layers):       # as peft: its LoRA layers skip adapter_names then
-            chosen = [None] * len(chosen)
-        return lora_hooks.LoraBatch(self._store, chosen, owner=self._hooks)   # only this generator's hooks act on it
+        """The call's LoraBatch (None: no adapters anywhere; sync.lora_batch)."""
+        return sync.lora_batch(self._store, self._hooks, self._peft_model, self.model, adapter_names, batch, layers)
 
     @property
     def cpu_workers(self):
@@ -379,222 +287,6 @@ class HeteroGenerator:
                 self._planner = ProfiledPlanner(profile, pool.n)
         return self._planner
 
-    # ---- validation at the boundary
-    def _check_inputs(self, input_ids, attention_mask, max_new_tokens, what="max_new_tokens", model_new=True,
-                      max_length=MODEL_DEFAULT):
-        """(attention_mask, max_new_tokens) checked; what: the name of the rows to add, for messages
-        (prefill's and load_context's reserve); model_new, max_length: how None is resolved
-        (_default_new_tokens)."""
-        device = self.model.device
-        if not isinstance(input_ids, torch.Tensor):
-            raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
-        if input_ids.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"input_ids must hold integer token ids (int64), got {input_ids.dtype}")
-        if input_ids.ndim != 2:
-            raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
-        if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
-            raise ValueError(f"empty prompt: input_ids has shape {tuple(input_ids.shape)}")
-        if input_ids.device != device:
-            raise ValueError(f"input_ids is on {input_ids.device} but the model is on {device}")
-        vocab = getattr(self.model.get_input_embeddings(), "num_embeddings", None)
-        low, high = int(input_ids.min()), int(input_ids.max())
-        if low < 0 or (vocab is not None and high >= vocab):
-            raise ValueError(f"input_ids holds token id {low if low < 0 else high}, outside the model's "
-                             f"vocabulary of {vocab}")
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        else:
-            if not isinstance(attention_mask, torch.Tensor):
-                raise TypeError(f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}")
-            if attention_mask.shape != input_ids.shape:
-                raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} does not match "
-                                 f"input_ids shape {tuple(input_ids.shape)}")
-            if attention_mask.device != device:
-                raise ValueError(f"attention_mask is on {attention_mask.device} but the model is on {device}")
-            if attention_mask.dtype.is_complex:
-                raise TypeError(f"attention_mask must be a real tensor of 0/1, got {attention_mask.dtype}")
-            m = attention_mask.long()                # a float mask of 0./1. as transformers takes it
-            if attention_mask.dtype.is_floating_point and not torch.equal(m.to(attention_mask.dtype), attention_mask):
-                raise ValueError("attention_mask may only hold 0 and 1")
-            if ((m != 0) & (m != 1)).any():
-                raise ValueError("attention_mask may only hold 0 and 1")
-            if (m.sum(1) == 0).any():
-                raise ValueError(f"empty prompt: rows {(m.sum(1) == 0).nonzero().flatten().tolist()} of attention_mask are all 0")
-            if (m[:, 1:] < m[:, :-1]).any():
-                raise ValueError("attention_mask must be left-padded (zeros only before the tokens of each row); "
-                                 "pass tokenizer(padding_side='left')")
-            attention_mask = m
-        if max_new_tokens is None:
-            max_new_tokens = self._default_new_tokens(input_ids.shape[1], model_new, max_length)
-        max_new_tokens = _as_int(max_new_tokens)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"{what} must be a positive int, got {max_new_tokens!r}")
-        # a left-padded row's positions count its own tokens (transformers numbers them from the mask)
-        longest = input_ids.shape[1] if attention_mask is None else int(attention_mask.sum(1).max())
-        self._check_positions(longest, max_new_tokens, what)
-        return attention_mask, max_new_tokens
-
-    def _check_positions(self, tokens, new, what=None):
-        """CapacityError where `tokens` positions (a request's own, pads aside) and `new` more pass
-        ModelSpec.position_limit (None: a rotary model runs past max_position_embeddings, as in
-        transformers). what: the name of the rows added, for a prompt's message (None: a context's)."""
-        limit = self.spec.position_limit
-        # generate's last new token is chosen, never fed: it takes no position (a reserve's rows all do)
-        fed = tokens + new - (what != "reserve")
-        if limit is None or fed <= limit:
-            return
-        if what is None:
-            raise CapacityError(f"{fed} positions exceed the model's max_position_embeddings ({limit}): {tokens} "
-                                f"tokens and {new} new ones, the last never fed{_LIMIT_WHY}")
-        if tokens >= limit + (what != "reserve"):
-            raise CapacityError(f"the prompt ({tokens} positions) leaves no room in the model's "
-                                f"max_position_embeddings ({limit}){_LIMIT_WHY}")
-        last = "" if what == "reserve" else " (the last new token is never fed)"
-        raise CapacityError(f"prompt ({tokens} positions) + {what} ({new}) needs {fed} positions{last}, more than "
-                            f"the model's max_position_embeddings ({limit}){_LIMIT_WHY}")
-
-    def _default_new_tokens(self, prompt, model_new=True, max_length=MODEL_DEFAULT):
-        """max_new_tokens when the call gives none, as transformers decides it: the model's
-        generation_config.max_new_tokens (unless the call set it aside: model_new False); else what
-        max_length (the call's, else the model's; prompt included) leaves after a `prompt`-token
-        prompt; without one, 20 (within max_position_embeddings)."""
-        gc = self.model.generation_config
-        if model_new and gc.max_new_tokens is not None:
-            return gc.max_new_tokens
-        whose = "the model's generation_config.max_length" if max_length is MODEL_DEFAULT else "max_length"
-        max_length = gc.max_length if max_length is MODEL_DEFAULT else max_length
-        if max_length is not None:
-            new, why = max_length - prompt, f"{whose} is {max_length}"
-        else:
-            limit = self.spec.max_positions
-            new = DEFAULT_NEW_TOKENS if limit is None else min(DEFAULT_NEW_TOKENS, limit - prompt)
-            why = f"max_position_embeddings is {limit}"
-        if new < 1:
-            raise ValueError(f"the prompt has {prompt} tokens and {why}: no room for new tokens")
-        return new
-
-    def _chunk_size(self, attention_mask):
-        """HeteroConfig.prefill_chunk for this prompt: an int, or None (one pass). "auto": one pass
-        on a CPU model; on a GPU, one pass where the prompt's forward fits the device's free memory
-        (what the caching allocator holds unused counts as free), else the longest chunk that fits
-        (hetero.prefetch.policy.prefill_chunk)."""
-        C = self.config.prefill_chunk
-        if C != "auto":
-            return C
-        dev = self.model.device
-        if dev.type != "cuda":
-            return None
-        from hetero.prefetch import policy
-
-        free = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
-        B, S = attention_mask.shape
-        return policy.prefill_chunk(self.model.config.get_text_config(), self.spec, B, S, free, self._eager,
-                                    padded=not bool(attention_mask.all()))
-
-    def _chunk(self, attention_mask):
-        """The chunk size of a chunked prefill (_chunk_size), or None for one pass: the first forward
-        covers the left pads and one chunk, so later chunks hold real tokens only."""
-        C = self._chunk_size(attention_mask)
-        if C is None:
-            return None
-        first = int((attention_mask.shape[1] - attention_mask.sum(1)).max()) + C
-        if attention_mask.shape[1] <= first:
-            return None
-        if self.spec.one_pass_only:
-            raise UnsupportedModelError(self._one_pass_only("a chunked prefill (HeteroConfig.prefill_chunk)"))
-        return C
-
-    def _one_pass_only(self, what):
-        return (f"{self.spec.one_pass_only}: hetero runs it as one-pass generate only; {what} would attend "
-                "differently over the cache")
-
-    def _rope_ok(self, width, max_new_tokens, cached=(), keeps=False):
-        """Whether a call computes every key with the LongRoPE factors transformers would use
-        (ModelSpec.rope_switch N: a forward reaching past position N rotates with the long factors,
-        and a family that drops its cache there (drops_cache: Phi-3) recomputes every key; hetero
-        keeps its keys): no sequence passes N in the call (width + max_new_tokens <= N + 1); a
-        prompt within N where the cache is kept (decode then passes N in the same forwards as
-        transformers'), unless the call keeps its keys (`keeps`: it extends a context, which would then
-        hold keys of both factors where later calls count on one); or every key computed above N in
-        one forward: the prompt longer than N, and each context's cached rows (`cached`: their
-        counts; 0 for a chunked prefill, whose first chunks lie below N) already past N."""
-        N = self.spec.rope_switch
-        if N is None or width + max_new_tokens <= N + 1 or (width <= N and not self.spec.drops_cache and not keeps):
-            return True
-        return width > N and all(c > N for c in cached)
-
-    def _rope_refused(self):
-        N = self.spec.rope_switch
-        return UnsupportedModelError(
-            f"{self.spec.model_type}'s LongRoPE switches to its long factors once a sequence passes "
-            f"original_max_position_embeddings={N} ("
-            + ("its generate then recomputes every key" if self.spec.drops_cache else
-               "transformers' one pass over a prompt past it rotates every key with them")
-            + "); keys hetero keeps from below it would differ: keep "
-            + (f"prompt + max_new_tokens <= {N + 1}" if self.spec.drops_cache else
-               f"the prompt within {N} (a call extending a context: prompt + max_new_tokens <= {N + 1}, or "
-               "extend_context=False)")
-            + f", or give a prompt longer than {N} in one pass (prefill_chunk=None; a context prefilled in one "
-            f"pass past {N} continues fine)")
-
-    def _staged(self, chunk):
-        """Query tokens per step the workers' staging holds for a prompt prefilled in chunks of
-        `chunk` (None: one pass): the chunk a set HeteroConfig.prefill_chunk gives; an "auto" chunk
-        (fitted to GPU memory, its pieces attended on the GPU after a prefetch: _feed) only up to
-        CONTINUE_CHUNK, since a staging sized to a long chunk grows the host arena by ~256 KiB per
-        token at the Llama-3-8B shape (the workers, when they take a chunk, take it in pieces)."""
-        if chunk and self.config.prefill_chunk == "auto":
-            return min(chunk, CONTINUE_CHUNK)
-        return chunk
-
-    @property
-    def _piece(self):
-        """Tokens per forward when a context is continued (a set prefill_chunk, else CONTINUE_CHUNK)."""
-        C = self.config.prefill_chunk
-        return C if isinstance(C, int) else CONTINUE_CHUNK
-
-    def prefill_chunks(self, cache, input_ids, attention_mask, chunk, to_end=False):
-        """Run a prompt through the model into `cache` in chunks: the first forward (pads + one
-        chunk) with the model's own attention, each later chunk of `chunk` tokens attending to the
-        cached KV (on the CPU workers, or on the model's device after a layer-wise prefetch: see
-        _feed). to_end: all of it; else the rest (at most one chunk) is left to generate's first
-        forward, which continues the cache."""
-        S = input_ids.shape[1]
-        first = min(S, S - int(attention_mask.sum(1).min()) + chunk)      # the longest left pad + one chunk
-        if first == S and not to_end:
-            return
-        self._forward(cache, input_ids, attention_mask, 0, first)
-        self._feed(cache, input_ids, attention_mask, first, S, whole=to_end, piece=chunk)
-
-    def _plan_cache(self, attention_mask, max_new_tokens, tmax=1, private=0, groups=0, what="max_new_tokens"):
-        """what: the setting that asked for the max_new_tokens rows past the prompt (for messages):
-        generate's new tokens (the last one's KV is never written) or a context's reserve."""
-        real = attention_mask.sum(1).cpu()
-        rows = int(real.max()) + max_new_tokens - (what != "reserve")
-        cap = whole_blocks(rows)
-        limit = self.config.max_cache_tokens
-        if limit is not None and rows > limit:
-            new = "reserved" if what == "reserve" else "new, the last one's never written"
-            raise CapacityError(f"a request needs {rows} KV rows (prompt {int(real.max())} + {max_new_tokens} {new}) "
-                                f"but the cache capacity is max_cache_tokens={limit}")
-        s = self.spec
-        layout = KVSession.layout_for(s, len(real), cap, tmax, private, groups)   # sliding layers: a ring of their window
-        rings = f"; {layout.ring_layers} sliding layers keep {layout.ring} rows" if layout.ring_layers else ""
-        what = (f"the KV cache for this batch needs {layout.nbytes / 2**30:.2f} GiB ({len(real)} requests x {cap} rows "
-                f"x {s.layers} layers x 2 x {s.kv_heads} heads x {s.head_dim} x {s.dtype}{rings}; the rows are the "
-                f"prompt's {int(real.max())} + {what}={max_new_tokens}, allocated up front: a smaller {what} needs less)")
-        avail = psutil.virtual_memory().available
-        if layout.nbytes > self.config.ram_fraction * avail:
-            raise CapacityError(f"{what} but only {avail / 2**30:.2f} GiB of RAM is available "
-                                f"(ram_fraction={self.config.ram_fraction})")
-        shm_free = shm.free_bytes()     # a segment past the tmpfs's free space dies of SIGBUS on first touch
-        if shm_free is not None and layout.nbytes > shm_free:
-            raise CapacityError(f"{what} but the shared-memory filesystem {shm.SHM_DIR} has only "
-                                f"{shm_free / 2**30:.2f} GiB free; enlarge it (docker run --shm-size=..., or "
-                                f"mount -o remount,size=... {shm.SHM_DIR})")
-        pads = attention_mask.shape[1] - real
-        return pads.tolist(), real.tolist(), cap
-
     def generate(self, input_ids=None, attention_mask=None, max_new_tokens=MODEL_DEFAULT, adapter_names=None, context=None,
                  extend_context=None, **kwargs):
         """transformers-style generate; returns a tensor of sequences, or a GenerateOutput when
@@ -626,35 +318,13 @@ class HeteroGenerator:
                                              extend_context, kwargs))
 
     def _generate(self, input_ids, attention_mask, max_new_tokens, adapter_names, context, extend_context, kwargs):
-        started = time.time()                  # max_time counts from here (see _generation_settings)
+        started = time.time()                  # max_time counts from here (see settings.generation_settings)
         if self._closed:
             raise GeneratorClosedError("generate() called on a closed HeteroGenerator")
-        unknown = sorted(set(kwargs) - set(_GC_FIELDS) - set(PASS_THROUGH) - {"generation_config"})
-        if unknown:                      # any GenerationConfig field is taken; UNSUPPORTED_SETTINGS refused by value
-            raise TypeError(f"generate() got unsupported arguments {unknown}; supported: input_ids, attention_mask, "
-                            f"max_new_tokens, generation_config, {', '.join(PASS_THROUGH)} and the fields of "
-                            "transformers' GenerationConfig")
-        max_new_tokens, kwargs = _with_generation_config(max_new_tokens, kwargs)
-        impl = kwargs.get("cache_implementation")     # the model's own (a checkpoint's "static") is set aside
-        if impl is not None and impl != self.model.generation_config.cache_implementation:
-            raise ValueError(f"cache_implementation={impl!r}: hetero's KV cache replaces transformers' caches; "
-                             "leave it unset")
-        model_new = max_new_tokens is MODEL_DEFAULT     # explicit None sets the model's max_new_tokens aside
-        if model_new:
-            max_new_tokens = None
-        if "max_length" in kwargs:                    # a numpy integer or 0-d tensor, as transformers takes it
-            kwargs["max_length"] = _as_int(kwargs["max_length"])
-        max_length = kwargs.get("max_length", MODEL_DEFAULT)          # the whole sequence, as in transformers
-        if max_length is not None and max_length is not MODEL_DEFAULT and \
-                (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
-            raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
-        gc = self.model.generation_config
-        # hetero derives it (_default_new_tokens) from a max_length, the call's or the model's: then
-        # generate gets none and counts the same itself (given both, it warns that both were set)
-        from_max_length = max_new_tokens is None and not (model_new and gc.max_new_tokens is not None) and \
-            (gc.max_length if max_length is MODEL_DEFAULT else max_length) is not None
+        max_new_tokens, kwargs, model_new, max_length, from_max_length = resolve_lengths(
+            self.model, max_new_tokens, kwargs)
         if attention_mask is None:
-            attention_mask = self._inferred_mask(input_ids, kwargs, context)
+            attention_mask = inferred_mask(self.model, input_ids, kwargs, context, self)
         if extend_context is not None and not isinstance(extend_context, bool):
             raise TypeError(f"extend_context must be True, False or None, got {extend_context!r}")
         if extend_context is not None and context is None:
@@ -665,11 +335,12 @@ class HeteroGenerator:
                             f"got {type(context).__name__}")
         if context is not None:
             if self.spec.one_pass_only:
-                raise UnsupportedModelError(self._one_pass_only("continuing a context"))
-            adapter_names = self._context_adapters(list(context) if many else [context], adapter_names,
-                                                   input_ids.shape[0] if isinstance(input_ids, torch.Tensor) else None)
+                raise UnsupportedModelError(one_pass_only(self.spec, "continuing a context"))
+            batch = input_ids.shape[0] if isinstance(input_ids, torch.Tensor) else None
+            adapter_names = sync.context_adapters(self, self._store, self._peft_model,
+                                                  list(context) if many else [context], adapter_names, batch)
         if many:
-            self._check_contexts(context)
+            self._contexts.check_contexts(self, context)
             if extend_context:
                 raise ValueError("extend_context=True needs a single Context; a list of contexts is only read")
         if context is not None and max_new_tokens is None and (many or (isinstance(context, Context)
@@ -677,11 +348,11 @@ class HeteroGenerator:
             ctxs = context if many else [context]       # HF's max_length counts the whole sequence
             real = [input_ids.shape[-1]] * len(ctxs) if attention_mask is None or attention_mask.ndim != 2 \
                 else attention_mask.sum(-1).tolist()
-            max_new_tokens = self._default_new_tokens(max(len(c.tokens) + int(n) for c, n in zip(ctxs, real)),
-                                                      model_new, max_length)
-        attention_mask, max_new_tokens = self._check_inputs(input_ids, attention_mask, max_new_tokens,
-                                                            model_new=model_new, max_length=max_length)
-        settings, call = self._generation_settings(None if from_max_length else max_new_tokens, kwargs, started)
+            longest = max(len(c.tokens) + int(n) for c, n in zip(ctxs, real))
+            max_new_tokens = default_new_tokens(self.model, self.spec, longest, model_new, max_length)
+        attention_mask, max_new_tokens = check_inputs(self.model, self.spec, input_ids, attention_mask, max_new_tokens,
+                                                      model_new=model_new, max_length=max_length)
+        settings, call = generation_settings(self.model, None if from_max_length else max_new_tokens, kwargs, started)
         layers = self._check_model_state()
         if adapter_names is None and context is None:
             default = self._default_adapter(layers)
@@ -707,117 +378,18 @@ class HeteroGenerator:
                                                  width=input_ids.shape[1])
             return out
         chunk = self._chunk(attention_mask)
-        if not self._rope_ok(input_ids.shape[1], max_new_tokens, (0,) if chunk else ()):
-            raise self._rope_refused()
+        if not rope_ok(self.spec, input_ids.shape[1], max_new_tokens, (0,) if chunk else ()):
+            raise rope_refused(self.spec)
         tmax = self._staged(chunk) or 1
-        pads, real, cap = self._plan_cache(attention_mask, max_new_tokens, tmax=tmax)
-        with self.kv_context(pads, real, cap, lora=lora, tmax=tmax) as cache, torch.no_grad(), _active(lora):
+        pads, real, cap = plan_cache(self.spec, self.config, attention_mask, max_new_tokens, tmax=tmax)
+        with self.kv_context(pads, real, cap, lora=lora, tmax=tmax) as cache, torch.no_grad(), active(lora):
             if chunk:
                 self.prefill_chunks(cache, input_ids, attention_mask, chunk)
             return self.model.generate(input_ids, attention_mask=attention_mask, **{GENERATE_CACHE_KWARG: cache}, **call)
 
-    def _inferred_mask(self, input_ids, kwargs, context=None):
-        """No attention_mask: as transformers infers one, input_ids != pad where the pad id occurs
-        in the prompt and is no eos id; else None (every token attended). hetero takes left pads
-        only (none in a single context's new tokens): pad ids elsewhere are named, and so are pad
-        ids among the tokens of the call's context(s), which transformers would mask over the whole
-        sequence while a context attends every token it holds."""
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int32, torch.int64) \
-                or input_ids.device != self.model.device or input_ids.ndim != 2:
-            return None                          # _check_inputs names the problem
-        gc = self.model.generation_config
-        pad = kwargs["pad_token_id"] if "pad_token_id" in kwargs else gc.pad_token_id
-        eos = kwargs["eos_token_id"] if "eos_token_id" in kwargs else gc.eos_token_id
-        pad = _token_id(pad)
-        if pad is None:
-            return None
-        if eos is not None and pad in torch.as_tensor(eos).flatten().tolist():
-            return None
-        held = [c for c in (context if isinstance(context, (list, tuple)) else [context])
-                if isinstance(c, Context) and not c.closed and c.generator is self]
-        if any(bool((c.tokens == pad).any()) for c in held):
-            raise ValueError(f"the context's tokens hold pad_token_id {pad} and no attention_mask was given: "
-                             "transformers would mask those tokens over the whole sequence, while a context attends "
-                             "every token it holds; pass attention_mask (torch.ones_like(input_ids) attends every "
-                             "token) or a pad_token_id the context does not hold")
-        single_context = isinstance(context, Context)
-        pads = input_ids == pad
-        if not bool(pads.any()):
-            return None
-        mask = (~pads).long()
-        if single_context or bool((mask[:, 1:] < mask[:, :-1]).any()):
-            raise ValueError(f"input_ids hold pad_token_id {pad} {'' if single_context else 'after a token '}and no "
-                             "attention_mask was given: transformers would mask those tokens; hetero takes "
-                             + ("no padding in a context's new tokens" if single_context else "left padding only")
-                             + "; pass attention_mask (torch.ones_like(input_ids) attends every token)")
-        return mask
-
-    def _context_adapters(self, contexts, adapter_names, batch):
-        """adapter_names for a call continuing `contexts`: each request goes on with the LoRA adapter
-        its context was prefilled with (its KV holds that adapter's keys and values); None takes
-        theirs, naming another raises."""
-        own = [self._loaded(c.adapter) for c in contexts if isinstance(c, Context) and not c.closed
-               and c.generator is self]
-        if len(own) != len(contexts) or len(contexts) != batch:
-            return adapter_names                 # not this generator's open Contexts, or not one per request: raised later
-        names = [None if a is None else a.name for a in own]
-        if any(names) and self._adapters_disabled():
-            raise AdapterError(f"the contexts were prefilled with adapters {names}, but the PeftModel's adapters are "
-                               "disabled (disable_adapter()); continue them outside it")
-        if adapter_names is None:
-            return names if any(names) else None
-        given = [None if n == lora_source.BASE else n for n in adapter_names] \
-            if isinstance(adapter_names, (list, tuple)) else adapter_names
-        if given != names:
-            raise ValueError(f"adapter_names={adapter_names!r}, but the contexts were prefilled with {names} "
-                             "(None: the base model); a context goes on with its own adapter")
-        return adapter_names
-
-    def _loaded(self, adapter):
-        """A context's adapter (or None), checked to be still the one loaded under its name."""
-        if adapter is not None and (self._store is None or self._store.adapters.get(adapter.name) is not adapter):
-            raise AdapterError(f"a context was prefilled with adapter {adapter.name!r}, which has been unloaded or "
-                               "changed since (a PeftModel's adapter whose weights changed is copied again); its KV "
-                               "holds the old adapter's keys and values: prefill it again")
-        return adapter
-
     def _adapter_id(self, ctx):
-        """A saved context's adapter record (AdapterStore.digest), or None."""
-        return None if self._loaded(ctx.adapter) is None else self._store.digest(ctx.adapter)
-
-    def _generation_settings(self, max_new_tokens, kwargs, started=None):
-        """(the call's settings as transformers resolves them: the model's generation_config under the
-        call's arguments, an explicit None included; the keywords for the model's generate). They go
-        to generate as keywords, not as a generation_config, which transformers would refill from the
-        model's wherever a field is None. hetero's cache replaces a cache_implementation the model's
-        generation_config may carry (a checkpoint's "static"). max_time counts from `started` (the
-        call's start, time.time()): hetero's chunked prefill and a context's continuation run before
-        transformers' own clock would start. max_new_tokens None: generate counts from max_length."""
-        call = dict(kwargs, max_new_tokens=max_new_tokens, cache_implementation=None)
-        settings = copy.deepcopy(self.model.generation_config)
-        if isinstance(settings.watermarking_config, dict):        # as transformers' own GenerationConfig(...)
-            settings.watermarking_config = WatermarkingConfig.from_dict(settings.watermarking_config)
-        settings.update(**{k: v for k, v in call.items() if k not in PASS_THROUGH})
-        if not settings.return_dict_in_generate:      # transformers returns the sequences alone: inert
-            for k in ("output_attentions", "output_hidden_states"):
-                if getattr(settings, k, None):
-                    setattr(settings, k, False)
-                    call[k] = False
-        bad = {k: getattr(settings, k, None) for k, refused in UNSUPPORTED_SETTINGS.items()
-               if refused(getattr(settings, k, None))}
-        if "penalty_alpha" in bad and settings.get_generation_mode() != GenerationMode.CONTRASTIVE_SEARCH:
-            del bad["penalty_alpha"]              # inert where transformers decodes greedily or samples
-        if bad:
-            raise ValueError(f"hetero's generate does not support {bad} (set in the call or in the model's "
-                             "generation_config); it decodes one sequence per prompt over its own KV cache: "
-                             "greedy or sampling, with logits processors and stopping criteria")
-        given = call.get("stopping_criteria") or []
-        if settings.max_time is not None and started is not None and \
-                not any(type(c) is MaxTimeCriteria for c in given):        # a user's own takes precedence in HF
-            stop = StoppingCriteriaList(given)
-            stop.append(MaxTimeCriteria(settings.max_time, initial_timestamp=started))
-            call.update(max_time=None, stopping_criteria=stop)
-        return settings, call
+        """A saved context's adapter record (AdapterStore.digest), or None (offload.saved)."""
+        return None if sync.loaded(self._store, ctx.adapter) is None else self._store.digest(ctx.adapter)
 
     @contextlib.contextmanager
     def kv_context(self, pads, real_lens, cap, lora=None, tmax=1, prefix_groups=()):
@@ -853,56 +425,17 @@ class HeteroGenerator:
                 self._drop_pool()
                 raise
 
-    @contextlib.contextmanager
     def _exclusive(self):
-        if not self._lock.acquire(blocking=False):
-            raise RuntimeError("this HeteroGenerator is already generating (in another thread); "
-                               "use one generator per thread")
-        try:
-            if self._busy:
-                raise RuntimeError("generate/prefill called from inside a call of the same HeteroGenerator "
-                                   "(a streamer or logits processor?); not supported")
-            with _MODELS_LOCK:
-                model_lock = _MODEL_LOCKS.setdefault(self.model, threading.Lock())
-            if not model_lock.acquire(blocking=False):     # a call sets the model's attention implementation
-                raise RuntimeError("another HeteroGenerator over the same model is running a call (in another "
-                                   "thread, or the call this one is made from); a model serves one call at a time")
-            self._busy = True
-            try:
-                yield
-            finally:
-                self._busy = False
-                model_lock.release()
-        finally:
-            self._lock.release()
+        """The call lock (routing.CallLock.exclusive), for one call."""
+        return self._calls.exclusive(self.model)
 
-    @contextlib.contextmanager
     def _routed(self, session, lora=None):
-        """For one call: pick the session's transport, route the model's attention to it and yield
-        a HeteroCache over it; restore the model's attention implementation afterwards."""
-        patched = self.spec.drops_cache      # the generic input preparation: the cache stays (calls checked: _rope_ok)
-        keeping = _keeping_cache(self.model) if patched else None
-        self._choose_transport(session, session.pool, lora)
-        if lora is not None:                 # peft layers not served here run their base layer (under the lock)
-            self._hooks.route_peft_layers()
-        token = attention.active_session.set(session)
-        previous = self.model.config._attn_implementation
-        hook = None
-        try:
-            if patched:                      # on the instance, which has none of its own (_keeping_cache)
-                self.model.prepare_inputs_for_generation = keeping
-            hook = self.model.register_forward_pre_hook(lambda *_: session.begin_forward())
-            self.model.set_attn_implementation(attention.NAME)
-            yield HeteroCache(session)
-        finally:
-            try:
-                if hook is not None:
-                    hook.remove()
-                self.model.set_attn_implementation(previous)
-            finally:
-                attention.active_session.reset(token)
-                if patched:
-                    self.model.__dict__.pop("prepare_inputs_for_generation", None)
+        """For one call: the model's attention routed to `session` (routing.routed)."""
+        return routed(self.model, self.spec, self._hooks, session, lora, self._choose_transport)
+
+    def _choose_transport(self, session, pool, lora=None):
+        """A CUDA model's decode transport for `session` (routing.choose_transport)."""
+        choose_transport(self.model, self.config.transport, session, pool, lora)
 
     # ---- contexts: a request's KV kept between calls
     def prefill(self, input_ids, attention_mask=None, reserve=None, adapter_name=None):
@@ -917,36 +450,30 @@ class HeteroGenerator:
         if self._closed:
             raise GeneratorClosedError("prefill() called on a closed HeteroGenerator")
         if reserve is None and isinstance(input_ids, torch.Tensor) and input_ids.ndim == 2:
-            reserve = self._default_reserve(input_ids.shape[1])
-        self._sweep()
-        attention_mask, reserve = self._check_inputs(input_ids, attention_mask, reserve, "reserve")
+            reserve = default_reserve(self.spec, self.config, input_ids.shape[1])
+        self._contexts.sweep(self.config.context_memory)
+        attention_mask, reserve = check_inputs(self.model, self.spec, input_ids, attention_mask, reserve, "reserve")
         if input_ids.shape[0] != 1:
             raise ValueError(f"a context holds one request: input_ids must be [1, S], got {tuple(input_ids.shape)}")
         if not bool(attention_mask.all()):
             raise ValueError("a context's prompt cannot be padded: pass its tokens only (attention_mask all ones)")
         if self.spec.one_pass_only:
-            raise UnsupportedModelError(self._one_pass_only("a context"))
+            raise UnsupportedModelError(one_pass_only(self.spec, "a context"))
         chunk = self._chunk(attention_mask)
-        if chunk and not self._rope_ok(input_ids.shape[1], 0, (0,)):
-            raise self._rope_refused()
+        if chunk and not rope_ok(self.spec, input_ids.shape[1], 0, (0,)):
+            raise rope_refused(self.spec)
         layers = self._check_model_state()
         adapter_name = self._default_adapter(layers) if adapter_name is None else adapter_name
         lora = self._lora_batch(None if adapter_name is None else [adapter_name], 1, layers)
         with self._context_session(attention_mask, reserve) as session:
-            with self._routed(session, lora) as cache, torch.no_grad(), _active(lora):
+            with self._routed(session, lora) as cache, torch.no_grad(), active(lora):
                 if chunk:                                # all chunks; the last one too
                     self.prefill_chunks(cache, input_ids, attention_mask, chunk, to_end=True)
                 else:
                     self._forward(cache, input_ids, attention_mask, 0, input_ids.shape[1])
             session.end_call()
             adapter = lora.adapters[0] if lora is not None else None      # kept before the session is let go
-            return self._keep(Context(self, session, input_ids[0].detach().to("cpu", torch.long).clone(), adapter))
-
-    def _default_reserve(self, n):
-        """prefill/load_context's default reserve for a context of n tokens: DEFAULT_RESERVE rows,
-        within the model's max positions and HeteroConfig.max_cache_tokens."""
-        rooms = [limit - n for limit in (self.spec.position_limit, self.config.max_cache_tokens) if limit is not None]
-        return max(1, min([DEFAULT_RESERVE] + rooms))
+            return self._contexts.keep(Context(self, session, input_ids[0].detach().to("cpu", torch.long).clone(), adapter))
 
     @contextlib.contextmanager
     def _context_session(self, attention_mask, reserve):
@@ -954,15 +481,15 @@ class HeteroGenerator:
         continuations in pieces of prefill_chunk or CONTINUE_CHUNK tokens) within context_memory;
         closed again if the body raises (and a pool that died with it)."""
         tmax = min(self._piece, attention_mask.shape[1] + reserve)   # no piece outgrows the context's rows
-        pads, real, cap = self._plan_cache(attention_mask, reserve, tmax=tmax, what="reserve")
+        pads, real, cap = plan_cache(self.spec, self.config, attention_mask, reserve, tmax=tmax, what="reserve")
         with self._exclusive():
-            self._check_budget(KVSession.layout_for(self.spec, 1, cap, tmax).nbytes)
+            self._contexts.check_budget(KVSession.layout_for(self.spec, 1, cap, tmax).nbytes, self.config.context_memory)
             pool = self._ensure_pool()
             session = KVSession(pool, self.spec, pads, real, cap, planner=self._ensure_planner(pool), tmax=tmax)
             try:
                 yield session
             except BaseException:
-                self._contexts.pop(id(session), None)     # an interrupt may come right after _keep
+                self._contexts.forget(session)            # an interrupt may come right after keep
                 try:
                     session.close()
                 except WorkerError:                       # the error raised above says what happened
@@ -972,55 +499,9 @@ class HeteroGenerator:
                         self._drop_pool()
                 raise
 
-    def _keep(self, ctx):
-        ctx.session.weights = _weights_key(self.model)      # what computed its KV (_stale)
-        self._contexts[id(ctx.session)] = _Kept(ctx)
-        return ctx
-
-    def _stale(self, session, now=None):
-        """Whether the model's base weights changed (in place: a training step, load_state_dict;
-        or replaced) since the context's KV was computed: its KV is not what they would give.
-        now: _weights_key computed once for several contexts."""
-        return session.weights != (_weights_key(self.model) if now is None else now)
-
     def _forget(self, ctx):
-        self._contexts.pop(id(ctx.session), None)
-
-    def _used(self, ctx):
-        """A call read or extended ctx: its registry entry's tokens and last use."""
-        kept = self._contexts.get(id(ctx.session))
-        if kept is not None:
-            kept.note(ctx)
-
-    def _sweep(self):
-        """Without a context_memory budget: close the contexts nobody references any more. With one,
-        they stay as a prefix cache (_reusable finds them) until _check_budget needs their room."""
-        if self.config.context_memory is not None:
-            return
-        for key, kept in list(self._contexts.items()):
-            if kept.ref() is None:
-                del self._contexts[key]
-                kept.session.close()
-
-    def _check_budget(self, nbytes):
-        """Before a new context of `nbytes`: within HeteroConfig.context_memory, closing unreferenced
-        contexts least recently used first, or CapacityError naming what the open contexts hold."""
-        budget = self.config.context_memory
-        if budget is None:
-            return
-        if nbytes > budget:
-            raise CapacityError(f"a new context needs {nbytes / 2**20:.1f} MiB, more than all of HeteroConfig."
-                                f"context_memory={budget} bytes ({budget / 2**20:.1f} MiB; a smaller reserve= needs less)")
-        while sum(k.session.layout.nbytes for k in self._contexts.values()) + nbytes > budget:
-            idle = [(k.used, key) for key, k in self._contexts.items() if k.ref() is None]
-            if not idle:
-                held = [f"{k.session.layout.nbytes / 2**20:.1f} MiB ({int(k.session.lengths[0])} tokens)"
-                        for k in self._contexts.values()]
-                used = sum(k.session.layout.nbytes for k in self._contexts.values())
-                raise CapacityError(f"a new context needs {nbytes / 2**20:.1f} MiB, but the open contexts {held} "
-                                    f"hold {used / 2**20:.1f} MiB of HeteroConfig.context_memory={budget} bytes "
-                                    f"({budget / 2**20:.1f} MiB) and are all still referenced; close some")
-            self._contexts.pop(min(idle)[1]).session.close()
+        """A closed Context's registry entry dropped (Context._close)."""
+        self._contexts.forget(ctx.session)
 
     def load_context(self, path, reserve=None):
         """A Context saved by Context.save, copied into a new arena (no prefill). The file must
@@ -1032,21 +513,21 @@ class HeteroGenerator:
         if self._closed:
             raise GeneratorClosedError("load_context() called on a closed HeteroGenerator")
         if self.spec.one_pass_only:
-            raise UnsupportedModelError(self._one_pass_only("a context"))
+            raise UnsupportedModelError(one_pass_only(self.spec, "a context"))
         if self.spec.drops_cache:        # an override set since __init__: no call could continue the context
-            _keeping_cache(self.model)
-        self._sweep()
+            keeping_cache(self.model)
+        self._contexts.sweep(self.config.context_memory)
         header = saved.read_header(path)
         loaded = self._store.adapters if self._store is not None else {}
         name = saved.check_model(header, self.model, self.spec, path,
                                  lambda n: self._store.digest(loaded[n]) if n in loaded else None)
         n = header["length"]
         if reserve is None:
-            reserve = self._default_reserve(n)
+            reserve = default_reserve(self.spec, self.config, n)
         # the token ids are checked against the vocabulary after the payload's CRC (fill), which covers
         # them: a corrupted id is named as the file's corruption, not as a bad prompt
-        mask, reserve = self._check_inputs(torch.zeros(1, n, dtype=torch.long, device=self.model.device), None,
-                                           reserve, "reserve")
+        ids = torch.zeros(1, n, dtype=torch.long, device=self.model.device)
+        mask, reserve = check_inputs(self.model, self.spec, ids, None, reserve, "reserve")
         with self._context_session(mask, reserve) as session:
             saved.fill(session, header, path)
             saved.check_vocabulary(header, getattr(self.model.get_input_embeddings(), "num_embeddings", None), path)
@@ -1055,137 +536,7 @@ class HeteroGenerator:
             session.finish_prefill()
             ctx = Context(self, session, tokens, loaded[name] if name is not None else None)
             ctx.pending = pending
-            return self._keep(ctx)
-
-    def _generate_in_context(self, ctx, input_ids, attention_mask, max_new_tokens, call, lora, extend=True):
-        """generate() continuing `ctx`: [cached tokens, the last call's unstored token, new tokens].
-        extend=False: afterwards the context is as before (its length restored; the rows the call
-        appended lie past it and are overwritten later, except in sliding-window rings, which a
-        call may wrap: those are saved before and put back)."""
-        if ctx.generator is not self or ctx.closed:
-            raise ValueError("context= takes an open Context from this generator's prefill()" + _closed_why(ctx))
-        if input_ids.shape[0] != 1:
-            raise ValueError(f"a context continues one request: input_ids must be [1, n], got {tuple(input_ids.shape)}")
-        if not bool(attention_mask.all()):
-            raise ValueError("the new tokens of a context cannot be padded (attention_mask all ones)")
-        with self._exclusive():
-            if ctx.closed:
-                raise ValueError("context= takes an open Context from this generator's prefill()" + _closed_why(ctx))
-            if self._stale(ctx.session):
-                raise ValueError(_STALE)
-            full = torch.cat([ctx.token_ids, ctx.pending, input_ids[0].to("cpu")]).to(self.model.device)[None]
-            session, cached = ctx.session, ctx.length                    # full: [1, S]
-            if not self._rope_ok(full.shape[1], max_new_tokens, (cached,), keeps=extend):
-                raise self._rope_refused()
-            need = full.shape[1] + max_new_tokens - 1           # KV rows once the last new token is chosen
-            if need > session.layout.cap:
-                raise CapacityError(f"the context holds {cached} tokens and this call adds {full.shape[1] - cached} "
-                                    f"+ {max_new_tokens} new: {need} rows, but it was prefilled with room for "
-                                    f"{session.layout.cap} (prefill(..., reserve=...))")
-            self._check_positions(full.shape[1], max_new_tokens)
-            pool = self._ensure_pool()
-            session.begin_call(pool, self._ensure_planner(pool))
-            rings = None if extend or not session.layout.ring_layers else (session.Kr.clone(), session.Vr.clone())
-            err = None
-            try:
-                with self._routed(session, lora) as cache, torch.no_grad(), _active(lora):
-                    for layer in cache.layers:
-                        layer.seen = cached
-                    mask = torch.ones_like(full)
-                    self._feed(cache, full, mask, cached, full.shape[1])     # generate's first forward: the rest
-                    out = self.model.generate(full, attention_mask=mask, **{GENERATE_CACHE_KWARG: cache}, **call)
-            except BaseException as e:
-                err = e
-            try:
-                session.end_call(check=err is None)          # a GPU's last step settled, its page locks freed
-            except BaseException as e:                       # Ctrl-C too: the context is put back below
-                err = err or e
-            if not extend:
-                session.rewind(cached, rings)
-            elif err is not None:
-                self._recover(ctx, cached)
-            if isinstance(err, WorkerError) and self._pool is not None:
-                self._drop_pool()                            # the context stays; the next call maps it again
-            if err is not None:
-                raise err
-            # still under the lock: a close() waiting in another thread must find the call complete
-            if extend:
-                seq = out if isinstance(out, torch.Tensor) else out.sequences
-                stored = int(session.lengths[0])
-                ctx.token_ids, ctx.pending = seq[0, :stored].to("cpu"), seq[0, stored:].to("cpu")
-            self._used(ctx)
-        return out
-
-    def _feed(self, cache, ids, mask, a, end, whole=False, piece=None):
-        """Forward positions [a, end) of ids into a prefilled session's cache, each piece attending
-        to the cached KV: on the CPU workers in pieces of at most the session's tmax tokens
-        (generate's first forward then takes the last piece), or, when HeteroConfig.continuation /
-        the policy prefers it, on the model's device over KV prefetched layer by layer
-        (hetero.prefetch; generate's first forward takes the last token) in pieces of up to
-        `piece` tokens (no staging holds them; a sliding window's ring holds only tmax new rows,
-        so with ring layers, tmax). whole: feed everything."""
-        session = cache.session
-        tmax = session.layout.tmax
-        n = end - a
-        if n <= 0:
-            return
-        if not whole and n == 1:
-            return                                       # generate's first forward takes it
-        big = max(piece or 0, tmax) if session.layout.ring_layers == 0 else tmax
-        prefetch = session.batch == 1 and self._continuation(session, int(session.lengths[0]), min(n, big)) == "prefetch"
-        stop = end if whole else end - (1 if prefetch else (n - 1) % tmax + 1)
-        if stop <= a:
-            return
-        if not prefetch:
-            for p in range(a, stop, tmax):
-                self._forward(cache, ids, mask, p, min(p + tmax, stop))
-            return
-        from hetero.prefetch.schedule import LayerPrefetcher
-
-        pre = LayerPrefetcher(session, self.model.device)
-        started = time.perf_counter()
-        try:
-            for p in range(a, stop, big):
-                session.prefetcher = pre
-                pre.start()
-                self._forward(cache, ids, mask, p, min(p + big, stop))
-                log.info("hetero: tokens %d-%d of %d attended over the prefetched cache (%.1f s)", p,
-                         min(p + big, stop), stop, time.perf_counter() - started)     # long prompts' progress
-        except BaseException:
-            session.prefetcher = None
-            try:
-                pre.close()
-            except BaseException:
-                pass                                     # the forward's own error is the one to raise
-            raise
-        session.prefetcher = None
-        pre.close()
-        self.last_prefetch_log, self.last_prefetch_plan = pre.log, pre.planned    # for tests and benchmarks
-
-    def _continuation(self, session, L, T):
-        """HeteroConfig.continuation for T new tokens over L cached rows ("auto": hetero.prefetch.policy)."""
-        want = self.config.continuation
-        if want != "auto":
-            return want
-        from hetero.prefetch import policy
-
-        profile = getattr(self._planner, "profile", None)
-        if profile is None or self.model.device.type != "cuda":
-            return "workers"                             # see policy.choose
-        if self._rates is None:
-            self._rates = policy.measure(self.model.device, self.spec)
-        return policy.choose(profile, self._rates, self.spec, L, T, self._pool.n)
-
-    def _recover(self, ctx, cached):
-        """A call that extends ctx failed midway: some of its rows may be cached. Without sliding
-        -window rings, or before any KV update (a setting transformers refuses as it starts), back
-        to the `cached` rows the context had (later rows are overwritten by the next call); a ring
-        may have been wrapped over rows the context still needs, so such a context is closed
-        (using it again raises), rather than left silently wrong."""
-        if ctx.session.layout.ring_layers == 0 or not ctx.session.touched:
-            ctx.session.rewind(cached)
-        else:
-            ctx._close()
+            return self._contexts.keep(ctx)
 
     def _reusable(self, input_ids, attention_mask, max_new_tokens, settings):
         """Automatic prefix reuse (HeteroConfig.reuse_contexts): when every request's prompt starts
@@ -1196,146 +547,11 @@ class HeteroGenerator:
         processors see every column), so the result is the one-shot generate's."""
         if not self.config.reuse_contexts or not self._contexts or self.spec.one_pass_only:
             return None
-        if bool((input_ids[attention_mask == 0] != _pad_id(settings)).any()):
+        if bool((input_ids[attention_mask == 0] != pad_id(settings)).any()):
             return None
-        cached = self.config.context_memory is not None     # unreferenced contexts are a cache (see _sweep)
-        now = _weights_key(self.model)
-        tokens = [(k, k.tokens) for k in list(self._contexts.values())          # a snapshot: no lock held yet
-                  if (cached or k.ref() is not None) and k.adapter is None and k.session.weights == now]
-        picks, rests = [], []
-        for b in range(input_ids.shape[0]):
-            row = input_ids[b, attention_mask[b].bool()].to("cpu")
-            best = max((kt for kt in tokens if len(kt[1]) < len(row) and torch.equal(row[:len(kt[1])], kt[1])),
-                       key=lambda kt: len(kt[1]), default=None)
-            if best is None:
-                return None
-            picks.append(best[0].context(self))
-            rests.append(row[len(best[1]):])
-        if len(picks) == 1 and len(input_ids[0]) + max_new_tokens > picks[0].capacity:
-            return None                          # no room in the context's arena: an ordinary generate
-        if not self._rope_ok(input_ids.shape[1], max_new_tokens, [p.length for p in picks]):
-            return None
-        width = max(len(r) for r in rests)
-        ids = torch.zeros(len(rests), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for b, r in enumerate(rests):
-            ids[b, width - len(r):], mask[b, width - len(r):] = r, 1
-        return picks, ids.to(input_ids.device), mask.to(input_ids.device)
-
-    def _check_contexts(self, contexts):
-        if not contexts:
-            raise ValueError("context= got an empty list")
-        now = _weights_key(self.model)                          # once per call: it looks up every weight
-        for c in contexts:
-            if not isinstance(c, Context) or c.generator is not self or c.closed:
-                raise ValueError(f"context= takes open Contexts from this generator's prefill(), got {c!r}"
-                                 + _closed_why(c))
-            if self._stale(c.session, now):
-                raise ValueError(_STALE)
-
-    def _generate_in_contexts(self, contexts, input_ids, attention_mask, max_new_tokens, settings, call, lora,
-                              width=0):
-        """generate() for a batch whose request b continues contexts[b] (read, not changed): the
-        requests continuing one context form a shared-prefix group that reads the context's
-        whole blocks in place (KVSession prefix_groups; not a context with sliding-window rings,
-        nor with share_contexts=False); the call's own session holds
-        each request's rows past them (pstart), copied from its context (all of them for a
-        request in no group). Request b's sequence is [its context's tokens (pending ones too),
-        its new tokens], left-padded to the longest (or to `width`); the steps that feed them count, per
-        request, the tokens that are not its own (session.skip)."""
-        B = input_ids.shape[0]
-        if len(contexts) != B:
-            raise ValueError(f"context= has {len(contexts)} contexts for a batch of {B} requests")
-        with self._exclusive():
-            self._check_contexts(contexts)
-            new = [input_ids[b, attention_mask[b].bool()].to("cpu") for b in range(B)]      # real new tokens
-            seqs = [torch.cat([c.token_ids, c.pending, n]) for c, n in zip(contexts, new)]
-            cached = [c.length for c in contexts]
-            S = max(width, max(len(q) for q in seqs))
-            pad_id = _pad_id(settings)
-            full = torch.full((B, S), pad_id, dtype=torch.long)                  # [B, S], left-padded
-            mask = torch.zeros(B, S, dtype=torch.long)
-            for b, q in enumerate(seqs):
-                full[b, S - len(q):], mask[b, S - len(q):] = q, 1
-            self._check_positions(max(len(q) for q in seqs), max_new_tokens)     # each row's own positions
-            if not self._rope_ok(S, max_new_tokens, cached):
-                raise self._rope_refused()
-            uncached = [len(q) - n for q, n in zip(seqs, cached)]
-            U = max(uncached)
-            rows = S + max_new_tokens           # no window can hide a row from a query below it
-            share = self.config.share_contexts and all(w == 0 or w >= rows for w in self.spec.windows or ())
-            groups = {}                                          # id(context) -> (its session, members)
-            for b, c in enumerate(contexts):
-                if share and cached[b] >= BK and c.session.layout.ring_layers == 0:
-                    groups.setdefault(id(c.session), (c.session, []))[1].append(b)
-            # at most MAX_GROUPS read in place, the largest; the other requests copy their contexts
-            groups = sorted(groups.values(), key=lambda g: -len(g[1]))[:kernel.MAX_GROUPS]
-            pstart = [0] * B
-            for src, members in groups:
-                for b in members:
-                    pstart[b] = int(src.lengths[0]) // BK * BK
-            tmax = min(self._piece, U)                              # the staging holds one step's tokens
-            pads, _, cap = self._plan_cache(mask, max_new_tokens, tmax=tmax,
-                                            private=whole_blocks(rows) - min(pstart) if groups else 0,
-                                            groups=len(groups))
-            full, mask = full.to(self.model.device), mask.to(self.model.device)
-            for c in contexts:
-                self._used(c)
-            with self._call_session(pads, cached, cap, lora, tmax, groups) as cache, torch.no_grad(), \
-                    _active(lora):
-                session = cache.session
-                for b, c in enumerate(contexts):                    # rows past the shared prefix
-                    src = c.session
-                    for layer in range(self.spec.layers):
-                        window = session.ring_window[layer]
-                        start = max(0, cached[b] - window + 1) // BK * BK if window else pstart[b]
-                        src_window = src.ring_window[layer]       # the source may keep fewer rows (a ring)
-                        if src_window:
-                            start = max(start, max(0, cached[b] - src_window + 1) // BK * BK)
-                        k, v = src.read_rows(layer, 0, cached[b], start)
-                        session.write_rows(layer, b, k, v, start)
-                session.finish_prefill()                           # lengths = cached
-                session.skip[:] = [U - u for u in uncached]        # the first U - u_b tokens fed are b's cached ones or pads
-                for layer in cache.layers:
-                    layer.seen = S - U
-                a = S - U
-                while S - a > tmax:                                # continue in pieces of at most tmax tokens
-                    self._forward(cache, full, mask, a, a + tmax)
-                    a += tmax
-                return self.model.generate(full, attention_mask=mask, **{GENERATE_CACHE_KWARG: cache}, **call)
-
-    def _forward(self, cache, input_ids, attention_mask, a, b):
-        """The model over positions [a, b) of input_ids into `cache` (no logits kept but the last)."""
-        if self._forward_params is None:
-            self._forward_params = set(inspect.signature(self.model.forward).parameters)
-            self._cache_kwarg = forward_cache_kwarg(self.model.forward)
-        kw = {"logits_to_keep": 1} if "logits_to_keep" in self._forward_params else {}
-        if "position_ids" in self._forward_params:          # as generate: only where forward takes them
-            pos = attention_mask.long().cumsum(-1) - 1
-            kw["position_ids"] = pos.masked_fill_(attention_mask == 0, 1)[:, a:b]
-        self.model(input_ids=input_ids[:, a:b], attention_mask=attention_mask[:, :b], **{self._cache_kwarg: cache},
-                   use_cache=True, cache_position=torch.arange(a, b, device=input_ids.device), **kw)
-
-    def _choose_transport(self, session, pool, lora=None):
-        """A CUDA model's decode round trip: the CUDA extension where HeteroConfig.transport and the
-        batch allow (see hetero.ipc.transport), else host copies through page-locked buffers
-        (PinnedTransport). With `lora` (the call's LoraBatch), its decode deltas go through the
-        CUDA transport too."""
-        want, dev = self.config.transport, self.model.device
-        if dev.type != "cuda":
-            return
-        gpus = {p.device for p in self.model.parameters() if p.device.type == "cuda"}
-        if len(gpus) > 1:          # a device_map over several GPUs: the transports serve one device
-            raise UnsupportedModelError(f"the model is spread over {len(gpus)} GPUs ({sorted(map(str, gpus))}); "
-                                        "hetero runs a model on one GPU (its KV lives in host memory)")
-        store = None if lora is None else lora.store         # None: no adapter loaded (every request base)
-        t = None if want == "host" else CudaTransport.open(pool, session, dev, quiet=want == "cuda", lora=store)
-        if t is None and want == "cuda":
-            raise UnsupportedModelError(f"HeteroConfig.transport='cuda': the CUDA extension is unavailable "
-                                        f"({CudaTransport.why})")
-        session.use_transport(t or PinnedTransport(dev))
-        if t is not None and store is not None:
-            lora.use_transport(t)
+        cached = self.config.context_memory is not None     # unreferenced contexts are a cache (see sweep)
+        return self._contexts.reusable(self, input_ids, attention_mask, max_new_tokens, cached, lambda picks: rope_ok(
+            self.spec, input_ids.shape[1], max_new_tokens, [p.length for p in picks]))
 
     def close(self):
         """Stop the workers and free every shared segment; restore the model's modules. Idempotent.
@@ -1356,41 +572,13 @@ class HeteroGenerator:
         self.close()
 
 
-class _Kept:
-    """A context's registry entry: its arena, a weak reference to its Context, and its tokens and
-    last use kept here too, so a context nobody references any more can be found and continued
-    again (a prefix cache under HeteroConfig.context_memory) until it is evicted."""
-
-    def __init__(self, ctx):
-        self.session, self.adapter = ctx.session, ctx.adapter
-        self.ref = weakref.ref(ctx)
-        self.note(ctx)
-
-    def note(self, ctx):
-        self.token_ids, self.pending, self.used = ctx.token_ids, ctx.pending, time.monotonic()
-
-    @property
-    def tokens(self):
-        return torch.cat([self.token_ids, self.pending])
-
-    def context(self, generator):
-        """The Context (a new one over the same arena when nobody references the old any more)."""
-        ctx = self.ref()
-        if ctx is None:
-            ctx = Context(generator, self.session, self.token_ids, self.adapter)
-            ctx.pending = self.pending
-            self.ref = weakref.ref(ctx)
-        return ctx
-
-
 def _release(state):
     """What close() frees, from a HeteroGenerator's attributes (also its finalizer's, when it is
     collected without close()): its contexts, hooks, adapters, workers, and the cores its thread
     was pinned away from. Every step runs; the first error other than a worker's (the contexts
     are closed whatever their workers did) is raised after them."""
-    contexts = list(state["_contexts"].values())
-    state["_contexts"].clear()
-    steps = [(lambda kept=kept: _close_kept(kept)) for kept in contexts] + [state["_hooks"].remove]
+    contexts = state["_contexts"].take_all()
+    steps = [(lambda kept=kept: close_kept(kept)) for kept in contexts] + [state["_hooks"].remove]
     steps += [state[name].close for name in ("_store", "_pool") if state[name] is not None]
     if state["_parent_affinity"] is not None:         # a GPU model pinned its thread: give the cores back
         tid, cores, threads, pinned = state["_parent_affinity"]
@@ -1407,14 +595,6 @@ def _release(state):
         raise first
 
 
-def _close_kept(kept):
-    """A registry entry's arena, closed; its Context, if one is still held, says so when used."""
-    ctx = kept.ref()
-    if ctx is not None:
-        ctx.closed = True
-    kept.session.close()
-
-
 def _restore_affinity(tid, cores):
     """Give a pinned thread its cores back (nothing to do once it has exited)."""
     try:
@@ -1428,149 +608,3 @@ def _restore_threads(threads, pinned):
     this generator set `pinned` (another generator pinned after it, say: its close() restores)."""
     if torch.get_num_threads() == pinned:
         torch.set_num_threads(threads)
-
-
-def _keeping_cache(model):
-    """`model`'s prepare_inputs_for_generation without its family's override that drops the cache
-    (CACHE_DROPPING_MODEL_TYPES): the method of the next class in its MRO."""
-    own = [c for c in type(model).__mro__ if "prepare_inputs_for_generation" in c.__dict__]
-    on_instance = model.__dict__.get("prepare_inputs_for_generation")
-    user = "the model instance has its own" if on_instance is not None and \
-        not getattr(on_instance, "_hetero_keeping_cache", False) else \
-        None if own[0].__module__.startswith("transformers.") else f"{own[0].__name__} overrides"
-    if user is not None:                   # hetero's replacement would skip the user's override
-        raise UnsupportedModelError(
-            f"{user} prepare_inputs_for_generation of a {model.config.model_type} model, whose "
-            "transformers version drops the KV cache past original_max_position_embeddings; hetero replaces "
-            "that method during a call and would skip the override")
-    cls = next(c for c in own if c.__module__.startswith("transformers.models."))
-    generic = super(cls, model).prepare_inputs_for_generation
-
-    def keeping_cache(*args, **kwargs):
-        return generic(*args, **kwargs)
-
-    keeping_cache._hetero_keeping_cache = True     # hetero's own, put on the instance during a call (_routed)
-    return keeping_cache
-
-
-def _closed_why(ctx):
-    return ("; this one is closed (ctx.close(), its generator's close(), or a failed call that could not keep "
-            "it consistent: a sliding-window ring it had begun to overwrite)") if getattr(ctx, "closed", False) else ""
-
-
-def _pad_id(settings):
-    """The id a batch of contexts pads its sequences with (the resolved pad_token_id, else 0)."""
-    pad = _token_id(settings.pad_token_id)
-    return 0 if pad is None else pad
-
-
-def _as_int(n):
-    """A count given as transformers takes it (a numpy integer, a one-element integer tensor: see
-    _token_id) as an int; anything else as it was, for the caller's check to name."""
-    v = _token_id(n)
-    return n if v is None else v
-
-
-def _token_id(v):
-    """A token id as transformers takes one (an int, a numpy integer, a one-element integer tensor)
-    -> int; anything else (None, a list) -> None."""
-    if isinstance(v, torch.Tensor):
-        return int(v) if v.numel() == 1 and not (v.is_floating_point() or v.is_complex() or v.dtype == torch.bool) \
-            else None
-    return int(v) if isinstance(v, numbers.Integral) and not isinstance(v, bool) else None
-
-
-_STALE = ("the model's weights changed since this context was prefilled (its KV is what the old ones computed); "
-          "prefill it again")
-
-
-def _weights_key(model):
-    """What tells the base weights apart over time: each one's dtype, shape and digest of every
-    element (hetero.digest: computed once per in-place version, storage and dtype, so a call
-    with unchanged weights only looks them up), and 8 of its values read now (writes through
-    .data or numpy bypass the version counter; peft's merge writes so). peft's adapter weights
-    aside (LoRA, modules_to_save copies): adapters come and go, and each adapter's KV is tied
-    to it by name and digest. One copy of the samples to the host per device, per call."""
-    adapters = {id(p) for m in lora_hooks.peft_layers(model)          # any peft tuner's own weights
-                for name in getattr(m, "adapter_layer_names", ()) if isinstance(getattr(m, name, None), torch.nn.Module)
-                for p in getattr(m, name).parameters()}
-    params = [p for n, p in model.named_parameters()
-              if id(p) not in adapters and "lora_" not in n and ".modules_to_save." not in n and p.device.type != "meta"]
-    samples = {}                    # (device, dtype) -> 8-value views, joined on the device: one copy each
-    with torch.no_grad():
-        for p in params:
-            samples.setdefault((p.device, p.dtype), []).append(p.detach().reshape(-1)[::max(1, p.numel() // 8)][:8])
-    values = b"".join(torch.cat(v).cpu().view(torch.uint8).numpy().tobytes() for v in samples.values())
-    return tuple((p.dtype, tuple(p.shape), weight_digest(p)) for p in params), values
-
-
-def _peft_adapter_keys(layers):
-    """{adapter name: what tells its LoRA weights apart over time (each lora_A / lora_B weight's
-    identity, storage and in-place version counter, and the layer's scaling)} over peft layers."""
-    if not layers:
-        return {}
-    from peft.tuners.lora import LoraLayer
-
-    keys = collections.defaultdict(list)
-    for m in layers:
-        if isinstance(m, LoraLayer):
-            for name, a in m.lora_A.items():
-                b = m.lora_B[name]
-                keys[name].append(tuple((id(w), _storage(w), _version(w)) for w in (a.weight, b.weight))
-                                  + (m.scaling.get(name),))
-    return {name: tuple(k) for name, k in keys.items()}
-
-
-def _storage(tensor):
-    """Its storage's address (a tensor subclass without one: None)."""
-    try:
-        return tensor.data_ptr()
-    except RuntimeError:
-        return None
-
-
-def _version(tensor):
-    """Its in-place version counter (an inference tensor has none: -1)."""
-    try:
-        return tensor._version
-    except RuntimeError:
-        return -1
-
-
-# why a model has a position limit (ModelSpec.position_limit)
-_LIMIT_WHY = "; hetero runs past it only a rotary (RoPE) model whose rope does not rescale with the length"
-
-
-def _with_generation_config(max_new_tokens, kwargs):
-    """(max_new_tokens, kwargs) with the call's generation_config= taken apart into keywords, which
-    resolve as transformers resolves the object itself: each field it sets (not None) wins over the
-    model's generation_config, a field it leaves None takes the model's, and the call's own
-    keywords win over both. Its custom entries (no GenerationConfig field) are dropped: transformers
-    keeps them inert on the config."""
-    gc = kwargs.pop("generation_config", None)
-    if gc is None:
-        return max_new_tokens, kwargs
-    if not isinstance(gc, GenerationConfig):
-        raise TypeError(f"generation_config must be a transformers GenerationConfig, got {type(gc).__name__}")
-    fields = {k: getattr(gc, k) for k in _GC_FIELDS if getattr(gc, k, None) is not None}
-    if max_new_tokens is MODEL_DEFAULT and "max_new_tokens" in fields:
-        max_new_tokens = fields["max_new_tokens"]
-    fields.pop("max_new_tokens", None)
-    return max_new_tokens, {**fields, **kwargs}
-
-
-_GC_FIELDS = tuple(k for k in vars(GenerationConfig()) if not k.startswith("_") and k != "transformers_version")
-
-
-@contextlib.contextmanager
-def _active(lora_batch):
-    token = lora_hooks.active_batch.set(lora_batch)
-    try:
-        yield
-    finally:
-        lora_hooks.active_batch.reset(token)
-
-
-def _is_peft_model(model):
-    peft = sys.modules.get("peft")      # a PeftModel exists only if peft was imported
-    return peft is not None and isinstance(model, peft.PeftModel)

@@ -1,0 +1,136 @@
+"""Routing a call's attention to hetero's KV session, one call at a time.
+
+Owns: the call lock (CallLock: one call per generator, whose worker pool has one control block,
+and one per model across generators, since a call sets the model's attention implementation);
+the decode transport a session gets on a CUDA model (choose_transport); and, for the length of
+a call, the model's attention routed to the session (routed: hetero's attention implementation,
+the forward pre-hook that starts each forward, and for a family whose generate drops its cache,
+the generic input preparation: keeping_cache). Plain functions and one small class; the
+generator passes in what they act on.
+"""
+import contextlib
+import threading
+import weakref
+
+from hetero import attention
+from hetero.errors import UnsupportedModelError
+from hetero.ipc.cuda_transport import CudaTransport
+from hetero.ipc.transport import PinnedTransport
+from hetero.offload.cache import HeteroCache
+
+_MODEL_LOCKS = weakref.WeakKeyDictionary()    # model -> the lock of the one call it serves (across generators)
+_MODELS_LOCK = threading.Lock()
+
+
+class CallLock:
+    """A generator's lock: one generate (or adapter load, or context close) at a time, the pool
+    having one control block. Reentrant so a call can close its own context (a failed call's
+    recovery); `busy` refuses a nested call (a streamer or logits processor calling back)."""
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.busy = False
+
+    def refuse_nested(self, what):
+        """Under the lock: this thread is not inside a call (a streamer calling back)."""
+        if self.busy:
+            raise RuntimeError(f"{what} called from inside a call of the same HeteroGenerator; not supported")
+
+    @contextlib.contextmanager
+    def exclusive(self, model):
+        """A call over `model`: this generator's lock and the model's, or RuntimeError at once."""
+        if not self.lock.acquire(blocking=False):
+            raise RuntimeError("this HeteroGenerator is already generating (in another thread); "
+                               "use one generator per thread")
+        try:
+            if self.busy:
+                raise RuntimeError("generate/prefill called from inside a call of the same HeteroGenerator "
+                                   "(a streamer or logits processor?); not supported")
+            with _MODELS_LOCK:
+                model_lock = _MODEL_LOCKS.setdefault(model, threading.Lock())
+            if not model_lock.acquire(blocking=False):     # a call sets the model's attention implementation
+                raise RuntimeError("another HeteroGenerator over the same model is running a call (in another "
+                                   "thread, or the call this one is made from); a model serves one call at a time")
+            self.busy = True
+            try:
+                yield
+            finally:
+                self.busy = False
+                model_lock.release()
+        finally:
+            self.lock.release()
+
+
+@contextlib.contextmanager
+def routed(model, spec, hooks, session, lora, choose_transport):
+    """For one call: pick the session's transport (choose_transport(session, pool, lora)), route
+    the model's attention to it and yield a HeteroCache over it; restore the model's attention
+    implementation afterwards. hooks: the generator's LoraHooks."""
+    patched = spec.drops_cache           # the generic input preparation: the cache stays (calls checked: rope_ok)
+    keeping = keeping_cache(model) if patched else None
+    choose_transport(session, session.pool, lora)
+    if lora is not None:                 # peft layers not served here run their base layer (under the lock)
+        hooks.route_peft_layers()
+    token = attention.active_session.set(session)
+    previous = model.config._attn_implementation
+    hook = None
+    try:
+        if patched:                      # on the instance, which has none of its own (keeping_cache)
+            model.prepare_inputs_for_generation = keeping
+        hook = model.register_forward_pre_hook(lambda *_: session.begin_forward())
+        model.set_attn_implementation(attention.NAME)
+        yield HeteroCache(session)
+    finally:
+        try:
+            if hook is not None:
+                hook.remove()
+            model.set_attn_implementation(previous)
+        finally:
+            attention.active_session.reset(token)
+            if patched:
+                model.__dict__.pop("prepare_inputs_for_generation", None)
+
+
+def choose_transport(model, want, session, pool, lora=None):
+    """A CUDA model's decode round trip: the CUDA extension where HeteroConfig.transport (`want`)
+    and the batch allow (see hetero.ipc.transport), else host copies through page-locked buffers
+    (PinnedTransport). With `lora` (the call's LoraBatch), its decode deltas go through the
+    CUDA transport too."""
+    dev = model.device
+    if dev.type != "cuda":
+        return
+    gpus = {p.device for p in model.parameters() if p.device.type == "cuda"}
+    if len(gpus) > 1:          # a device_map over several GPUs: the transports serve one device
+        raise UnsupportedModelError(f"the model is spread over {len(gpus)} GPUs ({sorted(map(str, gpus))}); "
+                                    "hetero runs a model on one GPU (its KV lives in host memory)")
+    store = None if lora is None else lora.store         # None: no adapter loaded (every request base)
+    t = None if want == "host" else CudaTransport.open(pool, session, dev, quiet=want == "cuda", lora=store)
+    if t is None and want == "cuda":
+        raise UnsupportedModelError(f"HeteroConfig.transport='cuda': the CUDA extension is unavailable "
+                                    f"({CudaTransport.why})")
+    session.use_transport(t or PinnedTransport(dev))
+    if t is not None and store is not None:
+        lora.use_transport(t)
+
+
+def keeping_cache(model):
+    """`model`'s prepare_inputs_for_generation without its family's override that drops the cache
+    (CACHE_DROPPING_MODEL_TYPES): the method of the next class in its MRO."""
+    own = [c for c in type(model).__mro__ if "prepare_inputs_for_generation" in c.__dict__]
+    on_instance = model.__dict__.get("prepare_inputs_for_generation")
+    user = "the model instance has its own" if on_instance is not None and \
+        not getattr(on_instance, "_hetero_keeping_cache", False) else \
+        None if own[0].__module__.startswith("transformers.") else f"{own[0].__name__} overrides"
+    if user is not None:                   # hetero's replacement would skip the user's override
+        raise UnsupportedModelError(
+            f"{user} prepare_inputs_for_generation of a {model.config.model_type} model, whose "
+            "transformers version drops the KV cache past original_max_position_embeddings; hetero replaces "
+            "that method during a call and would skip the override")
+    cls = next(c for c in own if c.__module__.startswith("transformers.models."))
+    generic = super(cls, model).prepare_inputs_for_generation
+
+    def keeping_cache(*args, **kwargs):
+        return generic(*args, **kwargs)
+
+    keeping_cache._hetero_keeping_cache = True     # hetero's own, put on the instance during a call (routed)
+    return keeping_cache
