@@ -451,7 +451,6 @@ class HeteroGenerator(PrefillMixin):
             raise GeneratorClosedError("prefill() called on a closed HeteroGenerator")
         if reserve is None and isinstance(input_ids, torch.Tensor) and input_ids.ndim == 2:
             reserve = default_reserve(self.spec, self.config, input_ids.shape[1])
-        self._contexts.sweep(self.config.context_memory)
         attention_mask, reserve = check_inputs(self.model, self.spec, input_ids, attention_mask, reserve, "reserve")
         if input_ids.shape[0] != 1:
             raise ValueError(f"a context holds one request: input_ids must be [1, S], got {tuple(input_ids.shape)}")
@@ -481,8 +480,11 @@ class HeteroGenerator(PrefillMixin):
         continuations in pieces of prefill_chunk or CONTINUE_CHUNK tokens) within context_memory;
         closed again if the body raises (and a pool that died with it)."""
         tmax = min(self._piece, attention_mask.shape[1] + reserve)   # no piece outgrows the context's rows
-        pads, real, cap = plan_cache(self.spec, self.config, attention_mask, reserve, tmax=tmax, what="reserve")
         with self._exclusive():
+            # contexts nobody references are closed here, under the lock: closing one runs a job on
+            # the worker pool, which a call in another thread may be using; and before the memory checks
+            self._contexts.sweep(self.config.context_memory)
+            pads, real, cap = plan_cache(self.spec, self.config, attention_mask, reserve, tmax=tmax, what="reserve")
             self._contexts.check_budget(KVSession.layout_for(self.spec, 1, cap, tmax).nbytes, self.config.context_memory)
             pool = self._ensure_pool()
             session = KVSession(pool, self.spec, pads, real, cap, planner=self._ensure_planner(pool), tmax=tmax)
@@ -516,7 +518,6 @@ class HeteroGenerator(PrefillMixin):
             raise UnsupportedModelError(one_pass_only(self.spec, "a context"))
         if self.spec.drops_cache:        # an override set since __init__: no call could continue the context
             keeping_cache(self.model)
-        self._contexts.sweep(self.config.context_memory)
         header = saved.read_header(path)
         loaded = self._store.adapters if self._store is not None else {}
         name = saved.check_model(header, self.model, self.spec, path,

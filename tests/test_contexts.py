@@ -917,3 +917,46 @@ def test_weight_digest_sees_every_element_and_is_the_same_on_any_device(dtype):
     assert digest.weight_digest(p) != d
     p.data = t.clone()                                        # replaced: another storage
     assert digest.weight_digest(p) == d
+
+
+def test_a_refused_prefill_from_another_thread_closes_no_context(llama):
+    """prefill() from a second thread while a call runs is refused (one call per generator) and
+    leaves everything as it was: the contexts nobody references are closed by the next call that
+    runs, under the call lock, not by the refused one (closing one runs a job on the worker pool
+    the running call is using)."""
+    doc, = turns(11, 20)
+    started, release = threading.Event(), threading.Event()
+
+    class Pause:                                 # holds the running call between two decode steps
+        n = 0
+
+        def put(self, value):
+            self.n += 1
+            if self.n == 3:
+                started.set()
+                release.wait(30)
+
+        def end(self):
+            pass
+
+    before = set(our_segments(os.getpid()))
+    with HeteroGenerator(llama, cpu_workers=1) as gen:
+        gen.prefill(doc[None], reserve=8)        # dropped at once: unreferenced, kept until a sweep
+        kept = len(gen._contexts)
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault("seq", gen.generate(
+            doc[None], max_new_tokens=6, streamer=Pause(), **KW).sequences))
+        t.start()
+        try:
+            assert started.wait(30)
+            with pytest.raises(RuntimeError, match="already generating"):
+                gen.prefill(doc[None], reserve=8)
+            assert len(gen._contexts) == kept == 1      # the unreferenced context is still open
+        finally:
+            release.set()
+            t.join(30)
+        assert torch.equal(out["seq"], hf(llama, doc, 6).sequences)
+        ctx = gen.prefill(doc[None], reserve=8)          # runs, and closes the dropped one first
+        assert len(gen._contexts) == 1
+        ctx.close()
+    assert set(our_segments(os.getpid())) <= before
