@@ -109,8 +109,13 @@ def attend_unit(qs, qp, dp, R, T, kt, vt, tab, blk0, blk1, lo, hi, L, window, so
             o[r, d] = 0.0
     for sb in range(blk0, blk1, nb):
         se = min(sb + nb, blk1)
+        i0 = sb % ntab                                  # table index of block sb (then stepped: no division per block)
+        i = i0
         for blk in range(sb, se):
-            _scores(qs, qp, dps, R, kt, tab[blk % ntab], tab[(blk + 1) % ntab], Sv, (blk - sb) * BK, code)
+            nxt = i + 1 if i + 1 < ntab else 0
+            p = tab[i]
+            _scores(qs, qp, dps, R, kt, p, tab[nxt] if blk + 1 < blk1 else p + 1, Sv, (blk - sb) * BK, code)
+            i = nxt
         j0, w = sb * BK, (se - sb) * BK                 # KV rows [j0, j0+w) scored
         if softcap > 0.0:
             for r in range(R):
@@ -138,9 +143,13 @@ def attend_unit(qs, qp, dp, R, T, kt, vt, tab, blk0, blk1, lo, hi, L, window, so
             if alpha != 1.0:
                 for d in range(D):
                     o[r, d] *= alpha
+        i = i0
         for blk in range(sb, se):
-            _accumulate(Sv, (blk - sb) * BK, R, vt, tab[blk % ntab], tab[(blk + 1) % ntab], min(BK, hi - blk * BK),
+            nxt = i + 1 if i + 1 < ntab else 0
+            p = tab[i]
+            _accumulate(Sv, (blk - sb) * BK, R, vt, p, tab[nxt] if blk + 1 < blk1 else p + 1, min(BK, hi - blk * BK),
                         o, code)
+            i = nxt
 
 
 @njit(inline="always")
