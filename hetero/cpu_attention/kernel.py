@@ -92,7 +92,8 @@ def attend_unit(qs, qp, dp, R, T, kt, vt, tab, blk0, blk1, lo, hi, L, window, so
     dp > 0 (bf16 only): scores from the unscaled bf16 pairs qp [>=R, D/2] u32, times dp.
     kt [nblk, D, BK] / vt [nblk, D/W, BK, W] storage, logical block blk at physical block
     tab[blk % ntab] (tab: int64 [ntab], the identity over nblk in an arena: a ring when fewer
-    than blk1); the block read after blk is prefetched as it is read (simd._prefetch_ahead).
+    than blk1); the block read after blk is prefetched as it is read (simd._prefetch_ahead),
+    and after the last, the block physically after it (the next unit's first in an arena).
     Writes o [>=R, D] (unnormalised), m/l [>=R]; S (score_scratch) is scratch.
     """
     D = o.shape[1]
