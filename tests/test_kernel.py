@@ -174,7 +174,7 @@ def test_widening_is_exact_for_every_bit_pattern(code, np_dtype):
         o = np.zeros((1, W), np.float32)
         for blk in range(vt.shape[0]):
             o[0, :] = 0.0
-            simd.pv1(P, 0, 0, vt, blk, 1, o, code)
+            simd.pv1(P, 0, 0, vt, blk, blk + 1, 1, o, code)
             out[blk * W:(blk + 1) * W] = o[0]
 
     got = np.empty(bits.size, np.float32)

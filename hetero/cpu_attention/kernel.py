@@ -8,9 +8,13 @@ Cache layout (per layer, request, kv head), in blocks of BK = 32 rows:
                           (bf16: pair-interleaved, each block is [D/2, BK, 2]; see k_index)
   V  [nblk, D/W, BK, W]   a block's values in W=16-wide column panels
 so the inner products run register-tiled (see simd.py) and every block is one
-contiguous read. Row j lives in block (j // BK) % nblk: the identity for a layer that keeps
-every row, a ring for a sliding-window layer that keeps only the blocks its window can still
-see (hetero.offload.arena); the kernel reads only those (unit_span). For bf16 storage and
+contiguous read. Blocks are read through a block table `tab` (int64 [ntab]): row j lives in
+physical block tab[(j // BK) % ntab]. In an arena (hetero.offload.arena) the table is the
+identity over the array's blocks (identity_table: one arange per session, sliced), so row j is
+in block (j // BK) % nblk: every row for a full layer, a ring for a sliding-window layer that
+keeps only the blocks its window can still see; the kernel reads only those (unit_span). In a
+paged pool (K [layers, 1, Hkv, NB, D, BK]: block ids shared by every request) request b's
+table is its row of `tables` (hetero.engine.kv_pool's block_table). For bf16 storage and
 bf16-exact queries (a bf16 model) on a CPU with AVX512-BF16 the scores use vdpbf16ps: exact
 bf16 products, fp32 sums.
 
@@ -53,44 +57,47 @@ def score_scratch(rows):
 
 
 @njit(inline="always")
-def _scores(qs, qp, dp, R, kt, blk, S, c0, code):
+def _scores(qs, qp, dp, R, kt, blk, nxt, S, c0, code):
     r = 0
     while r + 4 <= R:
-        simd.qk4(qs, qp, r, kt, blk, S, c0, code, dp)
+        simd.qk4(qs, qp, r, kt, blk, nxt, S, c0, code, dp)
         r += 4
     if r + 2 <= R:
-        simd.qk2(qs, qp, r, kt, blk, S, c0, code, dp)
+        simd.qk2(qs, qp, r, kt, blk, nxt, S, c0, code, dp)
         r += 2
     if r < R:
-        simd.qk1(qs, qp, r, kt, blk, S, c0, code, dp)
+        simd.qk1(qs, qp, r, kt, blk, nxt, S, c0, code, dp)
 
 
 @njit(inline="always")
-def _accumulate(S, c0, R, vt, blk, n, o, code):
+def _accumulate(S, c0, R, vt, blk, nxt, n, o, code):
     r = 0
     while r + 4 <= R:
-        simd.pv4(S, r, c0, vt, blk, n, o, code)
+        simd.pv4(S, r, c0, vt, blk, nxt, n, o, code)
         r += 4
     if r + 2 <= R:
-        simd.pv2(S, r, c0, vt, blk, n, o, code)
+        simd.pv2(S, r, c0, vt, blk, nxt, n, o, code)
         r += 2
     if r < R:
-        simd.pv1(S, r, c0, vt, blk, n, o, code)
+        simd.pv1(S, r, c0, vt, blk, nxt, n, o, code)
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def attend_unit(qs, qp, dp, R, T, kt, vt, blk0, blk1, lo, hi, L, window, softcap, code, o, m, l, S, sk):
+def attend_unit(qs, qp, dp, R, T, kt, vt, tab, blk0, blk1, lo, hi, L, window, softcap, code, o, m, l, S, sk):
     """Attention of query rows r < R (r = g*T + t, pre-scaled in qs [>=R, D]) over KV rows
     [lo, hi) in (logical) blocks [blk0, blk1). Token t sits at position L+t-sk and sees rows
     j <= L+t-sk (and j > L+t-sk-window when window > 0); the first sk tokens are skipped (a
     request with fewer new tokens than the step's T, see run_unit): they sit at L-1 (row 0 when
     L = 0), so their rows stay finite, and the caller ignores them.
     dp > 0 (bf16 only): scores from the unscaled bf16 pairs qp [>=R, D/2] u32, times dp.
-    kt [nblk, D, BK] / vt [nblk, D/W, BK, W] storage, logical block blk at blk % nblk; writes
-    o [>=R, D] (unnormalised), m/l [>=R]; S (score_scratch) is scratch.
+    kt [nblk, D, BK] / vt [nblk, D/W, BK, W] storage, logical block blk at physical block
+    tab[blk % ntab] (tab: int64 [ntab], the identity over nblk in an arena: a ring when fewer
+    than blk1); the block read after blk is prefetched as it is read (simd._prefetch_ahead),
+    and after the last, the block physically after it (the next unit's first in an arena).
+    Writes o [>=R, D] (unnormalised), m/l [>=R]; S (score_scratch) is scratch.
     """
     D = o.shape[1]
-    nphys = kt.shape[0]                                 # blocks stored (a ring when fewer than blk1)
+    ntab = tab.shape[0]                                 # logical blocks the table maps (a ring when fewer than blk1)
     dps = np.float32(dp)                                # the intrinsics take float32
     nb = max(1, min(SB_MAX, S.size // (R * BK)))      # blocks per softmax pass
     Sv = S[:R * nb * BK].reshape((R, nb * BK))          # [R, nb*BK] scores, then probabilities
@@ -103,8 +110,13 @@ def attend_unit(qs, qp, dp, R, T, kt, vt, blk0, blk1, lo, hi, L, window, softcap
             o[r, d] = 0.0
     for sb in range(blk0, blk1, nb):
         se = min(sb + nb, blk1)
+        i0 = sb % ntab                                  # table index of block sb (then stepped: no division per block)
+        i = i0
         for blk in range(sb, se):
-            _scores(qs, qp, dps, R, kt, blk % nphys, Sv, (blk - sb) * BK, code)
+            nxt = i + 1 if i + 1 < ntab else 0
+            p = tab[i]
+            _scores(qs, qp, dps, R, kt, p, tab[nxt] if blk + 1 < blk1 else p + 1, Sv, (blk - sb) * BK, code)
+            i = nxt
         j0, w = sb * BK, (se - sb) * BK                 # KV rows [j0, j0+w) scored
         if softcap > 0.0:
             for r in range(R):
@@ -132,8 +144,13 @@ def attend_unit(qs, qp, dp, R, T, kt, vt, blk0, blk1, lo, hi, L, window, softcap
             if alpha != 1.0:
                 for d in range(D):
                     o[r, d] *= alpha
+        i = i0
         for blk in range(sb, se):
-            _accumulate(Sv, (blk - sb) * BK, R, vt, blk % nphys, min(BK, hi - blk * BK), o, code)
+            nxt = i + 1 if i + 1 < ntab else 0
+            p = tab[i]
+            _accumulate(Sv, (blk - sb) * BK, R, vt, p, tab[nxt] if blk + 1 < blk1 else p + 1, min(BK, hi - blk * BK),
+                        o, code)
+            i = nxt
 
 
 @njit(inline="always")
@@ -146,10 +163,10 @@ def k_index(d, jj, code):
 
 
 @njit(cache=True)
-def put_row(K, V, j, k, v, code):
+def put_row(K, V, tab, j, k, v, code):
     """Write one KV row (k/v [D]) at row j of one (request, kv head)'s blocks K [nblk, D, BK],
-    V [nblk, D/W, BK, W] (block (j // BK) % nblk)."""
-    blk, jj = (j // BK) % K.shape[0], j % BK
+    V [nblk, D/W, BK, W] through its block table tab (physical block tab[(j // BK) % ntab])."""
+    blk, jj = tab[(j // BK) % tab.shape[0]], j % BK
     for d in range(k.shape[0]):
         kr, kc = k_index(d, jj, code)
         K[blk, kr, kc] = k[d]
@@ -191,11 +208,12 @@ def _bf16_exact(qbits, b, h0, G, T):
 
 
 @njit(cache=True)
-def run_unit(u, layer, T, window, nsplit, split0, scale, softcap, code, q, knew, vnew, K, V, lengths,
-             order, skip, pstart, pgroup, part_o, part_m, part_l, qs, qp, S):
+def run_unit(u, layer, T, window, nsplit, split0, scale, softcap, code, q, knew, vnew, K, V, tables, ident,
+             lengths, order, skip, pstart, pgroup, part_o, part_m, part_l, qs, qp, S):
     """Unit u = (request order[u // (nsplit*Hkv)], kv head, split u % nsplit) of one layer's step,
     over the request's rows from pstart[b] on (0, or its shared prefix's end: see
-    run_prefix_unit); its partial goes to split slot split0 + s. Split s of (b, h) covers whole blocks; before
+    run_prefix_unit; 0 when the job has no prefix splits, split0 == 0); its partial goes to split
+    slot split0 + s. Split s of (b, h) covers whole blocks; before
     reading, it appends those of the step's new rows (staged in knew/vnew) that fall in its
     blocks, so no unit reads a row another unit is writing. Request b's first skip[b] tokens
     of the step are not its own (a shorter continuation in a batch): not appended, and their
@@ -203,7 +221,9 @@ def run_unit(u, layer, T, window, nsplit, split0, scale, softcap, code, q, knew,
     shared-prefix group (pgroup[b] < 0) has no prefix partials: split 0 writes its slots
     0..split0-1 empty (m = -inf, l = 0), so the merge never reads a stale one.
     Shapes: see run_job; K/V are the arrays holding this layer's KV (the arena's K/V, or Kr/Vr
-    for a ring layer), `layer` indexes them."""
+    for a ring layer), `layer` indexes them; tables their block tables: [B, MAXBLK] in a paged
+    pool (K/V hold one "request": b reads K[layer, 0] through tables[b]), zero-width in an
+    arena (b reads K[layer, b] through ident[:nblk], the identity)."""
     Hq = q.shape[1]
     Hkv = K.shape[2]
     G = Hq // Hkv
@@ -214,7 +234,10 @@ def run_unit(u, layer, T, window, nsplit, split0, scale, softcap, code, q, knew,
     b = order[u // (nsplit * Hkv)]
     L = lengths[b]
     sk = min(skip[b], T)
-    Kt, Vt = K[layer, b, h], V[layer, b, h]
+    if tables.shape[1] > 0:
+        Kt, Vt, tab = K[layer, 0, h], V[layer, 0, h], tables[b]
+    else:
+        Kt, Vt, tab = K[layer, b, h], V[layer, b, h], ident[:K.shape[3]]
     if s == 0 and pgroup[b] < 0:
         for slot in range(split0):
             for r in range(R):
@@ -229,25 +252,27 @@ def run_unit(u, layer, T, window, nsplit, split0, scale, softcap, code, q, knew,
             for d in range(part_o.shape[4]):
                 part_o[b, h, split0 + s, r, d] = 0.0
         return
-    blk0, blk1, lo, hi = unit_span(L, T - sk, window, nsplit, s, pstart[b])
+    blk0, blk1, lo, hi = unit_span(L, T - sk, window, nsplit, s, pstart[b] if split0 > 0 else 0)
     for t in range(sk, T):
         if lo <= L + t - sk < hi:
-            put_row(Kt, Vt, L + t - sk, knew[b, h, t], vnew[b, h, t], code)
+            put_row(Kt, Vt, tab, L + t - sk, knew[b, h, t], vnew[b, h, t], code)
     exact = code == BF16 and simd.HAS_DPBF16 and _bf16_exact(qbits, b, h * G, G, T)   # vdpbf16ps scores
     for g in range(G):
         for t in range(T):
             _stage_query(q, b, h * G + g, t, g * T + t, scale, exact, qs, qp, qbits)
     dp = scale if exact else np.float32(0.0)
-    attend_unit(qs, qp, dp, R, T, Kt, Vt, blk0, blk1, lo, hi, L, window, softcap,
+    attend_unit(qs, qp, dp, R, T, Kt, Vt, tab, blk0, blk1, lo, hi, L, window, softcap,
                 code, part_o[b, h, split0 + s], part_m[b, h, split0 + s], part_l[b, h, split0 + s], S, sk)
 
 
 @njit(cache=True)
-def run_prefix_unit(u, group, layer, T, nsplit, pblocks, pgroup, scale, softcap, code, q, PK, PV, part_o,
+def run_prefix_unit(u, group, layer, T, nsplit, pblocks, pgroup, scale, softcap, code, q, PK, PV, ptab, part_o,
                     part_m, part_l, pqs, pqp, pS, po, pm, pl):
     """Unit u = (kv head u // nsplit, split u % nsplit) of shared-prefix group `group`: the first
-    pblocks blocks of its source (PK/PV: [layers, 1, Hkv, nblk, ...], a Context's arena, read
-    only) attended by all its members' queries at once (the requests b with pgroup[b] == group,
+    pblocks blocks of its source (PK/PV: [layers, 1, Hkv, nblk, ...] read through ptab: a
+    Context's arena and the identity, or the paged pool and a member's table, whose first
+    pblocks entries every member's table holds; read only) attended by all its members' queries
+    at once (the requests b with pgroup[b] == group,
     in order, m-th member's rows (m*G + g)*T + t), so each block is read once per step for
     them all. Every query of the step sits past the prefix: no mask. Member b's partial goes
     to split slot s of part_*[b, h] (its rows g*T + t, as run_unit's).
@@ -273,7 +298,7 @@ def run_prefix_unit(u, group, layer, T, nsplit, pblocks, pgroup, scale, softcap,
             m += 1
     dp = scale if exact else np.float32(0.0)
     # L = the prefix's end and T = 1: every row sits there and sees all of [blk0 * BK, blk1 * BK)
-    attend_unit(pqs, pqp, dp, nm * G * T, 1, PK[layer, 0, h], PV[layer, 0, h], blk0, blk1, blk0 * BK,
+    attend_unit(pqs, pqp, dp, nm * G * T, 1, PK[layer, 0, h], PV[layer, 0, h], ptab, blk0, blk1, blk0 * BK,
                 blk1 * BK, pblocks * BK, 0, softcap, code, po, pm, pl, pS, 0)
     rows = G * T
     m = 0
@@ -288,8 +313,8 @@ def run_prefix_unit(u, group, layer, T, nsplit, pblocks, pgroup, scale, softcap,
 
 
 @njit(cache=True)
-def run_job(ctrl, fctrl, seq, busy, code, q, knew, vnew, K, V, Kr, Vr, slots, lengths, order, skip, pstart,
-            pgroup, gblocks, ngroups, part_o, part_m, part_l, qs, qp, S, PKs, PVs, pscratch):
+def run_job(ctrl, fctrl, seq, busy, code, q, knew, vnew, K, V, Kr, Vr, slots, tables, rtables, ident, lengths,
+            order, skip, pstart, pgroup, gblocks, ngroups, part_o, part_m, part_l, qs, qp, S, PKs, PVs, pscratch):
     """One taker's part of attention job `seq` (a worker's, or the parent's: it takes units too).
 
     Units are taken one at a time from the job's tagged ticket (ctrl[TICKET], atomics.claim),
@@ -299,20 +324,31 @@ def run_job(ctrl, fctrl, seq, busy, code, q, knew, vnew, K, V, Kr, Vr, slots, le
     fctrl F_SCALE, F_SOFTCAP) are read only after a successful claim: until this unit is
     finished (FIN fetch-added) the parent cannot start the next job. Any permutation gives the
     same result; the order only shortens the tail. Returns the number of units taken.
-    With ngroups shared-prefix groups (group g: the first gblocks[g] blocks of PKs[g]/PVs[g],
-    tuples of MAX_GROUPS arrays,
-    members pgroup[b] == g), units 0..ngroups*Hkv*PSPLIT-1 are theirs (run_prefix_unit, longest
+    With ngroups shared-prefix groups (group g: its first gblocks[g] blocks, members pgroup[b] == g),
+    units 0..ngroups*Hkv*PSPLIT-1 are theirs (run_prefix_unit, longest
     first), the rest are the requests' own rows from pstart[b] on (run_unit, split slots PSPLIT..).
-    q [B,Hq,Tmax,D] f32; knew/vnew [B,Hkv,Tmax,D]; lengths/order/skip/pstart/pgroup [B]; K/V [layers,B,Hkv,nblk,
-    D,BK] and [layers,B,Hkv,nblk,D/W,BK,W], Kr/Vr likewise for ring layers; slots [layers]: layer i's
-    KV is K[slots[i]] when >= 0, Kr[-slots[i] - 1] when < 0; part_o [B,Hkv,NS,rows,D];
+    q [B,Hq,Tmax,D] f32; knew/vnew [B,Hkv,Tmax,D]; lengths/order/skip/pstart/pgroup [B]; slots [layers]: layer
+    i's KV is K[slots[i]] when >= 0, Kr[-slots[i] - 1] when < 0; part_o [B,Hkv,NS,rows,D];
     part_m/l [B,Hkv,NS,rows]; qs [rows, D] f32, qp [rows, D/2] u32 and S (score_scratch(rows))
     are the taker's scratch, pscratch (pqs, pqp, pS, po, pm, pl) its scratch for prefix units
     (B*rows rows); ctrl[busy] <- seq on the first claim (who holds units).
+    KV, two ways:
+    - an arena (tables and rtables zero-width): K/V [layers,B,Hkv,nblk,D,BK] and
+      [layers,B,Hkv,nblk,D/W,BK,W], Kr/Vr likewise (rings) for sliding-window layers, read through
+      ident[:nblk] (identity_table: int64, at least as long as any of their block counts);
+      group g's blocks are in PKs[g]/PVs[g] (tuples of MAX_GROUPS arrays, prefix_sources;
+      [layers,1,Hkv,...]: a Context's arena).
+    - a paged pool (tables [B, MAXBLK] int64): K/V [layers,1,Hkv,NB,...], request b's logical
+      block i in physical block tables[b, i]; a group reads its first gblocks[g] blocks from K/V
+      through its first member's table (every member's holds them at the same indices); PKs/PVs
+      are unused. Layers in Kr/Vr [layers,1,Hkv,NR,...] read through rtables [B, NRT] (modulo its
+      width: a ring of NRT blocks per request, or every block); their jobs must post PSPLIT 0
+      (a ring's blocks are not shared), and then every request's rows are read from row 0.
     """
     taken = 0
     tag = seq & C.TAG_MASK                  # control.ticket_tag
     Hkv = K.shape[2]
+    paged = tables.shape[1] > 0
     while True:
         left = atomics.claim(ctrl, C.TICKET, tag)
         if left == 0:
@@ -329,19 +365,42 @@ def run_job(ctrl, fctrl, seq, busy, code, q, knew, vnew, K, V, Kr, Vr, slots, le
         if u < ngroups * per_group:
             g = u // per_group
             pqs, pqp, pS, po, pm, pl = pscratch
+            if paged:
+                PK, PV, ptab = K, V, tables[_first_member(pgroup, g)]
+            else:
+                PK, PV = PKs[g], PVs[g]
+                ptab = ident[:PK.shape[3]]
             run_prefix_unit(u % per_group, g, slot, T, psplit, gblocks[g], pgroup, scale, softcap, code, q,
-                            PKs[g], PVs[g], part_o, part_m, part_l, pqs, pqp, pS, po, pm, pl)
+                            PK, PV, ptab, part_o, part_m, part_l, pqs, pqp, pS, po, pm, pl)
         else:
             args = (T, ctrl[C.WINDOW], nsplit, psplit, scale, softcap, code, q, knew, vnew)
             u -= ngroups * per_group
             if slot >= 0:
-                run_unit(u, slot, *args, K, V, lengths, order, skip, pstart, pgroup, part_o, part_m, part_l,
-                         qs, qp, S)
-            else:
-                run_unit(u, -slot - 1, *args, Kr, Vr, lengths, order, skip, pstart, pgroup, part_o, part_m,
+                run_unit(u, slot, *args, K, V, tables, ident, lengths, order, skip, pstart, pgroup, part_o, part_m,
                          part_l, qs, qp, S)
+            else:
+                run_unit(u, -slot - 1, *args, Kr, Vr, rtables, ident, lengths, order, skip, pstart, pgroup, part_o,
+                         part_m, part_l, qs, qp, S)
         atomics.fetch_add(ctrl, C.FIN, 1)
         taken += 1
+
+
+@njit(inline="always")
+def _first_member(pgroup, g):
+    """The first request of group g (0 if none: a group has members)."""
+    for b in range(pgroup.shape[0]):
+        if pgroup[b] == g:
+            return b
+    return 0
+
+
+def identity_table(*arrays):
+    """run_job's `ident` for an arena: arange over the most blocks any of the KV arrays holds
+    ([layers, B, Hkv, nblk, ...]; at least 1), made once per session: a unit reads ident[:nblk]."""
+    return np.arange(max([a.shape[3] for a in arrays if a.ndim > 3] + [1]), dtype=np.int64)
+
+
+NO_TABLES = np.zeros((0, 0), np.int64)     # run_job's tables/rtables in an arena: not paged
 
 
 def prefix_scratch(rows, dpad):
@@ -365,21 +424,41 @@ def prefix_sources(Ks, Vs, K, V):
 
 
 def run_alone(layer, T, window, nsplit, scale, softcap, code, q, knew, vnew, K, V, lengths, order,
-              part_o, part_m, part_l, qs, qp, S):
+              part_o, part_m, part_l, qs, qp, S, *, tables=None, ring=False, skip=None, pgroup=None, gblocks=None,
+              psplit=1, sources=None):
     """Every unit of one layer's step in this process, through run_job and control words of its
-    own (tests, warm-up). Returns the number of units taken."""
+    own (tests, warm-up, benchmarks). Returns the number of units taken.
+    tables: [B, MAXBLK] block tables (K/V a paged pool, batch 1); None: an arena. ring: K/V are
+    run_job's Kr/Vr (the layer's slot < 0; tables, if any, its rtables). pgroup/gblocks: shared-
+    prefix groups (pstart[b] = gblocks[pgroup[b]] * BK), each in psplit splits, read from the pool
+    (paged) or from sources = (Ks, Vs) (an arena: K/V then hold each request's rows from pstart
+    on). skip [B]: run_job's (zeros by default)."""
     ctrl = np.zeros(C.nbytes(1) // 8, np.int64)
     fctrl = ctrl.view(np.float64)
-    units = lengths.shape[0] * K.shape[2] * nsplit
+    B, Hkv = lengths.shape[0], K.shape[2]
+    zeros = np.zeros(B, np.int64)
+    pgroup = zeros - 1 if pgroup is None else np.asarray(pgroup, np.int64)
+    gblocks = zeros[:1] if gblocks is None else np.asarray(gblocks, np.int64)
+    ngroups = int(pgroup.max()) + 1 if pgroup.size else 0
+    pstart = np.where(pgroup >= 0, gblocks[np.maximum(pgroup, 0)] * BK, 0).astype(np.int64)
+    units = ngroups * Hkv * psplit + B * Hkv * nsplit
     ctrl[C.LAYER], ctrl[C.QLEN], ctrl[C.WINDOW], ctrl[C.NSPLIT], ctrl[C.UNITS] = layer, T, window, nsplit, units
+    ctrl[C.PSPLIT] = psplit
     fctrl[C.F_SCALE], fctrl[C.F_SOFTCAP] = scale, softcap
     ctrl[C.TICKET] = C.ticket(1, units)
+    tables = NO_TABLES if tables is None else np.ascontiguousarray(tables, np.int64)
+    Ks, Vs = sources or ([], [])
+    PKs, PVs = prefix_sources(Ks, Vs, K, V)
+    ident = identity_table(K, *Ks)
+    skip = zeros if skip is None else np.asarray(skip, np.int64)
     slots = np.arange(K.shape[0], dtype=np.int64)
-    PKs, PVs = prefix_sources([], [], K, V)
-    zeros = np.zeros_like(lengths)
-    taken = run_job(ctrl, fctrl, 1, C.PARENT_BUSY, code, q, knew, vnew, K, V, K, V, slots, lengths, order,
-                    zeros, zeros, zeros - 1, zeros[:1], 0, part_o, part_m, part_l, qs, qp, S, PKs, PVs,
-                    prefix_scratch(1, q.shape[3]))
+    if ring:                    # no shared prefix in a ring layer: tables (for K/V) do not matter
+        slots, kv, rtables, tables = -1 - slots, (K[:0], V[:0], K, V), tables, NO_TABLES
+    else:
+        kv, rtables = (K, V, K[:0], V[:0]), NO_TABLES
+    taken = run_job(ctrl, fctrl, 1, C.PARENT_BUSY, code, q, knew, vnew, *kv, slots, tables, rtables, ident, lengths,
+                    order, skip, pstart, pgroup, gblocks, ngroups, part_o, part_m, part_l, qs, qp, S, PKs, PVs,
+                    prefix_scratch(B * qs.shape[0] if ngroups else 1, q.shape[3]))
     if taken != units or ctrl[C.FIN] != units:
         raise RuntimeError(f"run_job took {taken} of {units} units")
     return taken

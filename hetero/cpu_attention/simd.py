@@ -9,8 +9,9 @@ for the host (one zmm on AVX-512, two ymm on AVX2, four q-registers on NEON).
 KV storage is widened in registers: fp32 loads as is, bf16 is (bits << 16),
 fp16 goes through `fpext half` (vcvtph2ps on x86 with F16C).
 
-  QK[nr](qs, qp, r0, kt, blk, S, c0, code, dp)
+  QK[nr](qs, qp, r0, kt, blk, nxt, S, c0, code, dp)
       S[r0+i, c0:c0+BK] = sum_d qs[r0+i, d] * kt[blk, d, :BK]          i < nr
+      (and block nxt, the one read next, is prefetched: see _prefetch_ahead)
       qs [R, D] f32 (queries), kt [nblk, D, BK] storage (K blocks, transposed so a
       block's BK scores are two vectors), S [R, >= c0+BK] f32.
       bf16 K blocks are pair-interleaved: element (d, j) of a block sits at
@@ -20,7 +21,7 @@ fp16 goes through `fpext half` (vcvtph2ps on x86 with F16C).
       dims at once from qp [R, D/2] u32 (q as packed bf16 pairs, which must be
       exact: bf16 models give bf16 q), halving the QK arithmetic; the scores are
       then multiplied by dp (the softmax scale) as they are stored.
-  PV[nr](P, r0, c0, vt, blk, n, o, code)
+  PV[nr](P, r0, c0, vt, blk, nxt, n, o, code)
       o[r0+i, c*W:(c+1)*W] += sum_{jj<n} P[r0+i, c0+jj] * vt[blk, c, jj, :]   i < nr
       P [R, >= c0+BK] f32 (probabilities), vt [nblk, D/W, BK, W] storage (V blocks cut
       into W-wide column panels, so each pass over a panel reads contiguous
@@ -50,7 +51,7 @@ from numba.extending import intrinsic
 
 W = 16          # lanes per vector
 BK = 2 * W      # KV rows per block (two score vectors per query row)
-PREFETCH = True  # the K and V loops prefetch the next block (_prefetch_ahead)
+PREFETCH = True  # the K and V loops prefetch the block read next (_prefetch_ahead)
 
 _F32 = ir.FloatType()
 _I16 = ir.IntType(16)
@@ -117,16 +118,23 @@ def _prefetch(builder, base, offset):
                       ir.Constant(_I32, 3), ir.Constant(_I32, 1)])                              # keep, data
 
 
-def _prefetch_ahead(builder, base, offset, D, conv, elems):
-    """Prefetch what the next block holds where this one is being read (offset): a block is
-    D*BK elements, K's [D, BK] and V's [D/W, BK, W] alike. The loops read a block front to back,
-    so the next one arrives a block ahead of its use: on the H100 host's Xeon a core read its
-    blocks at 6.4 GB/s, far below its share of the socket's bandwidth, as a core waiting on
-    each line would (its hardware prefetchers stop at every 4 KB page). elems: the storage
-    elements the loop reads from offset on."""
+def _block_step(builder, blkv, nxtv, D):
+    """Elements from block blk to block nxt (a block is D*BK elements, K's [D, BK] and V's
+    [D/W, BK, W] alike): the distance _prefetch_ahead looks ahead by."""
+    return builder.mul(builder.sub(nxtv, blkv), builder.mul(D, ir.Constant(_I64, BK)))
+
+
+def _prefetch_ahead(builder, base, offset, step, conv, elems):
+    """Prefetch what block nxt holds where block blk is being read (offset; step = _block_step):
+    the caller's next block, which a block table may put anywhere (blk + 1 in a contiguous
+    cache). The loops read a block front to back, so the next one arrives a block ahead of its
+    use: on the H100 host's Xeon a core read its blocks at 6.4 GB/s, far below its share of the
+    socket's bandwidth, as a core waiting on each line would (its hardware prefetchers stop at
+    every 4 KB page, and cannot follow a table). elems: the storage elements the loop reads from
+    offset on."""
     if not PREFETCH:
         return
-    ahead = builder.add(offset, builder.mul(D, ir.Constant(_I64, BK)))
+    ahead = builder.add(offset, step)
     per_line = 64 // (4 if conv == "f32" else 2)                  # storage elements per cache line
     for i in range(-(-elems // per_line)):
         _prefetch(builder, base, builder.add(ahead, ir.Constant(_I64, i * per_line)))
@@ -174,27 +182,28 @@ def _f32_ok(arr):
 
 def _make_qk(nr):
     @intrinsic
-    def qk(typingctx, qs, qp, r0, kt, blk, S, c0, code, dp):
+    def qk(typingctx, qs, qp, r0, kt, blk, nxt, S, c0, code, dp):
         if not (_f32_ok(qs) and _f32_ok(S) and _storage_ok(kt, 3)
                 and isinstance(qp, types.Array) and qp.ndim == 2 and qp.layout == "C" and qp.dtype == types.uint32
-                and all(isinstance(x, types.Integer) for x in (r0, blk, c0, code)) and dp == types.float32):
+                and all(isinstance(x, types.Integer) for x in (r0, blk, nxt, c0, code)) and dp == types.float32):
             return None
 
         def codegen(context, builder, sig, args):
             qptr, (_, D) = _data(context, builder, sig.args[0], args[0])
             qpptr, _ = _data(context, builder, sig.args[1], args[1])
             kptr, _ = _data(context, builder, sig.args[3], args[3])
-            sptr, (_, sstride) = _data(context, builder, sig.args[5], args[5])
-            r0v, blkv, c0v = (context.cast(builder, args[k], sig.args[k], types.int64) for k in (2, 4, 6))
-            dpv = args[8]
+            sptr, (_, sstride) = _data(context, builder, sig.args[6], args[6])
+            r0v, blkv, nxtv, c0v = (context.cast(builder, args[k], sig.args[k], types.int64) for k in (2, 4, 5, 7))
+            dpv = args[9]
             kbase = builder.mul(blkv, builder.mul(D, ir.Constant(_I64, BK)))   # start of block blk
+            step = _block_step(builder, blkv, nxtv, D)
             accs = [cgutils.alloca_once(builder, _VF) for _ in range(2 * nr)]
-            pairs = functools.partial(_qk_pairs, builder, nr, D, qptr, qpptr, r0v, kptr, kbase, accs)
+            pairs = functools.partial(_qk_pairs, builder, nr, D, qptr, qpptr, r0v, kptr, kbase, step, accs)
 
             def emit(conv):
                 store = functools.partial(_store_scores, builder, nr, r0v, sptr, sstride, c0v, accs)
                 if conv != "bf16":
-                    _qk_loop(builder, conv, nr, D, qptr, r0v, kptr, kbase, accs)
+                    _qk_loop(builder, conv, nr, D, qptr, r0v, kptr, kbase, step, accs)
                     store()
                 elif not HAS_DPBF16:
                     pairs(use_dp=False)
@@ -208,21 +217,21 @@ def _make_qk(nr):
                             pairs(use_dp=False)
                             store()
 
-            _by_storage(context, builder, sig.args[3], args[7], sig.args[7], emit)
+            _by_storage(context, builder, sig.args[3], args[8], sig.args[8], emit)
             return context.get_dummy_value()
 
-        return types.void(qs, qp, r0, kt, blk, S, c0, code, dp), codegen
+        return types.void(qs, qp, r0, kt, blk, nxt, S, c0, code, dp), codegen
 
     return qk
 
 
-def _qk_loop(builder, conv, nr, D, qptr, r0v, kptr, kbase, accs):
+def _qk_loop(builder, conv, nr, D, qptr, r0v, kptr, kbase, step, accs):
     for a in accs:
         builder.store(_vf(0.0), a)
     with cgutils.for_range(builder, D) as loop:
         d = loop.index
         koff = builder.add(kbase, builder.mul(d, ir.Constant(_I64, BK)))
-        _prefetch_ahead(builder, kptr, koff, D, conv, 2 * W)
+        _prefetch_ahead(builder, kptr, koff, step, conv, 2 * W)
         k0 = _load_vec(builder, kptr, koff, conv)
         k1 = _load_vec(builder, kptr, builder.add(koff, ir.Constant(_I64, W)), conv)
         for i in range(nr):
@@ -232,7 +241,7 @@ def _qk_loop(builder, conv, nr, D, qptr, r0v, kptr, kbase, accs):
             builder.store(_fmuladd(builder, qv, k1, builder.load(accs[2 * i + 1])), accs[2 * i + 1])
 
 
-def _qk_pairs(builder, nr, D, qptr, qpptr, r0v, kptr, kbase, accs, use_dp):
+def _qk_pairs(builder, nr, D, qptr, qpptr, r0v, kptr, kbase, step, accs, use_dp):
     """bf16 K in pair-interleaved blocks [D/2, BK, 2]: lane j of the i32 vector at pair p
     holds (k[2p, j] | k[2p+1, j] << 16)."""
     for a in accs:
@@ -241,7 +250,7 @@ def _qk_pairs(builder, nr, D, qptr, qpptr, r0v, kptr, kbase, accs, use_dp):
     with cgutils.for_range(builder, half) as loop:
         p = loop.index
         koff = builder.add(kbase, builder.mul(p, ir.Constant(_I64, 2 * BK)))
-        _prefetch_ahead(builder, kptr, koff, D, "bf16", 4 * W)
+        _prefetch_ahead(builder, kptr, koff, step, "bf16", 4 * W)
         x = [_load_ivec(builder, kptr, koff), _load_ivec(builder, kptr, builder.add(koff, ir.Constant(_I64, 2 * W)))]
         if use_dp:
             for i in range(nr):
@@ -279,30 +288,31 @@ def _store_scores(builder, nr, r0v, sptr, sstride, c0v, accs, scale=None):
 
 def _make_pv(nr):
     @intrinsic
-    def pv(typingctx, P, r0, c0, vt, blk, n, o, code):
+    def pv(typingctx, P, r0, c0, vt, blk, nxt, n, o, code):
         if not (_f32_ok(P) and _f32_ok(o) and _storage_ok(vt, 4)
-                and all(isinstance(x, types.Integer) for x in (r0, c0, blk, n, code))):
+                and all(isinstance(x, types.Integer) for x in (r0, c0, blk, nxt, n, code))):
             return None
 
         def codegen(context, builder, sig, args):
             pptr, (_, pstride) = _data(context, builder, sig.args[0], args[0])
             vptr, (_, nchunks, _, _) = _data(context, builder, sig.args[3], args[3])
-            optr, (_, D) = _data(context, builder, sig.args[6], args[6])
-            r0v, c0v, blkv, nv = (context.cast(builder, args[k], sig.args[k], types.int64) for k in (1, 2, 4, 5))
+            optr, (_, D) = _data(context, builder, sig.args[7], args[7])
+            r0v, c0v, blkv, nxtv, nv = (context.cast(builder, args[k], sig.args[k], types.int64) for k in (1, 2, 4, 5, 6))
             pptr = builder.gep(pptr, [c0v])
             vbase = builder.mul(blkv, builder.mul(D, ir.Constant(_I64, BK)))   # start of block blk
+            step = _block_step(builder, blkv, nxtv, D)
             accs = [cgutils.alloca_once(builder, _VF) for _ in range(nr)]
-            _by_storage(context, builder, sig.args[3], args[7], sig.args[7],
-                        lambda conv: _pv_loop(builder, conv, nr, D, nchunks, pptr, pstride, r0v, vptr, vbase, nv,
-                                              optr, accs))
+            _by_storage(context, builder, sig.args[3], args[8], sig.args[8],
+                        lambda conv: _pv_loop(builder, conv, nr, D, nchunks, pptr, pstride, r0v, vptr, vbase, step,
+                                              nv, optr, accs))
             return context.get_dummy_value()
 
-        return types.void(P, r0, c0, vt, blk, n, o, code), codegen
+        return types.void(P, r0, c0, vt, blk, nxt, n, o, code), codegen
 
     return pv
 
 
-def _pv_loop(builder, conv, nr, D, nchunks, pptr, pstride, r0v, vptr, vbase, nv, optr, accs):
+def _pv_loop(builder, conv, nr, D, nchunks, pptr, pstride, r0v, vptr, vbase, step, nv, optr, accs):
     with cgutils.for_range(builder, nchunks) as chunk:
         col = builder.mul(chunk.index, ir.Constant(_I64, W))
         optrs = []
@@ -315,7 +325,7 @@ def _pv_loop(builder, conv, nr, D, nchunks, pptr, pstride, r0v, vptr, vbase, nv,
             jj = loop.index
             panel = builder.add(vbase, builder.mul(chunk.index, ir.Constant(_I64, BK * W)))
             voff = builder.add(panel, builder.mul(jj, ir.Constant(_I64, W)))
-            _prefetch_ahead(builder, vptr, voff, D, conv, W)
+            _prefetch_ahead(builder, vptr, voff, step, conv, W)
             v = _load_vec(builder, vptr, voff, conv)
             for i in range(nr):
                 row = builder.add(r0v, ir.Constant(_I64, i))

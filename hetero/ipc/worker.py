@@ -72,12 +72,13 @@ class Worker:
             self.close_session()             # nothing half-mapped; the job reports the error
             raise
         self.PKs, self.PVs = kernel.prefix_sources([x["K"] for x in srcs], [x["V"] for x in srcs], v["K"], v["V"])
+        self.ident = kernel.identity_table(v["K"], v["Kr"], *self.PKs)     # an arena: blocks read in place
         self.pscratch = kernel.prefix_scratch(lay.batch * rows if srcs else 1, lay.dpad)
         self.ngroups = lay.groups
 
     def close_session(self):
         if self.v is not None:
-            self.v = self.PKs = self.PVs = None
+            self.v = self.PKs = self.PVs = self.ident = None
             self.seg.close()
             for seg in self.psegs:
                 seg.close()
@@ -118,7 +119,8 @@ class Worker:
     def attend(self, seq):
         v = self.v
         kernel.run_job(self.words, self.floats, seq, C.busy_word(self.rank), self.code, v["q"], v["knew"],
-                       v["vnew"], v["K"], v["V"], v["Kr"], v["Vr"], self.slots, v["lengths"], v["order"],
+                       v["vnew"], v["K"], v["V"], v["Kr"], v["Vr"], self.slots, kernel.NO_TABLES, kernel.NO_TABLES,
+                       self.ident, v["lengths"], v["order"],
                        v["skip"], v["pstart"], v["pgroup"], v["gblocks"], self.ngroups, v["part_o"],
                        v["part_m"], v["part_l"], self.qs, self.qp, self.S, self.PKs, self.PVs, self.pscratch)
 

@@ -30,8 +30,9 @@ K and V are blocked (BK = 32 rows per block, nblk = cap / BK; see
 hetero.cpu_attention.kernel for why): row j of a request lives in block j // BK;
 bf16 K blocks are pair-interleaved inside (kernel.k_index). A layer with a sliding
 window keeps only the rows it can still see, in a ring: row j lives in block
-(j // BK) % nring of its Kr/Vr (the kernel takes every block index modulo the array's
-block count, which is the identity for K/V). Layers keep their order inside K/V and
+(j // BK) % nring of its Kr/Vr (the kernel reads blocks through a block table, here the
+identity over the array's blocks taken modulo its length: kernel.identity_table; the identity
+for K/V). Layers keep their order inside K/V and
 inside Kr/Vr (`layer_slots`).
 
 A batch continuing Contexts shares their KV (`groups` > 0): the requests continuing one

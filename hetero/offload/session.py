@@ -121,7 +121,9 @@ class KVSession:
             srcs = [src.layout.views(src.seg) for src, _ in self.prefix_groups]     # read in place
             PKs, PVs = kernel.prefix_sources([x["K"] for x in srcs], [x["V"] for x in srcs], v["K"], v["V"])
             pscratch = kernel.prefix_scratch(self.batch * rows if srcs else 1, self.layout.dpad)
+            # an arena, not a paged pool: no block tables, every block read through the identity
             self._job = (v["q"], v["knew"], v["vnew"], v["K"], v["V"], v["Kr"], v["Vr"], slots_of(ringed),
+                         kernel.NO_TABLES, kernel.NO_TABLES, kernel.identity_table(v["K"], v["Kr"], *PKs),
                          v["lengths"], v["order"], v["skip"], v["pstart"], v["pgroup"], v["gblocks"],
                          len(srcs), v["part_o"], v["part_m"], v["part_l"],
                          np.zeros((rows, self.layout.dpad), np.float32),
