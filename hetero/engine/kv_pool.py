@@ -1,8 +1,11 @@
 """Bookkeeping of the paged KV pool: which request holds which 32-row block, and the prefix cache.
 
-The pool's memory is one arena per model (K [layers, NBLOCKS, Hkv, Dp, BK], V tiled likewise; see
-hetero.offload.arena for the per-block layout): block id b names rows [0, 32) of block b in every
-full-attention layer and kv head at once. This module never touches that memory; it decides
+The pool's memory is one arena per model (K [layers, 1, Hkv, NBLOCKS, Dp, BK], V tiled likewise, so
+each head's blocks are one C-contiguous array as the kernel's SIMD loops want; see
+hetero.offload.arena for the per-block layout and kernel.run_job for reads through block tables):
+block id b names rows [0, 32) of block b in every full-attention layer and kv head at once. The
+kernel reads a scattered table at about half the speed of consecutive ids (bench/kernel_paged.py):
+an allocator that hands out runs of consecutive ids is still to come. This module never touches that memory; it decides
 which ids each request's rows go to.
 
   structure                      owned (written) by       read by
