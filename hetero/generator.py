@@ -1,16 +1,14 @@
 """HeteroGenerator: HF-style generate() with the KV cache and decode attention on CPU workers.
 
 The facade: the public API (generate, prefill, load_context, the LoRA adapters, close) and what
-ties a call together: the worker pool and planner it runs on, the KV session it opens, the lock.
-The parts live in modules named for them: settings (a call's arguments), memory (its KV rows),
+ties a call together: the KV session it opens, the lock. The parts live in modules named for
+them: workers (the pool and planner a call runs on), settings (a call's arguments), memory (its KV rows),
 adapters.sync (a PeftModel's adapters), offload.registry (the contexts kept between calls),
 routing (the call lock, the attention routed to a session, the transport) and prefill (chunked
 prefill and the continuation of contexts, a mixin of HeteroGenerator).
 """
 import contextlib
 import logging
-import os
-import threading
 import time
 import weakref
 from dataclasses import replace
@@ -23,15 +21,14 @@ from hetero.adapters.sync import active
 from hetero.compat import GENERATE_CACHE_KWARG, without_cache
 from hetero.config import HeteroConfig
 from hetero.context import Context
-from hetero.cpu_attention.planner import ProfiledPlanner, StaticPlanner
 from hetero.errors import AdapterError, GeneratorClosedError, UnsupportedModelError, WorkerError
-from hetero.ipc.pool import WorkerPool
 from hetero.memory import default_reserve, plan_cache
 from hetero.model_spec import inspect_model
-from hetero.offload.registry import ContextRegistry, close_kept
+from hetero.offload.registry import ContextRegistry
 from hetero.offload.session import KVSession
 from hetero.prefill import PrefillMixin
 from hetero.routing import CallLock, choose_transport, keeping_cache, routed
+from hetero.workers import WorkersMixin, release as _release
 from hetero.settings import (MODEL_DEFAULT, check_inputs, default_new_tokens, generation_settings,
                              inferred_mask, one_pass_only, pad_id, resolve_lengths, rope_ok, rope_refused)
 
@@ -45,10 +42,9 @@ from hetero.settings import (DEFAULT_NEW_TOKENS, GC_FIELDS as _GC_FIELDS, PASS_T
 
 log = logging.getLogger("hetero")
 
-SHARED_IDLE_SPIN = 400   # ~10 us of polls before a CPU model's worker sleeps (atomics.sleep_until_changed)
 
 
-class HeteroGenerator(PrefillMixin):
+class HeteroGenerator(PrefillMixin, WorkersMixin):
     """Generate with a transformers causal LM whose KV cache and decode attention live on CPU workers.
 
         with HeteroGenerator(model, adapters={"legal": "path/to/lora"}) as gen:
@@ -219,73 +215,6 @@ class HeteroGenerator(PrefillMixin):
     def _lora_batch(self, adapter_names, batch, layers=None):
         """The call's LoraBatch (None: no adapters anywhere; sync.lora_batch)."""
         return sync.lora_batch(self._store, self._hooks, self._peft_model, self.model, adapter_names, batch, layers)
-
-    @property
-    def cpu_workers(self):
-        return self._pool.n if self._pool else self.config.resolve_workers()[0]
-
-    def _ensure_pool(self):
-        if self._pool is None or not self._pool.alive:
-            if self._pool is not None:
-                self._pool.close()
-            n, cores = self.config.resolve_workers()
-            # a CPU model's workers share cores with its torch threads: they sleep right after a job
-            # (the next comes after a layer's dense part); a GPU model's spin through one layer
-            idle_spin = SHARED_IDLE_SPIN if self.model.device.type == "cpu" else self.config.spin_budget
-            self._pool = WorkerPool(n, cores, spin_budget=self.config.spin_budget, idle_spin=idle_spin,
-                                    start_timeout=self.config.start_timeout, job_timeout=self.config.worker_timeout)
-            self._planner = None
-            try:
-                if self._store is not None:
-                    self._store.attach(self._pool)
-                if self.model.device.type == "cuda":
-                    self._pin_parent(self._pool.worker_cores)
-            except BaseException:            # half set up: not a pool the next call may take as alive
-                self._pool.close()
-                raise
-        return self._pool
-
-    def _pin_parent(self, worker_cores):
-        """A GPU model: the calling thread (the one enqueueing the GPU's work; threads it starts
-        later inherit it) keeps to the cores no worker is pinned to, so workers spinning through a
-        decode step never take its core; torch's CPU ops (the parent's merge of split partials, the
-        profile) run as many threads as it has cores left (more, spinning on one core, made a merge
-        of 16 partials take 0.25 s on the H100 host). close() in the same thread restores both.
-        Nothing to do when the workers use every core."""
-        usable = os.sched_getaffinity(0)
-        free = usable - set(worker_cores)
-        if not free or free == usable:
-            return
-        if self._parent_affinity is None:
-            threads = torch.get_num_threads()
-            self._parent_affinity = (threading.get_native_id(), usable, threads, min(len(free), threads))
-        os.sched_setaffinity(0, free)
-        torch.set_num_threads(self._parent_affinity[3])
-
-    def _drop_pool(self):
-        """Close a pool a call found broken (the next call starts another). While contexts stay
-        open a new pool starts at once: its first worker is what unlinks their segments should this
-        process be killed (SIGKILL runs no cleanup of ours), and without a pool they would outlive
-        it. (A death found outside a call, e.g. by load_adapter, leaves that to the next call.)"""
-        self._pool.close()
-        if self._contexts and not self._closed:
-            try:
-                self._ensure_pool()
-            except Exception as e:            # the next call starts one, and raises why
-                log.warning("hetero: could not restart the CPU worker pool after a worker died (%s); "
-                            "the next call tries again", e)
-
-    def _ensure_planner(self, pool):
-        """The decode planner: from the machine's measured profile (cached on disk) unless profile='off'."""
-        if self._planner is None:
-            if self.config.profile == "off":
-                self._planner = StaticPlanner(pool.n)
-            else:
-                from hetero.profile import load_or_measure
-
-                profile, _ = load_or_measure(pool, self.spec)
-                self._planner = ProfiledPlanner(profile, pool.n)
-        return self._planner
 
     def generate(self, input_ids=None, attention_mask=None, max_new_tokens=MODEL_DEFAULT, adapter_names=None, context=None,
                  extend_context=None, **kwargs):
@@ -571,41 +500,3 @@ class HeteroGenerator(PrefillMixin):
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _release(state):
-    """What close() frees, from a HeteroGenerator's attributes (also its finalizer's, when it is
-    collected without close()): its contexts, hooks, adapters, workers, and the cores its thread
-    was pinned away from. Every step runs; the first error other than a worker's (the contexts
-    are closed whatever their workers did) is raised after them."""
-    contexts = state["_contexts"].take_all()
-    steps = [(lambda kept=kept: close_kept(kept)) for kept in contexts] + [state["_hooks"].remove]
-    steps += [state[name].close for name in ("_store", "_pool") if state[name] is not None]
-    if state["_parent_affinity"] is not None:         # a GPU model pinned its thread: give the cores back
-        tid, cores, threads, pinned = state["_parent_affinity"]
-        steps += [lambda: _restore_affinity(tid, cores), lambda: _restore_threads(threads, pinned)]
-    state["_store"] = state["_pool"] = state["_parent_affinity"] = None
-    first = None
-    for step in steps:
-        try:
-            step()
-        except Exception as e:
-            if first is None and not isinstance(e, WorkerError):
-                first = e
-    if first is not None:
-        raise first
-
-
-def _restore_affinity(tid, cores):
-    """Give a pinned thread its cores back (nothing to do once it has exited)."""
-    try:
-        os.sched_setaffinity(tid, cores)
-    except ProcessLookupError:
-        pass
-
-
-def _restore_threads(threads, pinned):
-    """torch's thread count (process-wide) back to `threads`, unless something changed it since
-    this generator set `pinned` (another generator pinned after it, say: its close() restores)."""
-    if torch.get_num_threads() == pinned:
-        torch.set_num_threads(threads)

@@ -150,7 +150,7 @@ def test_attention_interface_registration(llama):
                       "config._attn_implementation",
                   "a function registered under a new name becomes the model's attention after "
                   "set_attn_implementation(name), which config._attn_implementation then reads back (and takes "
-                  "again to restore the previous one)", "hetero/attention.py:register, hetero/generator.py:_routed"):
+                  "again to restore the previous one)", "hetero/attention.py:register, hetero/routing.py:routed"):
         previous = llama.config._attn_implementation
         with attn_impl(llama, "hetero-api-registration"), torch.no_grad():
             assert llama.config._attn_implementation == "hetero-api-registration"
@@ -451,7 +451,7 @@ def test_forward_cache_keyword():
     with upstream(TF, "the models' forward(cache=... | past_key_values=...)",
                   "a causal LM's forward names its cache argument 'cache' (5.24) or 'past_key_values' (5.17), found "
                   "by its signature, and takes it under that name without a deprecation warning",
-                  "hetero/compat.py:forward_cache_kwarg, hetero/generator.py:_forward"), torch.no_grad():
+                  "hetero/compat.py:forward_cache_kwarg, hetero/prefill.py:_forward"), torch.no_grad():
         for family in ("llama", "gemma2"):
             model = build_model(family)[0]
             name = forward_cache_kwarg(model.forward)
@@ -508,7 +508,7 @@ def test_generate_continues_prefilled_cache(llama):
                       "them, without a deprecation warning, and fills the "
                       "cache as generate would; generate(full input_ids, full mask, cache holding the first n) then feeds "
                       "only input_ids[:, n:] in its first forward, and the result equals a generate without the cache",
-                      "hetero/generator.py:_forward, prefill_chunks, _feed, _generate_in_context(s)"), torch.no_grad():
+                      "hetero/prefill.py:_forward, prefill_chunks, _feed, _generate_in_context(s)"), torch.no_grad():
             try:
                 with deprecations() as found:
                     HeteroGenerator._forward(owner, cache, ids, mask, 0, cached)
@@ -546,7 +546,7 @@ def test_generation_config_fields():
                   "the public instance attributes of GenerationConfig() are its fields; hetero takes each as a generate "
                   "keyword and refuses by name the ones it cannot run (UNSUPPORTED_SETTINGS): a field added by a "
                   f"release must be reviewed there (new: {sorted(fields - known)})",
-                  "hetero/generator.py:_GC_FIELDS, UNSUPPORTED_SETTINGS, _generation_settings"):
+                  "hetero/settings.py:GC_FIELDS, UNSUPPORTED_SETTINGS, generation_settings"):
         assert not fields - known
     read = {"max_new_tokens", "max_length", "pad_token_id", "eos_token_id", "cache_implementation", "max_time",
             "watermarking_config", "return_dict_in_generate", "output_attentions", "output_hidden_states",
@@ -554,7 +554,7 @@ def test_generation_config_fields():
     with upstream(TF, "GenerationConfig fields hetero reads",
                   f"GenerationConfig has the fields {sorted(read)} (hetero reads them from the model's "
                   "generation_config and the resolved settings), and the ones it refuses",
-                  "hetero/generator.py:_generate, _default_new_tokens, _inferred_mask, _generation_settings"):
+                  "hetero/generator.py:_generate, hetero/settings.py:default_new_tokens, inferred_mask, generation_settings"):
         assert read <= fields, sorted(read - fields)
         missing = sorted(set(UNSUPPORTED_SETTINGS) - fields)
         assert not missing, f"UNSUPPORTED_SETTINGS names fields transformers no longer has: {missing}"
@@ -563,7 +563,7 @@ def test_generation_config_fields():
 def test_generation_config_update(llama):
     with upstream(TF, "GenerationConfig.update(**kwargs)",
                   "update sets each field it is given, None included (a call's explicit None sets the model's value "
-                  "aside), and returns the keywords that are no field", "hetero/generator.py:_generation_settings"):
+                  "aside), and returns the keywords that are no field", "hetero/settings.py:generation_settings"):
         gc = copy.deepcopy(llama.generation_config)
         gc.max_new_tokens = 7
         rest = gc.update(max_new_tokens=None, temperature=0.5, not_a_field=1)
@@ -579,7 +579,7 @@ def test_generation_mode():
                   "every setting that takes generate off greedy search or sampling is one hetero refuses "
                   "(get_generation_mode reads no other field but do_sample and top_k), and penalty_alpha matters only "
                   "as CONTRASTIVE_SEARCH (top_k > 1, no sampling)",
-                  "hetero/generator.py:UNSUPPORTED_SETTINGS, _generation_settings"):
+                  "hetero/settings.py:UNSUPPORTED_SETTINGS, generation_settings"):
         src = inspect.getsource(GenerationConfig.get_generation_mode)
         read = set(re.findall(r"self\.([a-z_]+)", src))
         assert read - {"do_sample", "top_k"} <= set(UNSUPPORTED_SETTINGS), sorted(read - set(UNSUPPORTED_SETTINGS))
@@ -596,7 +596,8 @@ def test_generate_keyword_resolution(llama):
                   "keywords override the model's generation_config, an explicit None included (max_new_tokens=None "
                   "lets max_length count; cache_implementation=None sets a checkpoint's 'static' aside); a "
                   "generation_config object's None fields take the model's",
-                  "hetero/generator.py:_generation_settings, _with_generation_config, _generate"), torch.no_grad():
+                  "hetero/settings.py:generation_settings, with_generation_config, "
+                  "hetero/generator.py:_generate"), torch.no_grad():
         try:
             llama.generation_config.max_new_tokens = 5
             llama.generation_config.cache_implementation = "static"
@@ -617,7 +618,7 @@ def test_generate_default_length(llama):
     with upstream(TF, "generate's default length",
                   f"without max_new_tokens or max_length anywhere (GenerationConfig().max_length is None), generate "
                   f"adds {DEFAULT_NEW_TOKENS} new tokens",
-                  "hetero/generator.py:DEFAULT_NEW_TOKENS, _default_new_tokens"), \
+                  "hetero/settings.py:DEFAULT_NEW_TOKENS, default_new_tokens"), \
             torch.no_grad():
         assert GenerationConfig().max_length is None and llama.generation_config.max_length is None
         with warnings.catch_warnings():
@@ -632,7 +633,7 @@ def test_generate_infers_attention_mask(llama):
     ids = torch.tensor([[0, 0, 5, 6], [3, 4, 5, 6]])          # pad_token_id 0 (not an eos id)
     with upstream(TF, "generate's attention-mask inference (_prepare_attention_mask_for_generation)",
                   "without attention_mask, generate masks input_ids == pad_token_id where the pad id occurs and is no "
-                  "eos id, else attends every token", "hetero/generator.py:_inferred_mask"), torch.no_grad():
+                  "eos id, else attends every token", "hetero/settings.py:inferred_mask"), torch.no_grad():
         try:
             llama.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=0, eos_token_id=2)
             assert torch.equal(masks[0].long(), (ids != 0).long())
@@ -650,7 +651,7 @@ def test_max_time_criteria(llama):
                       "(_merge_criteria_processor_list)",
                   "MaxTimeCriteria counts from initial_timestamp; generate runs a caller's criteria, and where the "
                   "caller's list holds a MaxTimeCriteria as well as max_time= the caller's wins",
-                  "hetero/generator.py:_generation_settings"), torch.no_grad():
+                  "hetero/settings.py:generation_settings"), torch.no_grad():
         assert list(inspect.signature(MaxTimeCriteria).parameters)[:2] == ["max_time", "initial_timestamp"]
         late = StoppingCriteriaList([MaxTimeCriteria(1.0, initial_timestamp=time.time() - 10)])
         ids = torch.tensor([[5, 6, 7]])
@@ -666,7 +667,7 @@ def test_watermarking_config():
     d = {"greenlist_ratio": 0.5, "bias": 1.5, "seeding_scheme": "lefthash", "context_width": 1}
     with upstream(TF, "WatermarkingConfig.from_dict / GenerationConfig(watermarking_config=dict)",
                   "GenerationConfig(...) turns a watermarking_config dict into a WatermarkingConfig, and "
-                  "WatermarkingConfig.from_dict(d) gives the same", "hetero/generator.py:_generation_settings"):
+                  "WatermarkingConfig.from_dict(d) gives the same", "hetero/settings.py:generation_settings"):
         made = GenerationConfig(watermarking_config=d).watermarking_config
         assert isinstance(made, WatermarkingConfig)
         assert WatermarkingConfig.from_dict(d).to_dict() == made.to_dict()
@@ -678,7 +679,7 @@ def test_generate_signature():
     with upstream(TF, "GenerationMixin.generate signature",
                   "generate(inputs, generation_config=, logits_processor=, stopping_criteria=, streamer=, **kwargs) "
                   "(tokenizer, for stop_strings, and the GenerationConfig fields ride **kwargs)",
-                  "hetero/generator.py:PASS_THROUGH, generate"):
+                  "hetero/settings.py:PASS_THROUGH, hetero/generator.py:generate"):
         params = inspect.signature(transformers.GenerationMixin.generate).parameters
         assert list(params)[1] == "inputs"
         for name in set(PASS_THROUGH) - {"tokenizer"} | {"generation_config"}:
@@ -718,7 +719,7 @@ def test_cache_dropping_prepare_inputs():
                   "these families override GenerationMixin.prepare_inputs_for_generation (in their "
                   "transformers.models module) to drop the cache once input_ids pass "
                   "original_max_position_embeddings with a cache not past it; the generic one (super()) keeps it",
-                  "hetero/model_spec.py:CACHE_DROPPING_MODEL_TYPES, hetero/generator.py:_keeping_cache"):
+                  "hetero/model_spec.py:CACHE_DROPPING_MODEL_TYPES, hetero/routing.py:keeping_cache"):
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
         import importlib
 
@@ -751,7 +752,7 @@ def test_generate_uses_instance_prepare_inputs(llama):
     with upstream(TF, "GenerationMixin.generate -> self.prepare_inputs_for_generation",
                   "generate prepares each step's inputs through self.prepare_inputs_for_generation, so a function "
                   "set on the model instance for the call replaces the family's override",
-                  "hetero/generator.py:_routed, _keeping_cache"), torch.no_grad():
+                  "hetero/routing.py:routed, keeping_cache"), torch.no_grad():
         llama.prepare_inputs_for_generation = wrapper
         try:
             llama.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False, eos_token_id=None)
@@ -820,7 +821,7 @@ def test_attention_and_rotary_modules():
                       "get_decoder() holds the attention modules; get_input_embeddings().num_embeddings is the "
                       "vocabulary; get_output_embeddings() is the LM head",
                       "hetero/model_spec.py:_check_attention_modules, _position_limit, "
-                      "hetero/generator.py:_check_inputs, hetero/adapters/hooks.py:max_linear_dims"):
+                      "hetero/settings.py:check_inputs, hetero/adapters/hooks.py:max_linear_dims"):
             attn = [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
             assert sorted(m.layer_idx for m in attn) == list(range(cfg.num_hidden_layers))
             decoder = {id(m) for m in model.get_decoder().modules()}
@@ -1021,7 +1022,7 @@ def test_peft_layer_classes(peft_lib, peft_model):
                   "LoRA layers are LoraLayer (a BaseTunerLayer) instances placed in get_base_model() (the causal LM) "
                   "at the adapted modules' paths (e.g. model.layers.0.self_attn.q_proj)",
                   "hetero/adapters/hooks.py:peft_layers, hetero/adapters/source.py:from_peft_model, "
-                  "hetero/generator.py:__init__/_is_peft_model"):
+                  "hetero/generator.py:__init__, hetero/adapters/sync.py:is_peft_model"):
         from peft.tuners.lora import LoraLayer
         from peft.tuners.tuners_utils import BaseTunerLayer
 
@@ -1044,7 +1045,7 @@ def test_peft_lora_layer_attributes(peft_lib, peft_model):
                   "bool; use_dora and lora_variant are dicts by adapter name; adapter_layer_names names the "
                   "ModuleDicts holding the adapter weights",
                   "hetero/adapters/source.py:from_peft_model, base_linear, hetero/adapters/hooks.py:LoraHooks.ensure, "
-                  "hetero/generator.py:_peft_adapter_keys/_check_model_state/_weights_key"):
+                  "hetero/adapters/sync.py:adapter_keys, check_model_state, hetero/offload/registry.py:weights_key"):
         assert isinstance(q.base_layer, torch.nn.Linear)
         A, B = q.lora_A["default"], q.lora_B["default"]
         assert isinstance(A, torch.nn.Linear) and isinstance(B, torch.nn.Linear)
@@ -1087,7 +1088,7 @@ def test_peft_base_name_in_adapter_names(peft_lib, peft_model):
     x = torch.randint(3, 100, (2, 4))
     with upstream(PEFT, "PeftModel(..., adapter_names=[...]) and its '__base__'",
                   f"in peft's adapter_names, {BASE!r} means the base model for that request (hetero takes the same "
-                  "name)", "hetero/adapters/source.py:BASE, hetero/generator.py:_lora_batch"), torch.no_grad():
+                  "name)", "hetero/adapters/source.py:BASE, hetero/adapters/sync.py:lora_batch"), torch.no_grad():
         mixed = peft_model(x, adapter_names=[BASE, "default"]).logits
         with peft_model.disable_adapter():
             base = peft_model(x).logits
@@ -1109,7 +1110,7 @@ def test_peft_active_and_disabled(peft_lib):
                         "BaseTunerLayer.disable_adapters",
                   "active_adapters is the list of the active adapter names (one after set_adapter); inside "
                   "disable_adapter() every tuner layer's disable_adapters is True, and False again after",
-                  "hetero/generator.py:_default_adapter, _adapters_disabled"):
+                  "hetero/adapters/sync.py:default_adapter, adapters_disabled"):
         assert list(model.active_adapters) == ["default"]
         model.set_adapter("second")
         assert list(model.active_adapters) == ["second"]
@@ -1125,7 +1126,7 @@ def test_peft_merge(peft_lib):
     layers = peft_layers(model.get_base_model())
     with upstream(PEFT, "PeftModel.merge_adapter / unmerge_adapter / BaseTunerLayer.merged_adapters",
                   "merge_adapter() lists the adapter in each layer's merged_adapters (its delta written into the "
-                  "base weight), unmerge_adapter() empties them", "hetero/generator.py:_check_model_state"):
+                  "base weight), unmerge_adapter() empties them", "hetero/adapters/sync.py:check_model_state"):
         model.merge_adapter()
         assert all(m.merged_adapters == ["default"] for m in layers)
         model.unmerge_adapter()
@@ -1141,7 +1142,7 @@ def test_peft_changes_are_visible(peft_lib):
     with upstream(PEFT, "set_peft_model_state_dict / LoraLayer.set_scale / PeftModel.delete_adapter",
                   "loading an adapter's state dict changes each LoRA weight's identity, storage or in-place version "
                   "counter; set_scale changes LoraLayer.scaling; delete_adapter removes the name from lora_A",
-                  "hetero/generator.py:_peft_adapter_keys, _sync_peft_adapters"):
+                  "hetero/adapters/sync.py:adapter_keys, hetero/generator.py:_sync_peft_adapters"):
         before = _peft_adapter_keys(layers)
         sd = {k: v + 1 for k, v in peft_lib.get_peft_model_state_dict(model).items()}
         peft_lib.set_peft_model_state_dict(model, sd)
@@ -1258,7 +1259,7 @@ def test_peft_parameter_names(peft_lib):
     with upstream(PEFT, "parameter names of a peft-wrapped model",
                   "a LoRA layer's base weight is named '<path>.base_layer.weight', its adapter weights contain "
                   "'lora_', and a modules_to_save copy '.modules_to_save.' (beside '.original_module.')",
-                  "hetero/offload/saved.py:fingerprint, hetero/generator.py:_weights_key"):
+                  "hetero/offload/saved.py:fingerprint, hetero/offload/registry.py:weights_key"):
         base = {n.replace(".base_layer", "") for n in names
                 if "lora_" not in n and ".modules_to_save." not in n and ".original_module." not in n}
         assert base == plain - {"lm_head.weight"}, sorted(base ^ (plain - {"lm_head.weight"}))[:6]
@@ -1304,7 +1305,8 @@ def test_accelerate_hooks_survive():
 def test_torch_internals():
     with upstream(TORCH, "Tensor._version / Tensor.data_ptr / nn.Module._modules",
                   "an in-place write (copy_, load_state_dict) bumps a tensor's _version; data_ptr() is its storage; "
-                  "_modules holds a module's children", "hetero/generator.py:_weights_key, _version, _storage, "
+                  "_modules holds a module's children", "hetero/offload/registry.py:weights_key, "
+                  "hetero/adapters/sync.py:_version, _storage, "
                   "hetero/adapters/hooks.py:peft_layers"):
         lin = torch.nn.Linear(2, 2)
         v, ptr = lin.weight._version, lin.weight.data_ptr()
