@@ -9,9 +9,10 @@ _EXPORTS = {
     "HeteroGenerator": "hetero.generator",
     "HeteroConfig": "hetero.config",
     "Context": "hetero.context",
+    **{name: "hetero.engine.engine" for name in ("Engine", "EngineConfig", "RequestStream")},
     **{name: "hetero.errors" for name in ("HeteroError", "UnsupportedModelError", "CapacityError", "WorkerError",
                                           "WorkerDiedError", "GeneratorClosedError", "AdapterError",
-                                          "ContextFileError", "MissingDependencyError")},
+                                          "ContextFileError", "MissingDependencyError", "EngineError")},
 }
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"

@@ -35,3 +35,7 @@ class ContextFileError(HeteroError, ValueError):
 
 class MissingDependencyError(HeteroError):
     """A package this feature needs is not installed (the message names the install command)."""
+
+
+class EngineError(HeteroError):
+    """The engine failed a request (a worker died, the model raised); the cause is chained."""

@@ -339,7 +339,8 @@ def run_job(ctrl, fctrl, seq, busy, code, q, knew, vnew, K, V, Kr, Vr, slots, ta
       group g's blocks are in PKs[g]/PVs[g] (tuples of MAX_GROUPS arrays, prefix_sources;
       [layers,1,Hkv,...]: a Context's arena).
     - a paged pool (tables [B, MAXBLK] int64): K/V [layers,1,Hkv,NB,...], request b's logical
-      block i in physical block tables[b, i]; a group reads its first gblocks[g] blocks from K/V
+      block i in physical block tables[b, i]; the job's groups are ctrl[NGROUPS] (not ngroups,
+      which a paged taker ignores: they change per step); a group reads its first gblocks[g] blocks from K/V
       through its first member's table (every member's holds them at the same indices); PKs/PVs
       are unused. Layers in Kr/Vr [layers,1,Hkv,NR,...] read through rtables [B, NRT] (modulo its
       width: a ring of NRT blocks per request, or every block); their jobs must post PSPLIT 0
@@ -358,11 +359,12 @@ def run_job(ctrl, fctrl, seq, busy, code, q, knew, vnew, K, V, Kr, Vr, slots, ta
         layer = ctrl[C.LAYER]
         slot = slots[layer]
         T, nsplit = ctrl[C.QLEN], ctrl[C.NSPLIT]
-        psplit = ctrl[C.PSPLIT] if ngroups > 0 else 0
+        ng = ctrl[C.NGROUPS] if paged else ngroups      # a paged pool's groups change per step
+        psplit = ctrl[C.PSPLIT] if ng > 0 else 0
         scale, softcap = np.float32(fctrl[C.F_SCALE]), np.float32(fctrl[C.F_SOFTCAP])
         u = ctrl[C.UNITS] - left
         per_group = Hkv * psplit
-        if u < ngroups * per_group:
+        if u < ng * per_group:
             g = u // per_group
             pqs, pqp, pS, po, pm, pl = pscratch
             if paged:
@@ -374,7 +376,7 @@ def run_job(ctrl, fctrl, seq, busy, code, q, knew, vnew, K, V, Kr, Vr, slots, ta
                             PK, PV, ptab, part_o, part_m, part_l, pqs, pqp, pS, po, pm, pl)
         else:
             args = (T, ctrl[C.WINDOW], nsplit, psplit, scale, softcap, code, q, knew, vnew)
-            u -= ngroups * per_group
+            u -= ng * per_group
             if slot >= 0:
                 run_unit(u, slot, *args, K, V, tables, ident, lengths, order, skip, pstart, pgroup, part_o, part_m,
                          part_l, qs, qp, S)
@@ -443,7 +445,7 @@ def run_alone(layer, T, window, nsplit, scale, softcap, code, q, knew, vnew, K, 
     pstart = np.where(pgroup >= 0, gblocks[np.maximum(pgroup, 0)] * BK, 0).astype(np.int64)
     units = ngroups * Hkv * psplit + B * Hkv * nsplit
     ctrl[C.LAYER], ctrl[C.QLEN], ctrl[C.WINDOW], ctrl[C.NSPLIT], ctrl[C.UNITS] = layer, T, window, nsplit, units
-    ctrl[C.PSPLIT] = psplit
+    ctrl[C.PSPLIT], ctrl[C.NGROUPS] = psplit, ngroups
     fctrl[C.F_SCALE], fctrl[C.F_SOFTCAP] = scale, softcap
     ctrl[C.TICKET] = C.ticket(1, units)
     tables = NO_TABLES if tables is None else np.ascontiguousarray(tables, np.int64)

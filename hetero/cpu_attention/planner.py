@@ -164,6 +164,8 @@ class ProfiledPlanner:
         nblk = tuple(((np.asarray(lengths) + T + BK - 1) // BK).tolist())
         key = (nblk, T, layout.kv_heads, layout.nsplit_max, parent)
         if key not in self._memo:
+            if len(self._memo) >= 4096:       # an engine's lengths change every step: keep the memo bounded
+                self._memo.clear()
             rows = layout.q_heads // layout.kv_heads * T
             t = predict(self.profile, lengths, T, layout.kv_heads, rows, layout.nsplit_max,
                         None if parent else self.nworkers)[:self.nworkers + 1]
@@ -183,6 +185,6 @@ class StaticPlanner:
     def plan(self, lengths, T, layout, parent=True):
         takers = self.nworkers + 1 if parent else max(1, self.nworkers)
         most = max(1, min(int(np.max(lengths)) // self.min_rows, layout.nsplit_max))
-        heads = layout.batch * layout.kv_heads
+        heads = len(lengths) * layout.kv_heads
         nsplit = min(range(1, most + 1), key=lambda s: (-(-heads * s // takers) / s, s))
         return self.nworkers, int(nsplit)

@@ -20,7 +20,7 @@ Pure logic: no torch, no clocks but the policy's (and requests' arrival_time).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -184,9 +184,10 @@ class Scheduler:
 
         return SchedulerOutput(out, preempted, cfg.max_num_batched_tokens - budget)
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(self, output: SchedulerOutput, sampled: dict[str, int], stopped: Collection[str] = ()) -> list[Request]:
         """After the step's forward: advance each scheduled request, append its sampled token (if it
-        sampled), stop it on eos or max_new_tokens, offer its new whole blocks to the prefix cache,
+        sampled), stop it on eos, max_new_tokens or when its id is in `stopped` (a stopping
+        criterion of the sampler's fired on the new token), offer its new whole blocks to the prefix cache,
         pin a Context's prompt, free finished requests' blocks. Returns the requests finished."""
         finished = []
         for s in output.scheduled:
@@ -202,7 +203,7 @@ class Scheduler:
                     raise ValueError(f"no token sampled for {r.request_id!r}, which samples this step")
                 tok = int(sampled[r.request_id])
                 r.output_token_ids.append(tok)
-                if tok in r.eos_token_ids:
+                if tok in r.eos_token_ids or r.request_id in stopped:
                     status = RequestStatus.FINISHED_STOPPED
                 elif r.num_output_tokens >= r.max_new_tokens:
                     status = RequestStatus.FINISHED_LENGTH

@@ -4,8 +4,10 @@
   CMD.. main, before SEQ  workers     the job: command and its integer params
   F_*   main, before SEQ  workers     float params (a float64 view of line 2)
   PSPLIT main, before SEQ workers    a shared-prefix session's prefix splits this job (word 14)
+  NGROUPS main, before SEQ workers   a paged pool's job: its shared-prefix groups (word 15)
   S_*   main, before OPEN workers     session shape (see hetero.offload.arena); S_GROUPS/S_PRIVATE:
-                                      shared-prefix groups and private rows (21-22)
+                                      shared-prefix groups and private rows (21-22);
+                                      S_BLOCKS/S_MAXBLK: a paged pool's blocks, table width (38-39)
   ARG*  main, before SEQ  workers     LoRA commands: slot / staging dims
   POP_* main, before SEQ  workers     CMD_POPULATE: two byte ranges of the session segment
                                       (offset, bytes, offset, bytes), shared by every worker
@@ -37,7 +39,7 @@
 import numpy as np
 
 LINE = 8  # int64 words per 64-byte cache line
-CMD, LAYER, QLEN, WINDOW, NSPLIT, UNITS, PSPLIT = 8, 9, 10, 11, 12, 13, 14
+CMD, LAYER, QLEN, WINDOW, NSPLIT, UNITS, PSPLIT, NGROUPS = 8, 9, 10, 11, 12, 13, 14, 15
 F_SCALE, F_SOFTCAP = 16, 17                     # float64 words
 S_BATCH, S_HQ, S_HKV, S_HDIM, S_CAP, S_LAYERS, S_CODE, S_TMAX = range(24, 32)
 S_NSPLIT_MAX = 32
@@ -46,6 +48,7 @@ S_RING, S_RING_LAYERS = 35, 36                   # ring rows and ring layers (sl
 ARG0, ARG1 = 33, 34
 POP_RANGES = (9, 10, 11, 12)                    # CMD_POPULATE's params (attention params' words)
 AWAKE = 37
+S_BLOCKS, S_MAXBLK = 38, 39
 NAME_WORD, NAME_BYTES = 40, 128                 # lines 5-6
 TICKET = 56                                     # line 7, alone: every taker hits it
 FIN = 64                                        # line 8, alone

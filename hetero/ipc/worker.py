@@ -47,11 +47,7 @@ class Worker:
     def open_session(self):
         w = self.words
         self.close_session()
-        lay = SessionLayout(batch=int(w[C.S_BATCH]), q_heads=int(w[C.S_HQ]), kv_heads=int(w[C.S_HKV]),
-                            head_dim=int(w[C.S_HDIM]), cap=int(w[C.S_CAP]), layers=int(w[C.S_LAYERS]),
-                            code=int(w[C.S_CODE]), tmax=int(w[C.S_TMAX]), nsplit_max=int(w[C.S_NSPLIT_MAX]),
-                            ring=int(w[C.S_RING]), ring_layers=int(w[C.S_RING_LAYERS]), private=int(w[C.S_PRIVATE]),
-                            groups=int(w[C.S_GROUPS]))
+        lay = SessionLayout.from_words(w)
         self.session_name = C.read_name(w)
         self.seg = shm.Segment(self.session_name)
         v = self.v = lay.views(self.seg)
@@ -63,7 +59,7 @@ class Worker:
         self.S = kernel.score_scratch(rows)                     # private scratch: scores
         srcs = []            # shared-prefix groups: map each source's segment (a Context's; read only)
         try:
-            for g in range(lay.groups):
+            for g in range(0 if lay.paged else lay.groups):    # a paged pool's groups read the pool
                 src = replace(lay, batch=1, cap=int(v["psrc"][g, 0]), tmax=int(v["psrc"][g, 1]), private=0, groups=0)
                 self.psegs.append(shm.Segment(bytes(v["pnames"][g]).rstrip(b"\0").decode()))
                 srcs.append(src.views(self.psegs[-1]))
@@ -73,8 +69,8 @@ class Worker:
             raise
         self.PKs, self.PVs = kernel.prefix_sources([x["K"] for x in srcs], [x["V"] for x in srcs], v["K"], v["V"])
         self.ident = kernel.identity_table(v["K"], v["Kr"], *self.PKs)     # an arena: blocks read in place
-        self.pscratch = kernel.prefix_scratch(lay.batch * rows if srcs else 1, lay.dpad)
-        self.ngroups = lay.groups
+        self.pscratch = kernel.prefix_scratch(lay.batch * rows if srcs or lay.groups else 1, lay.dpad)
+        self.ngroups = lay.groups         # a paged pool's: the job's NGROUPS word (kernel.run_job)
 
     def close_session(self):
         if self.v is not None:
@@ -119,7 +115,7 @@ class Worker:
     def attend(self, seq):
         v = self.v
         kernel.run_job(self.words, self.floats, seq, C.busy_word(self.rank), self.code, v["q"], v["knew"],
-                       v["vnew"], v["K"], v["V"], v["Kr"], v["Vr"], self.slots, kernel.NO_TABLES, kernel.NO_TABLES,
+                       v["vnew"], v["K"], v["V"], v["Kr"], v["Vr"], self.slots, v["tables"], kernel.NO_TABLES,
                        self.ident, v["lengths"], v["order"],
                        v["skip"], v["pstart"], v["pgroup"], v["gblocks"], self.ngroups, v["part_o"],
                        v["part_m"], v["part_l"], self.qs, self.qp, self.S, self.PKs, self.PVs, self.pscratch)

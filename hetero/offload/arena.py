@@ -35,6 +35,15 @@ identity over the array's blocks taken modulo its length: kernel.identity_table;
 for K/V). Layers keep their order inside K/V and
 inside Kr/Vr (`layer_slots`).
 
+A paged pool (`blocks` > 0, hetero.engine.paged) holds one "request" of `blocks` blocks whose
+ids every request shares: K [Lfull, 1, Hkv, blocks, Dp, BK]; request slot b of a decode job reads
+its rows through `tables` [B, maxblk] (row j in block tables[b, j // BK]; kernel.run_job), and
+`groups` is then the most shared-prefix groups a job may post (their members and blocks are
+chosen per step: pgroup, gblocks, and the job's NGROUPS word). No rings: every layer keeps
+every row (a window reads only the blocks it sees).
+
+  tables   [B, maxblk]                         int64    main (each step)        workers (paged only)
+
 A batch continuing Contexts shares their KV (`groups` > 0): the requests continuing one
 Context form a group, whose rows [0, pstart[b]) are that Context's first whole blocks, read
 from its own segment (the workers map each group's source beside this one). K/V here hold
@@ -48,7 +57,7 @@ import numpy as np
 
 from hetero.cpu_attention.kernel import NP_STORAGE
 from hetero.cpu_attention.simd import BK, W
-from hetero.ipc import shm
+from hetero.ipc import control as C, shm
 
 ALIGN = max(4096, mmap.PAGESIZE)   # arrays start on page boundaries (a GPU page-locks them apart)
 
@@ -111,6 +120,8 @@ class SessionLayout:
     ring_layers: int = 0    # layers kept as rings (Kr/Vr); the other layers keep cap rows (K/V)
     private: int = 0        # rows K/V hold per request (0: cap); less with shared prefixes (a multiple of BK)
     groups: int = 0         # shared-prefix groups (Contexts read in place), NG
+    blocks: int = 0         # a paged pool's blocks (0: an arena of cap rows per request)
+    maxblk: int = 0         # a paged pool's block-table width: blocks one request may hold
 
     def __post_init__(self):
         if self.cap % BK or self.ring % BK:
@@ -121,6 +132,13 @@ class SessionLayout:
                 not 0 <= self.groups <= self.batch:
             raise ValueError(f"{self.groups} shared-prefix groups, {self.private} private rows (cap {self.cap}, "
                              f"{self.ring_layers} ring layers, batch {self.batch})")
+        if self.blocks and (self.ring_layers or self.private or not 0 < self.maxblk <= self.blocks):
+            raise ValueError(f"a paged pool of {self.blocks} blocks: tables {self.maxblk} wide, "
+                             f"{self.ring_layers} ring layers, {self.private} private rows")
+
+    @property
+    def paged(self):
+        return self.blocks > 0
 
     @property
     def dpad(self):
@@ -134,14 +152,15 @@ class SessionLayout:
 
     @property
     def nblk(self):
-        """Blocks K/V hold per request (and layer, kv head)."""
-        return (self.private or self.cap) // BK
+        """Blocks K/V hold per request (and layer, kv head); a paged pool's, all of them."""
+        return self.blocks or (self.private or self.cap) // BK
 
     def arrays(self):
         B, Hq, Hkv, D, T, NS = self.batch, self.q_heads, self.kv_heads, self.dpad, self.tmax, self.nparts
         rows = (Hq // Hkv) * T
         st = NP_STORAGE[self.code]
         full, nring, nblk, NG = self.layers - self.ring_layers, self.ring // BK, self.nblk, max(self.groups, 1)
+        KB = 1 if self.paged else B        # a paged pool is one "request" whose blocks the tables share
         return [
             ("lengths", (B,), np.int64),
             ("skip", (B,), np.int64),
@@ -158,8 +177,9 @@ class SessionLayout:
             ("part_o", (B, Hkv, NS, rows, D), np.float32),
             ("part_m", (B, Hkv, NS, rows), np.float32),
             ("part_l", (B, Hkv, NS, rows), np.float32),
-            ("K", (full, B, Hkv, nblk, D, BK), st),
-            ("V", (full, B, Hkv, nblk, D // W, BK, W), st),
+            ("tables", (B, self.maxblk), np.int64),
+            ("K", (full, KB, Hkv, nblk, D, BK), st),
+            ("V", (full, KB, Hkv, nblk, D // W, BK, W), st),
             ("Kr", (self.ring_layers, B, Hkv, nring, D, BK), st),
             ("Vr", (self.ring_layers, B, Hkv, nring, D // W, BK, W), st),
         ]
@@ -174,7 +194,26 @@ class SessionLayout:
     @property
     def kv_bytes(self):
         rows = (self.layers - self.ring_layers) * self.nblk * BK + self.ring_layers * self.ring
-        return 2 * self.batch * self.kv_heads * rows * self.dpad * np.dtype(NP_STORAGE[self.code]).itemsize
+        return 2 * (1 if self.paged else self.batch) * self.kv_heads * rows * self.dpad * np.dtype(NP_STORAGE[self.code]).itemsize
+
+    def publish(self, words):
+        """Write this layout's shape into the pool's control words (before CMD_OPEN)."""
+        w = words
+        w[C.S_BATCH], w[C.S_HQ], w[C.S_HKV], w[C.S_HDIM] = self.batch, self.q_heads, self.kv_heads, self.head_dim
+        w[C.S_CAP], w[C.S_LAYERS], w[C.S_CODE], w[C.S_TMAX], w[C.S_NSPLIT_MAX] = (
+            self.cap, self.layers, self.code, self.tmax, self.nsplit_max)
+        w[C.S_RING], w[C.S_RING_LAYERS] = self.ring, self.ring_layers
+        w[C.S_GROUPS], w[C.S_PRIVATE] = self.groups, self.private
+        w[C.S_BLOCKS], w[C.S_MAXBLK] = self.blocks, self.maxblk
+
+    @classmethod
+    def from_words(cls, words):
+        """The layout publish() wrote (a worker at CMD_OPEN)."""
+        w = [int(x) for x in words]
+        return cls(batch=w[C.S_BATCH], q_heads=w[C.S_HQ], kv_heads=w[C.S_HKV], head_dim=w[C.S_HDIM], cap=w[C.S_CAP],
+                   layers=w[C.S_LAYERS], code=w[C.S_CODE], tmax=w[C.S_TMAX], nsplit_max=w[C.S_NSPLIT_MAX],
+                   ring=w[C.S_RING], ring_layers=w[C.S_RING_LAYERS], private=w[C.S_PRIVATE], groups=w[C.S_GROUPS],
+                   blocks=w[C.S_BLOCKS], maxblk=w[C.S_MAXBLK])
 
     def views(self, segment):
         """name -> numpy view into `segment` (a hetero.ipc.shm.Segment)."""

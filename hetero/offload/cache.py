@@ -7,6 +7,32 @@ does, so transformers builds the same masks as for its own cache.
 """
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from hetero.errors import UnsupportedModelError
+
+
+class UpdateOrder:
+    """The session side of HeteroCache's contract: one attention call per KV update, of the same
+    layer, right after it, or refuse (a layer reusing cache slots, attention called twice).
+    `pending` [layers]: the layer's cache was updated and its attention has not read it yet."""
+
+    pending: list
+
+    def note_update(self, layer):
+        """HeteroLayer.update of `layer` ran: its attention call comes next."""
+        if self.pending[layer]:
+            raise UnsupportedModelError(f"layer {layer}'s KV cache was updated twice without an attention call "
+                                        "between (a layer reusing cache slots?); not supported")
+        self.pending[layer] = True
+
+    def take_update(self, layer, module):
+        """The attention call of `layer` (module.layer_idx): it must follow that layer's cache update."""
+        if layer is None or not 0 <= layer < len(self.pending) or not self.pending[layer]:
+            raise UnsupportedModelError(
+                f"{type(module).__name__} (layer {layer}) calls attention without a KV cache update of its own "
+                "layer just before it (attention called twice per layer, KV shared across layers, or cache "
+                "slots other than the layer index); not supported")
+        self.pending[layer] = False
+
 
 class HeteroLayer(CacheLayerMixin):
     is_compileable = False

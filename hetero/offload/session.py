@@ -27,6 +27,7 @@ from hetero.errors import UnsupportedModelError, WorkerError
 from hetero.ipc import control as C, shm
 from hetero.ipc.transport import CpuTransport, merge_partials  # noqa: F401 (merge_partials: re-exported)
 from hetero.offload.arena import SessionLayout, layer_slots, ring_plan, slots_of, whole_blocks
+from hetero.offload.cache import UpdateOrder
 from hetero.offload.pinning import ArenaPins
 
 log = logging.getLogger("hetero")
@@ -45,7 +46,7 @@ class Job(NamedTuple):
     psplit: int = 0   # splits of each shared-prefix group (their partials come first: slots 0..psplit-1)
 
 
-class KVSession:
+class KVSession(UpdateOrder):
     @torch.inference_mode(False)    # its tensors outlive the call (a Context): usable outside inference mode
     def __init__(self, pool, spec, pads, real_lens, cap, planner=None, tmax=1, prefix_groups=()):
         """tmax: query tokens per step after the first forward (chunked prefill: the chunk size).
@@ -154,13 +155,8 @@ class KVSession:
         if other is not None and other is not self:
             other.opened = False                      # its segment stays; the workers unmap it now
         self.pool.drain()
-        w, lay = self.pool.words, self.layout
-        w[C.S_BATCH], w[C.S_HQ], w[C.S_HKV], w[C.S_HDIM] = lay.batch, lay.q_heads, lay.kv_heads, lay.head_dim
-        w[C.S_CAP], w[C.S_LAYERS], w[C.S_CODE], w[C.S_TMAX], w[C.S_NSPLIT_MAX] = (
-            lay.cap, lay.layers, lay.code, lay.tmax, lay.nsplit_max)
-        w[C.S_RING], w[C.S_RING_LAYERS] = lay.ring, lay.ring_layers
-        w[C.S_GROUPS], w[C.S_PRIVATE] = lay.groups, lay.private
-        C.write_name(w, self.seg.name)
+        self.layout.publish(self.pool.words)
+        C.write_name(self.pool.words, self.seg.name)
         self.opened = True               # before the job: close() after an interrupt finishes it, then unmaps
         self.pool.session = self
         self.pool.run(C.CMD_OPEN)
@@ -212,19 +208,7 @@ class KVSession:
     def note_update(self, layer):
         """HeteroLayer.update of `layer` ran: its attention call comes next."""
         self.touched = True
-        if self.pending[layer]:
-            raise UnsupportedModelError(f"layer {layer}'s KV cache was updated twice without an attention call "
-                                        "between (a layer reusing cache slots?); not supported")
-        self.pending[layer] = True
-
-    def take_update(self, layer, module):
-        """The attention call of `layer` (module.layer_idx): it must follow that layer's cache update."""
-        if layer is None or not 0 <= layer < len(self.pending) or not self.pending[layer]:
-            raise UnsupportedModelError(
-                f"{type(module).__name__} (layer {layer}) calls attention without a KV cache update of its own "
-                "layer just before it (attention called twice per layer, KV shared across layers, or cache "
-                "slots other than the layer index); not supported")
-        self.pending[layer] = False
+        UpdateOrder.note_update(self, layer)
 
     # ---- prefill: the model's own attention runs; we offload its KV layer by layer
     def store_prefill(self, layer, key, value):

@@ -1,0 +1,474 @@
+"""The engine: requests in, tokens streamed out, one step loop over one paged KV pool.
+
+    engine = Engine(model)                       # or Engine(model, EngineConfig(...), tokenizer=tok)
+    stream = engine.add_request(prompt_ids, max_new_tokens=64, temperature=0.7, do_sample=True, seed=1)
+    for token in stream: ...                     # from any thread; `async for` in an event loop
+    engine.close()
+
+Callers in any thread add and abort requests; their calls go into an inbox that the step drains
+(DESIGN.md section 9), so one thread alone, the engine's, touches the model, the pool and the
+scheduler. `step()` runs one step in the calling thread (tests, benchmarks); `start()` runs
+steps in a background thread whenever there is work (add_request starts it on first use
+unless `EngineConfig.background=False`).
+
+One step:
+    inbox -> scheduler (add, abort)
+    plan = scheduler.schedule()          which requests, how many tokens each (chunked prefill beside decode)
+    logits = runner.execute(plan)        one forward (hetero.engine.runner)
+    tokens = sampler.sample(...)         each request's processors and generator (hetero.engine.sampler)
+    scheduler.update(plan, tokens)       append, stop, cache and free blocks; streams get their tokens
+
+  state                         written by                  read by
+  _inbox                        callers (under _lock)       the engine thread (step)
+  scheduler, kv, pool, model    the engine thread           the engine thread
+  RequestStream (tokens, end)   the engine thread (_push)   callers (under the stream's condition)
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import psutil
+import torch
+
+from hetero import attention
+from hetero.config import HeteroConfig
+from hetero.cpu_attention.planner import StaticPlanner
+from hetero.engine import sampler as sampling
+from hetero.engine.kv_pool import BLOCK_SIZE, BlockPool, KVCacheManager
+from hetero.engine.paged import PagedKV
+from hetero.engine.request import Request, RequestStatus
+from hetero.engine.runner import ModelRunner
+from hetero.engine.scheduler import FCFSPolicy, Policy, Scheduler, SchedulerConfig
+from hetero.errors import CapacityError, EngineError, UnsupportedModelError
+from hetero.ipc import shm
+from hetero.ipc.pool import WorkerPool
+from hetero.model_spec import inspect_model
+from hetero.offload.arena import SessionLayout
+from hetero.offload.session import STORAGE_CODES
+from hetero.settings import MODEL_DEFAULT, generation_settings, resolve_lengths
+
+log = logging.getLogger("hetero")
+
+DEFAULT_MAX_MODEL_LEN = 32768     # tokens per request when the model states no limit
+
+
+def _positive(name, value, allow_none=True):
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"EngineConfig.{name} must be an int >= 1{' or None' if allow_none else ''}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 32                    # requests running at once
+    max_num_batched_tokens: int = 2048        # tokens one step computes, all requests together
+    long_prefill_chunk: int | None = 512      # prompt tokens one request computes per step (None: the budget)
+    max_model_len: int | None = None          # tokens one request may hold (prompt + new); None: the model's
+                                              # max_position_embeddings, else DEFAULT_MAX_MODEL_LEN
+    kv_blocks: int | None = None              # the pool's 32-row blocks; None: from kv_memory
+    kv_memory: int | None = None              # the pool's bytes; None: ram_fraction of the available RAM, at most
+                                              # what max_num_seqs requests of max_model_len tokens hold
+    ram_fraction: float = 0.5
+    policy: Policy = field(default_factory=FCFSPolicy)
+    background: bool = True                   # add_request starts the step loop's thread (False: call step())
+    cpu_workers: int | None = None            # worker processes (None: usable cores - 1, at least 1)
+    worker_timeout: float = 5.0               # seconds a job may go without progress before WorkerError
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            _positive(name, getattr(self, name), allow_none=False)
+        for name in ("long_prefill_chunk", "max_model_len", "kv_blocks", "kv_memory", "cpu_workers"):
+            _positive(name, getattr(self, name))
+        if isinstance(self.ram_fraction, bool) or not isinstance(self.ram_fraction, (int, float)) or \
+                not 0 < self.ram_fraction <= 1:
+            raise ValueError(f"EngineConfig.ram_fraction must be in (0, 1], got {self.ram_fraction!r}")
+        if not hasattr(self.policy, "sort_key"):
+            raise ValueError(f"EngineConfig.policy must have a sort_key method (a Policy), got {self.policy!r}")
+
+
+class RequestStream:
+    """One request's output as the engine produces it: iterate (blocking) or `async for` over its
+    new token ids, or wait for all of them with result(). `finish_reason` is "stop" (an eos id or
+    a stopping criterion), "length" (max_new_tokens) or "abort" once finished."""
+
+    def __init__(self, engine: Engine, request_id: str, prompt_len: int):
+        self.engine, self.request_id, self.prompt_len = engine, request_id, prompt_len
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.error: BaseException | None = None
+        self.scores: list[torch.Tensor] | None = None     # processed scores per token (output_scores=True)
+        self.arrival = time.monotonic()
+        self.token_times: list[float] = []          # time.monotonic() of each token's arrival here
+        self.finish_time: float | None = None
+        self._cond = threading.Condition()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    def _push(self, tokens: list[int], finish_reason: str | None = None, error: BaseException | None = None):
+        """The engine thread: new tokens, and the end."""
+        with self._cond:
+            now = time.monotonic()
+            self.token_times += [now] * len(tokens)
+            self.token_ids += tokens
+            if error is not None:
+                self.error = error
+            elif finish_reason is not None:
+                self.finish_reason = finish_reason
+            if self.finished:
+                self.finish_time = now
+            self._cond.notify_all()
+            waiters = list(self._waiters)
+        for loop, event in waiters:
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:          # that loop is closed
+                pass
+
+    def _raise(self):
+        if self.error is not None:
+            raise EngineError(f"request {self.request_id!r} failed: {self.error}") from self.error
+
+    def _since(self, i: int, wait: bool = False) -> tuple[list[int], bool]:
+        """(the tokens after the first i, finished), waiting for one of them with wait."""
+        with self._cond:
+            while wait and len(self.token_ids) <= i and not self.finished:
+                self._cond.wait()
+            return self.token_ids[i:], self.finished     # finished: no token comes after these
+
+    def __iter__(self) -> Iterator[int]:
+        i, done = 0, False
+        while not done:
+            new, done = self._since(i, wait=True)
+            yield from new
+            i += len(new)
+        self._raise()
+
+    async def __aiter__(self):
+        loop, event = asyncio.get_running_loop(), asyncio.Event()
+        with self._cond:
+            self._waiters.append((loop, event))
+        try:
+            i, done = 0, False
+            while not done:
+                event.clear()
+                new, done = self._since(i)
+                for t in new:
+                    yield t
+                i += len(new)
+                if not new and not done:
+                    await event.wait()
+            self._raise()
+        finally:
+            with self._cond:
+                self._waiters.remove((loop, event))
+
+    def result(self, timeout: float | None = None) -> list[int]:
+        """All output token ids once finished (raises EngineError if it failed, TimeoutError)."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.finished, timeout):
+                raise TimeoutError(f"request {self.request_id!r} unfinished after {timeout} s")
+        self._raise()
+        return list(self.token_ids)
+
+    def abort(self):
+        self.engine.abort(self.request_id)
+
+
+class Engine:
+    """Continuous batching of requests over `model` (a transformers causal LM, see the module doc)."""
+
+    def __init__(self, model, config: EngineConfig | None = None, *, tokenizer=None, pool: WorkerPool | None = None,
+                 planner=None):
+        self.config = config = config or EngineConfig()
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+        self.model, self.tokenizer = model, tokenizer
+        self.spec = spec = inspect_model(model)
+        if spec.one_pass_only:
+            raise UnsupportedModelError(f"the engine computes prompts in chunks over cached KV: {spec.one_pass_only}")
+        # the positions a request may reach: a learned or length-dependent position scheme's limit; for
+        # LongRoPE the switch to its long factors, which transformers makes for a whole forward by its
+        # longest position (in a packed step, another request's)
+        limits = [x for x in (spec.position_limit, spec.rope_switch) if x is not None]
+        default = getattr(model.config.get_text_config(), "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
+        self.max_model_len = config.max_model_len or min(limits + [default])
+        if limits and self.max_model_len > min(limits):
+            why = "LongRoPE switches factors" if min(limits) == spec.rope_switch else "the model's positions end"
+            raise ValueError(f"EngineConfig.max_model_len={self.max_model_len} is past {min(limits)} tokens, where "
+                             f"{why}; the engine serves requests up to there")
+        num_blocks = self._num_blocks()
+        self._own_pool = pool is None
+        if pool is None:
+            n, cores = HeteroConfig(cpu_workers=config.cpu_workers).resolve_workers()
+            pool = WorkerPool(n, cores, job_timeout=config.worker_timeout,
+                              idle_spin=400 if model.device.type == "cpu" else None)
+        self.pool = pool
+        self.kv = None
+        try:
+            self.kv = PagedKV(pool, spec, num_blocks, -(-self.max_model_len // BLOCK_SIZE), config.max_num_seqs,
+                              planner=planner or StaticPlanner(pool.n))
+            self.kv_manager = KVCacheManager(BlockPool(num_blocks))
+            self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                       config.long_prefill_chunk, config.policy), self.kv_manager)
+            self.runner = ModelRunner(model, spec, self.kv)
+        except BaseException:
+            self._release()
+            raise
+        attention.register()
+        self._previous_attn = model.config._attn_implementation
+        model.set_attn_implementation(attention.NAME)
+        self._samplers: dict[str, sampling.RequestSampler] = {}
+        self._streams: dict[str, RequestStream] = {}
+        self._inbox: deque = deque()
+        self._lock = threading.Condition()
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.failure: BaseException | None = None
+        self.steps = 0
+
+    def _num_blocks(self) -> int:
+        cfg, s = self.config, self.spec
+        per_block = SessionLayout(1, s.q_heads, s.kv_heads, s.head_dim, BLOCK_SIZE, s.layers,
+                                  STORAGE_CODES[s.dtype], blocks=1, maxblk=1).kv_bytes
+        if cfg.kv_blocks is not None:
+            n = cfg.kv_blocks
+        else:
+            need = cfg.max_num_seqs * -(-self.max_model_len // BLOCK_SIZE)
+            room = cfg.kv_memory if cfg.kv_memory is not None else int(cfg.ram_fraction * psutil.virtual_memory().available)
+            n = max(1, min(need, room // per_block))
+        free = shm.free_bytes()
+        if free is not None and n * per_block > free:
+            raise CapacityError(f"a KV pool of {n} blocks ({n * per_block / 2**30:.2f} GiB) does not fit the "
+                                f"shared-memory filesystem's {free / 2**30:.2f} GiB free; set EngineConfig.kv_memory")
+        return n
+
+    # ---- callers (any thread)
+    def add_request(self, prompt, max_new_tokens=MODEL_DEFAULT, *, request_id: str | None = None,
+                    seed: int | None = None, adapter: str | None = None, ignore_eos: bool = False,
+                    **generate_kwargs) -> RequestStream:
+        """Queue a request: prompt token ids (a list, or a [1, n] / [n] tensor) and generate's
+        settings (max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty,
+        eos_token_id, stop_strings with tokenizer, logits_processor, stopping_criteria, ...).
+        seed: the request's own torch.Generator when it samples (None: torch's global one).
+        ignore_eos: generate max_new_tokens whatever the tokens (benchmarks, as vLLM's)."""
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+        if self.failure is not None:
+            raise EngineError(f"the engine failed: {self.failure}") from self.failure
+        if adapter is not None:
+            raise NotImplementedError("LoRA adapters are not served by the engine yet")
+        ids = _token_list(prompt)
+        vocab = self.model.config.get_text_config().vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if generate_kwargs.get("streamer") is not None:
+            raise ValueError("streamer= is generate's: iterate over the RequestStream add_request returns")
+        generate_kwargs.pop("streamer", None)
+        tokenizer = generate_kwargs.pop("tokenizer", self.tokenizer)
+        lp, sc = generate_kwargs.pop("logits_processor", None), generate_kwargs.pop("stopping_criteria", None)
+        keep_scores = bool(generate_kwargs.pop("output_scores", False))    # the stream's, not a generate output
+        new, kwargs, model_new, max_length, _ = resolve_lengths(self.model, max_new_tokens, generate_kwargs)
+        settings, _ = generation_settings(self.model, new, kwargs, started=time.time())
+        if new is None:
+            total = settings.max_length if settings.max_length is not None else len(ids) + 20
+            new = max(total - len(ids), 0)
+        if new < 1:
+            raise ValueError(f"max_new_tokens must be >= 1 (the prompt has {len(ids)} tokens), got {new}")
+        if len(ids) + new > self.max_model_len:
+            raise CapacityError(f"prompt of {len(ids)} tokens + max_new_tokens={new} is past the engine's "
+                                f"max_model_len={self.max_model_len}")
+        s = sampling.build(self.model, ids, settings, new, logits_processor=lp, stopping_criteria=sc,
+                           tokenizer=tokenizer, seed=seed)
+        s.keep_scores = keep_scores
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        req = Request(rid, ids, new, eos_token_ids=set() if ignore_eos else s.eos, params=settings)
+        need = self.kv_manager.blocks_for(req.max_rows)
+        if need > self.kv.num_blocks:
+            raise CapacityError(f"request {rid!r} needs {need} KV blocks of {BLOCK_SIZE} rows; the pool has "
+                                f"{self.kv.num_blocks} (EngineConfig.kv_blocks / kv_memory)")
+        stream = RequestStream(self, rid, len(ids))
+        if s.keep_scores:
+            stream.scores = s.scores
+        with self._lock:
+            if rid in self._streams or any(x[0] == "add" and x[1].request_id == rid for x in self._inbox):
+                raise ValueError(f"request id {rid!r} is already in use")
+            self._inbox.append(("add", req, s, stream))
+            self._lock.notify_all()
+        if self.config.background:
+            self.start()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Finish a request now (its stream ends with finish_reason "abort"); its blocks are freed
+        at the next step. Unknown or finished ids are ignored."""
+        with self._lock:
+            self._inbox.append(("abort", request_id))
+            self._lock.notify_all()
+
+    def generate(self, prompts, max_new_tokens=MODEL_DEFAULT, **kwargs) -> list[list[int]]:
+        """Every prompt as its own request (they batch continuously); their output token ids."""
+        streams = [self.add_request(p, max_new_tokens, **kwargs) for p in prompts]
+        if not self.config.background:
+            while not all(s.finished for s in streams):
+                self.step()
+        return [s.result() for s in streams]
+
+    @property
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._inbox) or self.scheduler.has_unfinished
+
+    # ---- the engine thread
+    def step(self) -> int:
+        """One step: admit and abort what callers queued, schedule, one forward, sample, update.
+        Returns the number of tokens computed (0: nothing to do)."""
+        self._drain_inbox()
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return 0
+        try:
+            logits = self.runner.execute(plan)
+            rows = [s.request for s in plan.scheduled if s.samples]
+            tokens, stopped = sampling.sample([self._samplers[r.request_id] for r in rows], logits)
+        except BaseException as e:
+            self._fail_all(e)
+            raise
+        sampled = {r.request_id: t for r, t in zip(rows, tokens)}
+        finished = self.scheduler.update(plan, sampled, {r.request_id for r, st in zip(rows, stopped) if st})
+        done = {r.request_id for r in finished}
+        for r in rows:
+            if r.request_id not in done:
+                self._streams[r.request_id]._push([sampled[r.request_id]])
+        for r in finished:
+            last = [sampled[r.request_id]] if r.request_id in sampled else []
+            self._end(r, last)
+        self.steps += 1
+        return plan.num_tokens
+
+    def _drain_inbox(self):
+        with self._lock:
+            items, self._inbox = list(self._inbox), deque()
+        for item in items:
+            if item[0] == "add":
+                _, req, s, stream = item
+                try:
+                    self.scheduler.add(req)
+                except Exception as e:          # the pool's pinned blocks leave no room for it
+                    stream._push([], error=e)
+                    continue
+                self._samplers[req.request_id], self._streams[req.request_id] = s, stream
+            else:
+                r = self.scheduler.abort(item[1])
+                if r is not None:
+                    self._end(r, [])
+
+    def _end(self, r: Request, last: list[int]):
+        reason = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                  RequestStatus.FINISHED_ABORTED: "abort"}[r.status]
+        self._samplers.pop(r.request_id, None)
+        self._streams.pop(r.request_id)._push(last, reason)
+
+    def _fail_all(self, e: BaseException):
+        """A step raised: every live request fails with it (their blocks freed)."""
+        for rid in list(self.scheduler.requests):
+            self.scheduler.abort(rid)
+            self._samplers.pop(rid, None)
+            self._streams.pop(rid)._push([], error=e)
+
+    def start(self):
+        """Run steps in a background thread while there is work (idempotent)."""
+        with self._lock:
+            if self._thread is None and not self._closed:
+                self._thread = threading.Thread(target=self._loop, name="hetero-engine", daemon=True)
+                self._thread.start()
+
+    def _loop(self):
+        while True:
+            with self._lock:
+                while not self._closed and not self._inbox and not self.scheduler.has_unfinished:
+                    self._lock.wait()
+                if self._closed:
+                    return
+            try:
+                self.step()
+            except BaseException as e:        # the requests failed with it (step); later ones are refused
+                self.failure = e
+                log.error("hetero: the engine's step failed: %s", e)
+                with self._lock:
+                    items, self._inbox = list(self._inbox), deque()
+                for item in items:
+                    if item[0] == "add":
+                        item[3]._push([], error=e)
+                return
+
+    def close(self):
+        """Stop the loop, fail what is unfinished (aborted), free the pool. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._lock.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        self._drain_inbox_on_close()
+        try:
+            self.model.set_attn_implementation(self._previous_attn)
+        finally:
+            self._release()
+
+    def _drain_inbox_on_close(self):
+        with self._lock:
+            items, self._inbox = list(self._inbox), deque()
+        for item in items:
+            if item[0] == "add":
+                item[3]._push([], "abort")
+        for rid in list(self.scheduler.requests):
+            r = self.scheduler.abort(rid)
+            self._end(r, [])
+
+    def _release(self):
+        try:
+            if self.kv is not None:
+                self.kv.close()
+        finally:
+            self.kv = None
+            if self._own_pool:
+                self.pool.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _token_list(prompt) -> list[int]:
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() == 2 and prompt.shape[0] == 1:
+            prompt = prompt[0]
+        if prompt.dim() != 1:
+            raise ValueError(f"a prompt is one sequence of token ids ([n] or [1, n]), got shape {tuple(prompt.shape)}")
+        prompt = prompt.tolist()
+    if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
+        raise TypeError(f"a prompt is a list of token ids, got {type(prompt).__name__}")
+    ids = []
+    for t in prompt:
+        if isinstance(t, bool) or not isinstance(t, int) and not (hasattr(t, "__index__")):
+            raise TypeError(f"prompt token ids must be ints, got {t!r}")
+        ids.append(int(t))
+    if not ids:
+        raise ValueError("empty prompt")
+    return ids

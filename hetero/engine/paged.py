@@ -1,0 +1,252 @@
+"""The paged KV pool's memory: one shared segment the workers map, and the decode job over it.
+
+The pool is one "request" of `num_blocks` 32-row blocks per layer and kv head (a SessionLayout
+with `blocks` set: K [layers, 1, Hkv, NB, Dp, BK], V [layers, 1, Hkv, NB, Dp/W, BK, W]); which
+block holds which request's rows is hetero.engine.kv_pool's business, read here through block
+tables only. A step's decode tokens (one new token per request, after its cached rows) go to
+the CPU workers as one job per layer; the new rows of a prefill chunk are written by the parent
+(write_rows) and its cached rows read back (read_rows) for attention on the model's device.
+
+  segment array  written by                              read by
+  tables, lengths, order, skip, pstart, pgroup, gblocks  the parent (begin_decode, once a step)  the workers
+  q, knew, vnew  the parent (each layer, after drain)    the workers
+  K, V           the parent (write_rows: prefill rows), the workers (a decode token's row, appended
+                 by the unit that reads its block)       the workers; the parent (read_rows)
+  part_o/m/l     the workers and the parent (units)      the parent (merge)
+
+A block read by several decoding requests (refcount > 1: a shared document) is read once per
+step for all of them: requests whose tables start with the same blocks form a group whose
+common blocks are attended in shared-prefix units (kernel.run_prefix_unit), at most
+`max_groups` groups a step; the others read their own rows from 0.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from hetero.cpu_attention import kernel
+from hetero.cpu_attention.kernel import BF16
+from hetero.cpu_attention.planner import StaticPlanner
+from hetero.cpu_attention.simd import BK, W
+from hetero.ipc import control as C, shm
+from hetero.ipc.transport import merge_partials
+from hetero.offload.arena import SessionLayout
+from hetero.offload.session import STORAGE_CODES
+
+
+class PagedKV:
+    """The pool's segment, mapped in `pool`'s workers (a WorkerPool serves one mapped segment at a
+    time: opening this one unmaps a KVSession's, which reopens itself at its next call)."""
+
+    def __init__(self, pool, spec, num_blocks: int, max_blocks_per_seq: int, max_seqs: int,
+                 max_groups: int | None = None, planner=None):
+        self.pool, self.spec = pool, spec
+        max_blocks_per_seq = min(max_blocks_per_seq, num_blocks)
+        groups = max(max_seqs // 2, 1) if max_groups is None else max_groups
+        self.layout = SessionLayout(batch=max_seqs, q_heads=spec.q_heads, kv_heads=spec.kv_heads,
+                                    head_dim=spec.head_dim, cap=BK, layers=spec.layers,
+                                    code=STORAGE_CODES[spec.dtype], tmax=1, groups=groups, blocks=num_blocks,
+                                    maxblk=max_blocks_per_seq)
+        self.planner = planner or StaticPlanner(pool.n)
+        self.windows = spec.windows or (0,) * spec.layers
+        self.opened = False
+        shm.warn_if_small_pages(self.layout.nbytes)
+        self.seg = shm.Segment(shm.new_name("kvpool"), self.layout.nbytes, create=True)
+        try:
+            v = self.v = self.layout.views(self.seg)
+            for name in ("skip", "pstart", "lengths"):
+                v[name][:] = 0
+            v["pgroup"][:] = -1
+            self.q = torch.from_numpy(v["q"])                 # [B, Hq, 1, Dp] f32
+            self.knew, self.vnew = self._storage(v["knew"]), self._storage(v["vnew"])
+            K, V = self._storage(v["K"]), self._storage(v["V"])
+            self.kv = [(K[i, 0], V[i, 0]) for i in range(spec.layers)]   # [Hkv, NB, Dp, BK], [Hkv, NB, Dp/W, BK, W]
+            self.part_o, self.part_m, self.part_l = (torch.from_numpy(v[n]) for n in ("part_o", "part_m", "part_l"))
+            rows = spec.q_heads // spec.kv_heads
+            self._job = (v["q"], v["knew"], v["vnew"], v["K"], v["V"], v["Kr"], v["Vr"],
+                         np.arange(spec.layers, dtype=np.int64), v["tables"], kernel.NO_TABLES,
+                         kernel.identity_table(v["K"][:, :, :, :1]), v["lengths"], v["order"], v["skip"],
+                         v["pstart"], v["pgroup"], v["gblocks"], groups, v["part_o"], v["part_m"], v["part_l"],
+                         np.zeros((rows, self.layout.dpad), np.float32),
+                         np.zeros((rows, self.layout.dpad // 2), np.uint32), kernel.score_scratch(rows),
+                         *kernel.prefix_sources([], [], v["K"][:1, :, :, :1], v["V"][:1, :, :, :1]),
+                         kernel.prefix_scratch(max_seqs * rows, self.layout.dpad))
+            self.open()
+        except BaseException:
+            self.close()
+            raise
+        self.n = 0                    # decode requests this step (begin_decode)
+        self.ngroups = self.nactive = self.nsplit = self.psplit = 0
+        self._inflight = None         # (seq, nactive, units) of the layer's job between post and finish
+
+    @property
+    def num_blocks(self) -> int:
+        return self.layout.blocks
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.nbytes
+
+    def _storage(self, arr):
+        t = torch.from_numpy(arr)
+        return t if arr.dtype == np.float32 else t.view(self.spec.dtype)
+
+    def open(self):
+        """Map the pool in the workers (CMD_OPEN); the session they had mapped is unmapped."""
+        other = self.pool.session
+        if other is not None and other is not self:
+            other.opened = False
+        self.pool.drain()
+        self.layout.publish(self.pool.words)
+        C.write_name(self.pool.words, self.seg.name)
+        self.opened = True
+        self.pool.session = self
+        self.pool.run(C.CMD_OPEN)
+
+    def ensure_open(self):
+        if self.pool.session is not self:
+            self.open()
+
+    # ---- rows written and read by the parent (prefill chunks)
+    def write_rows(self, layer: int, table: torch.Tensor, start: int, key: torch.Tensor, value: torch.Tensor):
+        """Rows start..start+n-1 of a request (key/value [Hkv, n, D], any device) through its block
+        table (int64 tensor: row j in block table[j // BK], column j % BK)."""
+        Hkv, n, D = key.shape
+        if n == 0:
+            return
+        Dp, P = self.layout.dpad, 2 if self.layout.code == BF16 else 1   # bf16 K blocks: pairs (kernel.k_index)
+        j = torch.arange(start, start + n)
+        blk, col = table[j // BK], j % BK
+        Kl, Vl = self.kv[layer]
+        key, value = key.to("cpu", Kl.dtype), value.to("cpu", Vl.dtype)
+        if D != Dp:                                   # zero columns D..Dp-1
+            key, value = F.pad(key, (0, Dp - D)), F.pad(value, (0, Dp - D))
+        # K [Hkv, NB, Dp/P, BK, P][:, blk, :, col] and V [Hkv, NB, Dp/W, BK, W][:, blk, :, col]: [n, Hkv, ...]
+        Kl.view(Hkv, -1, Dp // P, BK, P)[:, blk, :, col] = key.transpose(0, 1).reshape(n, Hkv, Dp // P, P)
+        Vl[:, blk, :, col] = value.transpose(0, 1).reshape(n, Hkv, Dp // W, W)
+
+    def read_rows(self, layer: int, table: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A request's rows 0..n-1 through its block table: ([Hkv, n, D], [Hkv, n, D]) copies."""
+        nb = -(-n // BK)
+        Kl, Vl = self.kv[layer]
+        K, V = Kl[:, table[:nb]], Vl[:, table[:nb]]   # [Hkv, nb, Dp, BK], [Hkv, nb, Dp/W, BK, W]
+        Hkv, Dp = K.shape[0], K.shape[2]
+        P = 2 if self.layout.code == BF16 else 1
+        k = K.reshape(Hkv, nb, Dp // P, BK, P).transpose(2, 3).reshape(Hkv, nb * BK, Dp)
+        v = V.transpose(2, 3).reshape(Hkv, nb * BK, Dp)
+        D = self.spec.head_dim
+        return k[:, :n, :D], v[:, :n, :D]
+
+    # ---- decode: one token per request, attended by the workers
+    def begin_decode(self, lengths: list[int], tables: list[list[int]]):
+        """The step's decode requests (slot i: `lengths[i]` cached rows, block table `tables[i]`,
+        which already has a block for row lengths[i]): their tables, lengths, groups and plan."""
+        v, n = self.v, len(lengths)
+        if n > self.layout.batch:
+            raise ValueError(f"{n} decode requests in a step; the pool's staging holds {self.layout.batch}")
+        self.pool.drain()                          # no job may still read what is written next
+        self.n = n
+        if n == 0:
+            return
+        L = np.asarray(lengths, np.int64)
+        v["lengths"][:n] = L
+        tab = v["tables"]
+        for i, t in enumerate(tables):
+            if len(t) > tab.shape[1]:
+                raise ValueError(f"a block table of {len(t)} blocks; the pool's tables hold {tab.shape[1]}")
+            tab[i, :len(t)] = t
+        v["skip"][:n] = 0
+        v["order"][:n] = np.argsort(-L, kind="stable")
+        self.ngroups = self._group(L, tables)
+        parent = True
+        own = L - v["pstart"][:n]
+        self.nactive, self.nsplit = self.planner.plan(own, 1, self.layout, parent)
+        self.psplit = 0
+        if self.ngroups:
+            members = v["pgroup"][:n]
+            m = int(np.bincount(members[members >= 0]).max())
+            P = int(v["gblocks"][:self.ngroups].max()) * BK
+            nact, self.psplit = self.planner.plan(np.array([max(P - m, 0)]), m, self.layout, parent)
+            self.nactive = max(self.nactive, nact)
+
+    def _group(self, L, tables) -> int:
+        """Decode requests whose tables start with the same block form a group reading their
+        common leading blocks once (pgroup, gblocks, pstart). Returns the number of groups."""
+        v, n = self.v, len(tables)
+        v["pgroup"][:] = -1
+        v["pstart"][:n] = 0
+        by_first: dict[int, list[int]] = {}
+        for i, t in enumerate(tables):
+            if L[i] >= BK:                         # a whole block read before this step's token
+                by_first.setdefault(t[0], []).append(i)
+        g = 0
+        for members in by_first.values():
+            if len(members) < 2 or g == self.layout.groups:
+                continue
+            first = tables[members[0]]
+            common = min(int(L[i]) // BK for i in members)
+            for i in members[1:]:
+                t, k = tables[i], 0
+                while k < common and t[k] == first[k]:
+                    k += 1
+                common = k
+            v["gblocks"][g] = common
+            for i in members:
+                v["pgroup"][i] = g
+                v["pstart"][i] = common * BK
+            g += 1
+        return g
+
+    def post_decode(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    window: int, scale: float, softcap: float):
+        """Stage the decode tokens' q [n, Hq, D] and new k/v [n, Hkv, D] of `layer` and publish its
+        job; the workers run it while the caller computes the prefill chunks (finish_decode)."""
+        n, D = self.n, query.shape[-1]
+        self.pool.drain()                          # no job may still read the staging area
+        self.q[:n, :, 0, :D].copy_(query)          # columns D..Dp-1 stay zero
+        self.knew[:n, :, 0, :D].copy_(key)
+        self.vnew[:n, :, 0, :D].copy_(value)
+        ng, psplit = (0, 0) if window else (self.ngroups, self.psplit)    # a window reads its own rows only
+        w, f = self.pool.words, self.pool.floats
+        w[C.LAYER], w[C.QLEN], w[C.WINDOW], w[C.NSPLIT] = layer, 1, window, self.nsplit
+        w[C.PSPLIT], w[C.NGROUPS] = psplit, ng
+        f[C.F_SCALE], f[C.F_SOFTCAP] = scale, softcap
+        units = ng * self.spec.kv_heads * psplit + n * self.spec.kv_heads * self.nsplit
+        seq = self.pool.submit(C.CMD_ATTN, self.nactive, units, self._share)
+        self._inflight = (seq, self.nactive, units, psplit)
+
+    def finish_decode(self, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Take units, wait for the posted job and merge: [n, Hq, D] f32 (CPU)."""
+        seq, nactive, units, psplit = self._inflight
+        self._inflight = None
+        self.pool.wait(seq, nactive, units, self._share)
+        n, Hq, Hkv, D = self.n, self.spec.q_heads, self.spec.kv_heads, self.spec.head_dim
+        G, ns = Hq // Hkv, psplit + self.nsplit
+        sink = None if sinks is None else sinks.detach().to("cpu", torch.float32).reshape(Hkv, G)
+        out = merge_partials(self.part_o[:n, :, :ns, :G, :D], self.part_m[:n, :, :ns, :G],
+                             self.part_l[:n, :, :ns, :G], sink)          # [n, Hkv, G, D]
+        return out.reshape(n, Hq, D)
+
+    def _share(self, seq):
+        """This process's part of attention job `seq` (kernel.run_job)."""
+        kernel.run_job(self.pool.words, self.pool.floats, seq, C.PARENT_BUSY, self.layout.code, *self._job)
+
+    def close(self):
+        """Unmap in the workers and unlink. Idempotent; safe after a worker died."""
+        failed = None
+        if self.opened:
+            self.opened = False
+            if self.pool.session is self:
+                self.pool.session = None
+                if not self.pool.closed and self.pool.broken is None:
+                    try:
+                        self.pool.run(C.CMD_CLOSE)
+                    except BaseException as e:    # the segment is still unlinked below
+                        failed = e
+        self.q = self.knew = self.vnew = self.kv = self.part_o = self.part_m = self.part_l = None
+        self.v = self._job = None
+        if getattr(self, "seg", None) is not None:
+            self.seg.close()
+        if failed is not None:
+            raise failed

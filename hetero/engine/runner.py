@@ -1,0 +1,150 @@
+"""One forward per engine step over the scheduled requests, packed into one sequence.
+
+The step's tokens (each request's chunk: the rest of a prompt, or the token sampled last) go
+through the model as one row, input_ids [1, N] with each token's own position, as
+transformers' continuous batching packs them: the dense layers do not mix tokens, and
+attention is hetero's (hetero.attention routes it here while the forward runs). Per layer:
+
+  - decode tokens (one new token after a request's cached rows): one job on the CPU workers,
+    posted first (PagedKV.post_decode): they append the token's row and attend through the
+    request's block table, reading blocks shared by several requests once for all of them;
+  - prefill chunks (several tokens): written into the pool through their tables, and attended
+    on the model's device over their cached rows (read back through the table) and their own
+    (sdpa, or eager for soft-capped logits and attention sinks), while the workers run;
+  - then the decode job's partials are merged and every output row is in place.
+
+Logits are computed only for the rows that sample (logits_to_keep as a tensor of indices).
+
+  object        written by                          read by
+  StepAttention  ModelRunner.execute (per step)      hetero.attention (per layer of the forward)
+  its _new      HeteroCache.update (stage_kv)        attend (the same layer, next)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hetero import attention
+from hetero.compat import forward_cache_kwarg
+from hetero.engine.paged import PagedKV
+from hetero.engine.scheduler import SchedulerOutput
+from hetero.offload.cache import HeteroCache, UpdateOrder
+
+
+@dataclass
+class _Chunk:
+    offset: int           # first row in the packed sequence
+    start: int            # the request's first new row (its cached rows before it)
+    n: int
+    table: torch.Tensor   # int64 block table (CPU)
+
+
+class StepAttention(UpdateOrder):
+    """What hetero_attention calls during an engine step's forward (a KVSession's interface:
+    spec, prefilled, note_update/stage_kv through HeteroCache, take_update, attend)."""
+
+    prefilled = True          # every forward attends here (hetero_mask builds no mask)
+
+    def __init__(self, kv: PagedKV, spec, decode_rows: torch.Tensor | None, chunks: list[_Chunk]):
+        self.kv, self.spec = kv, spec
+        self.decode_rows, self.chunks = decode_rows, chunks
+        self.pending = [False] * spec.layers
+        self._new = None
+
+    def begin_forward(self):
+        pass
+
+    def stage_kv(self, key, value):
+        self._new = (key, value)                 # [1, Hkv, N, D]: this layer's new rows
+
+    def attend(self, layer, query, window, scale, softcap, sinks=None):
+        """query [1, Hq, N, D] -> [1, N, Hq, D]."""
+        key, value = self._new
+        self._new = None
+        q, k, v = query[0], key[0], value[0]     # [Hq, N, D], [Hkv, N, D]
+        out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=query.dtype, device=query.device)
+        d = self.decode_rows
+        if d is not None:                        # the workers run while the chunks are attended here
+            self.kv.post_decode(layer, q[:, d].transpose(0, 1), k[:, d].transpose(0, 1), v[:, d].transpose(0, 1),
+                                window or 0, scale, softcap or 0.0)
+        for c in self.chunks:
+            rows = slice(c.offset, c.offset + c.n)
+            kc, vc = k[:, rows], v[:, rows]
+            if c.start:
+                ck, cv = self.kv.read_rows(layer, c.table, c.start)
+                kc = torch.cat([ck.to(kc.device, kc.dtype), kc], 1)
+                vc = torch.cat([cv.to(vc.device, vc.dtype), vc], 1)
+            self.kv.write_rows(layer, c.table, c.start, k[:, rows], v[:, rows])
+            out[rows] = chunk_attention(q[:, rows], kc, vc, c.start, window or 0, scale, softcap, sinks)
+        if d is not None:
+            out[d] = self.kv.finish_decode(sinks).to(out.device, out.dtype)
+        return out.unsqueeze(0)
+
+
+def chunk_attention(q, k, v, start, window, scale, softcap=None, sinks=None):
+    """Causal attention of q [Hq, n, D] (positions start..start+n-1) over k/v [Hkv, start+n, D]
+    (rows 0..start+n-1), with a sliding window of `window` keys (0: none) -> [n, Hq, D]."""
+    n, total = q.shape[1], k.shape[1]
+    mask = None
+    if start or window:
+        i = torch.arange(start, start + n, device=q.device)[:, None]
+        j = torch.arange(total, device=q.device)[None, :]
+        mask = j <= i
+        if window:
+            mask &= i - j < window
+    if softcap or sinks is not None:
+        o, _ = attention.eager_attention(None, q[None], k[None], v[None], mask, scale, softcap, sinks)
+        return o[0]                                         # [n, Hq, D]
+    G = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(G, 0), v.repeat_interleave(G, 0)
+    o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None and n > 1,
+                                       scale=scale)
+    return o[0].transpose(0, 1)
+
+
+class ModelRunner:
+    """Runs a SchedulerOutput through the model: one forward, logits of the sampling rows."""
+
+    def __init__(self, model, spec, kv: PagedKV):
+        self.model, self.spec, self.kv = model, spec, kv
+        self.device = model.device
+        self.keeps_logits = model._supports_logits_to_keep()
+        self.cache_kwarg = forward_cache_kwarg(model.forward)
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> torch.Tensor:
+        """Logits [m, V] (float32) of the scheduled requests that sample, in plan order."""
+        tokens, positions, decode, chunks, sample = [], [], [], [], []
+        lengths, tables = [], []
+        off = 0
+        for s in plan.scheduled:
+            r, n = s.request, s.num_new_tokens
+            tokens += r.tokens(s.start, s.start + n)
+            positions += range(s.start, s.start + n)
+            if n == 1:
+                decode.append(off)
+                lengths.append(s.start)
+                tables.append(r.block_table)
+            else:
+                chunks.append(_Chunk(off, s.start, n, torch.tensor(r.block_table, dtype=torch.int64)))
+            if s.samples:
+                sample.append(off + n - 1)
+            off += n
+        self.kv.ensure_open()
+        self.kv.begin_decode(lengths, tables)
+        dev = self.device
+        rows = torch.tensor(decode, device=dev) if decode else None
+        step = StepAttention(self.kv, self.spec, rows, chunks)
+        keep = torch.tensor(sample or [off - 1], device=dev)
+        kwargs = {"logits_to_keep": keep} if self.keeps_logits else {}
+        token = attention.active_session.set(step)
+        try:
+            out = self.model(input_ids=torch.tensor([tokens], device=dev),
+                             position_ids=torch.tensor([positions], device=dev),
+                             use_cache=True, return_dict=True, **{self.cache_kwarg: HeteroCache(step)}, **kwargs)
+        finally:
+            attention.active_session.reset(token)
+        logits = out.logits[0] if self.keeps_logits else out.logits[0, keep]
+        return logits[:len(sample)].float()

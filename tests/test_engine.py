@@ -1,0 +1,311 @@
+"""The engine (hetero.engine.Engine) on real transformers models and real worker processes: every
+request, in any mix and arrival order, gives HF `generate`'s tokens for that request alone (fp32,
+scores within 1e-4); shared prefixes are read once per step; aborted, finished and preempted
+requests give their blocks back; bad input raises; nothing is left in /dev/shm."""
+import asyncio
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from transformers import StoppingCriteria
+
+from hetero.engine import BLOCK_SIZE
+from hetero import Engine, EngineConfig, EngineError
+from hetero.errors import CapacityError, UnsupportedModelError, WorkerDiedError
+from tests.conftest import FAMILIES, VOCAB, build_model, our_segments
+
+NEW = 8
+
+
+def prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf(model, prompt, new=NEW, **kw):
+    """HF generate on the request alone: (new tokens, processed scores [new, V])."""
+    kw = {k: v for k, v in kw.items() if k != "output_scores"}
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=new, pad_token_id=0, output_scores=True,
+                         return_dict_in_generate=True, **kw)
+    return out.sequences[0, len(prompt):].tolist(), torch.cat(out.scores)
+
+
+def assert_exact(model, stream, prompt, new=NEW, **kw):
+    tokens, scores = hf(model, prompt, new, **kw)
+    assert stream.token_ids == tokens, (stream.request_id, stream.token_ids, tokens)
+    if stream.scores is not None:
+        got = torch.stack(stream.scores)
+        assert (got - scores).abs().max() < 1e-4
+
+
+def run(engine, streams):
+    while not all(s.finished for s in streams):
+        engine.step()
+
+
+def assert_idle(engine):
+    """Nothing is held: every block free or cached, the pool consistent."""
+    kv = engine.kv_manager
+    kv.check_invariants()
+    assert not kv.holders and kv.num_used_blocks == 0
+
+
+def make(model, **cfg):
+    base = dict(kv_blocks=48, long_prefill_chunk=16, max_num_batched_tokens=40, background=False, cpu_workers=1,
+                max_model_len=256)
+    return Engine(model, EngineConfig(**{**base, **cfg}))
+
+
+@pytest.fixture(scope="module")
+def engine(llama):
+    eng = make(llama)
+    yield eng
+    eng.close()
+
+
+def test_mixed_arrivals_exact(llama, engine):
+    ps = prompts([1, 5, 33, 64, 77, 12, 40])
+    streams = [engine.add_request(p, NEW, output_scores=True) for p in ps[:2]]
+    for _ in range(3):
+        engine.step()
+    streams += [engine.add_request(p, NEW, output_scores=True) for p in ps[2:4]]   # join while others decode
+    engine.step()
+    streams += [engine.add_request(p, NEW, output_scores=True) for p in ps[4:]]
+    run(engine, streams)
+    for s, p in zip(streams, ps):
+        assert s.finish_reason == ("stop" if s.token_ids[-1] == llama.config.eos_token_id else "length")
+        assert_exact(llama, s, p)
+    assert_idle(engine)
+
+
+def test_shared_prefix_is_cached_and_read_once(llama, engine):
+    doc = prompts([100], seed=3)[0]
+    questions = prompts([7, 3, 12, 20], seed=4)
+    first = engine.add_request(doc + questions[0], NEW)
+    run(engine, [first])
+    hits = engine.kv_manager.prefix_hits
+    streams = [engine.add_request(doc + q, NEW, output_scores=True) for q in questions[1:]]
+    groups, held = 0, 0
+    while not all(s.finished for s in streams):
+        engine.step()
+        if engine.kv.n == len(streams):              # a step where all three decode
+            groups = max(groups, engine.kv.ngroups)
+            held = max(held, engine.kv_manager.num_used_blocks)
+    assert engine.kv_manager.prefix_hits - hits == 3 * (100 // BLOCK_SIZE) * BLOCK_SIZE   # 96 rows each
+    assert groups == 1                               # the document's blocks: one group, read once a step
+    private = sum(-(-(100 + len(q) + NEW) // BLOCK_SIZE) for q in questions[1:])
+    assert held < private
+    for s, q in zip(streams, questions[1:]):
+        assert_exact(llama, s, doc + q)
+    assert_idle(engine)
+
+
+def test_preempted_requests_resume_exactly(llama):
+    with make(llama, kv_blocks=9, max_num_batched_tokens=64, long_prefill_chunk=None) as eng:
+        ps = prompts([60, 50, 70, 40], seed=5)
+        streams = [eng.add_request(p, 24, output_scores=True) for p in ps]
+        run(eng, streams)
+        assert eng.scheduler.num_preemptions > 0
+        for s, p in zip(streams, ps):
+            assert_exact(llama, s, p, 24)
+        assert_idle(eng)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_families_exact(family):
+    model, _ = build_model(family)
+    with make(model) as eng:
+        ps = prompts([5, 40, 77, 12], seed=1)
+        streams = [eng.add_request(p, NEW, output_scores=True) for p in ps]
+        run(eng, streams)
+        for s, p in zip(streams, ps):
+            assert_exact(model, s, p)
+
+
+def test_sampling_with_a_seed_matches_hf(llama, engine):
+    ps = prompts([9, 30], seed=6)
+    settings = dict(do_sample=True, temperature=0.8, top_k=40, top_p=0.9)
+    streams = [engine.add_request(p, NEW, seed=100 + i, **settings) for i, p in enumerate(ps)]
+    run(engine, streams)
+    for i, (s, p) in enumerate(zip(streams, ps)):
+        torch.manual_seed(100 + i)
+        tokens, _ = hf(llama, p, **settings)
+        assert s.token_ids == tokens
+    assert streams[0].token_ids != engine_greedy(engine, ps[0])
+
+
+def engine_greedy(engine, prompt):
+    s = engine.add_request(prompt, NEW)
+    run(engine, [s])
+    return s.token_ids
+
+
+class StopAfter(StoppingCriteria):
+    def __init__(self, token):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+def test_processors_and_stopping(llama, engine):
+    p = prompts([25], seed=7)[0]
+    kw = dict(repetition_penalty=1.3, no_repeat_ngram_size=2, output_scores=True)
+    s = engine.add_request(p, NEW, **kw)
+    run(engine, [s])
+    assert_exact(llama, s, p, **kw)
+    plain = engine_greedy(engine, p)
+    eos = plain[3]
+    s = engine.add_request(p, NEW, eos_token_id=[eos, 2])        # stops at the first eos, which it keeps
+    run(engine, [s])
+    assert s.token_ids == plain[:plain.index(eos) + 1] and s.finish_reason == "stop"
+    s = engine.add_request(p, NEW, stopping_criteria=[StopAfter(plain[2])])
+    run(engine, [s])
+    assert s.token_ids == plain[:plain.index(plain[2]) + 1] and s.finish_reason == "stop"
+    assert_idle(engine)
+
+
+def test_abort_frees_blocks_at_once(llama, engine):
+    a, b = (engine.add_request(p, 30) for p in prompts([50, 20], seed=8))
+    for _ in range(3):
+        engine.step()
+    assert engine.kv_manager.num_used_blocks > 0
+    a.abort()
+    engine.step()
+    assert a.finish_reason == "abort" and list(a) == a.token_ids
+    assert a.request_id not in engine.kv_manager.holders
+    engine.abort(b.request_id)
+    engine.abort("no-such-request")
+    engine.step()
+    assert b.finish_reason == "abort"
+    assert_idle(engine)
+
+
+def test_random_add_abort_finish_preempt_sequences(llama):
+    """Random arrivals, aborts and steps over a pool small enough to preempt: every finished
+    request is exact, and at the end every refcount is back to zero."""
+    rng = random.Random(0)
+    pool = [p for p in prompts([3, 17, 32, 45, 64, 70], seed=9)]
+    pool += [pool[4][:40] + q for q in prompts([5, 9], seed=10)]        # shared prefixes
+    refs = {}
+    with make(llama, kv_blocks=7, max_num_seqs=4, max_num_batched_tokens=48) as eng:
+        live, done = [], []
+        for _ in range(60):
+            for _ in range(int(rng.random() < 0.5) + int(rng.random() < 0.25)):
+                i = rng.randrange(len(pool))
+                live.append((eng.add_request(pool[i], rng.randint(4, 40)), i))
+            if rng.random() < 0.1 and live:
+                eng.abort(rng.choice(live)[0].request_id)
+            eng.step()
+            eng.kv_manager.check_invariants()
+            done += [x for x in live if x[0].finished]
+            live = [x for x in live if not x[0].finished]
+        run(eng, [s for s, _ in live])
+        done += live
+        assert_idle(eng)
+        for s, i in done:
+            if s.finish_reason == "abort":
+                continue
+            n = len(s.token_ids)
+            if i not in refs:
+                refs[i] = hf(llama, pool[i], 40)[0]
+            assert s.token_ids == refs[i][:n]
+        assert eng.scheduler.num_preemptions > 0
+
+
+def test_threads_and_async_callers(llama):
+    ps = prompts([4, 19, 33, 8, 51, 26], seed=11)
+    refs = [hf(llama, p)[0] for p in ps]
+    with make(llama, background=True) as eng:
+        got = {}
+
+        def call(i):
+            got[i] = list(eng.add_request(ps[i], NEW))
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+
+        async def consume():
+            async def one(i):
+                return [t async for t in eng.add_request(ps[i], NEW)]
+            return await asyncio.gather(one(4), one(5))
+
+        got[4], got[5] = asyncio.run(consume())
+        for t in threads:
+            t.join()
+        assert [got[i] for i in range(6)] == refs
+        assert eng.generate(ps[:2], NEW) == refs[:2]
+
+
+def test_bad_input_raises_clear_errors(llama, engine):
+    ok = prompts([5])[0]
+    cases = [
+        (ValueError, "empty prompt", ([],), {}),
+        (ValueError, r"outside the vocabulary", ([1, VOCAB],), {}),
+        (TypeError, "list of token ids", ("hello",), {}),
+        (ValueError, r"\[n\] or \[1, n\]", (torch.ones(2, 3, dtype=torch.long),), {}),
+        (CapacityError, "max_model_len=256", (ok, 300), {}),
+        (TypeError, r"unsupported arguments \['frobnicate'\]", (ok, 4), {"frobnicate": 1}),
+        (ValueError, "num_beams", (ok, 4), {"num_beams": 2}),
+        (ValueError, "max_new_tokens", (ok, 0), {}),
+        (ValueError, "RequestStream", (ok, 4), {"streamer": object()}),
+        (NotImplementedError, "adapters", (ok, 4), {"adapter": "x"}),
+    ]
+    for exc, msg, args, kw in cases:
+        with pytest.raises(exc, match=msg):
+            engine.add_request(*args, **kw)
+    s = engine.add_request(ok, 2, request_id="same")
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request(ok, 2, request_id="same")
+    run(engine, [s])
+    with pytest.raises(CapacityError, match="needs 7 KV blocks of 32 rows; the pool has 4"):
+        with make(llama, kv_blocks=4) as small:
+            small.add_request(ok, 200)
+    with pytest.raises(ValueError, match="EngineConfig.max_num_seqs"):
+        EngineConfig(max_num_seqs=0)
+    dynamic = build_model("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})[0]
+    with pytest.raises(ValueError, match="past 256 tokens, where the model's positions end"):
+        make(dynamic, max_model_len=5000)
+    assert_idle(engine)
+
+
+def test_unsupported_models_refused_by_name():
+    bert_like, _ = build_model("llama")
+    bert_like.config.is_encoder_decoder = True
+    with pytest.raises(UnsupportedModelError, match="encoder-decoder"):
+        make(bert_like)
+
+
+def test_dead_worker_fails_requests_within_seconds_and_close_cleans_up(llama):
+    before = set(our_segments(os.getpid()))           # the module's engine's
+    eng = make(llama, background=True, cpu_workers=2)
+    s = eng.add_request(prompts([40])[0], 200)
+    next(iter(s))                                       # decoding
+    victim = eng.pool.procs[1]
+    os.kill(victim.pid, signal.SIGKILL)
+    t = time.perf_counter()
+    with pytest.raises(EngineError, match="worker 1"):
+        s.result(timeout=30)
+    assert time.perf_counter() - t < 5
+    assert isinstance(s.error, WorkerDiedError)
+    with pytest.raises(EngineError, match="the engine failed"):
+        eng.add_request([5, 6], 2)
+    eng.close()
+    assert set(our_segments(os.getpid())) == before
+
+
+def test_close_aborts_unfinished_and_leaves_no_segments(llama):
+    before = set(our_segments(os.getpid()))
+    eng = make(llama, background=True)
+    streams = [eng.add_request(p, 100) for p in prompts([30, 60], seed=12)]
+    next(iter(streams[0]))
+    eng.close()
+    assert all(s.finish_reason == "abort" for s in streams)
+    assert set(our_segments(os.getpid())) == before
+    with pytest.raises(RuntimeError, match="closed"):
+        eng.add_request([5], 2)
