@@ -17,7 +17,12 @@ function (from one HF generate through a recording attention function) and how m
 attention runs per forward. Writes bench/results/model_sweep.json (merged with the file's other
 families when --only is given).
 
-    python bench/model_sweep.py [--only llama,gpt_oss] [--timeout 120] [--markdown] [--kwargs] [--report]
+With --engine, the same families through hetero.Engine instead (model_sweep_engine.json): each
+prompt of the batch is its own request (its real tokens), they run together (chunked prefill of 8
+tokens beside decodes, so steps mix both), and each must give HF generate's tokens and scores for
+that prompt alone.
+
+    python bench/model_sweep.py [--only llama,gpt_oss] [--timeout 120] [--markdown] [--kwargs] [--report] [--engine]
 """
 import argparse
 import json
@@ -32,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import RESULTS, machine, padded_batch, write_json  # noqa: E402
 
 OUT = "model_sweep.json"
+OUT_ENGINE = "model_sweep_engine.json"
 VOCAB = 160
 LENGTHS = (20, 13, 7)          # left-padded prompts
 NEW_TOKENS = 16
@@ -282,7 +288,7 @@ def run_one(model_type, lengths=LENGTHS):
 
     hf_logging.set_verbosity_error()
     torch.set_num_threads(1)
-    from hetero import HeteroConfig, HeteroGenerator, UnsupportedModelError
+    from hetero import HeteroConfig, HeteroGenerator
 
     result = {"status": None, "detail": ""}
     try:
@@ -309,14 +315,66 @@ def run_one(model_type, lengths=LENGTHS):
         with HeteroGenerator(model, cpu_workers=1, config=HeteroConfig(profile="off")) as gen:
             out = gen.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
                                return_dict_in_generate=True, output_scores=True)
-    except UnsupportedModelError as e:
-        return {**result, "status": "refused", "detail": str(e)}
     except Exception as e:
-        tb = traceback.extract_tb(e.__traceback__)[-1]
-        return {**result, "status": "crash", "detail": f"{type(e).__name__}: {_first_line(e)}",
-                "where": f"{_short_path(tb.filename)}:{tb.lineno}"}
+        return {**result, **_failed(e)}
     ok, detail = compare(ref, out)
     return {**result, "status": "exact" if ok else "wrong", "detail": detail}
+
+
+def run_engine_one(model_type, lengths=LENGTHS):
+    """One family through hetero.Engine: each prompt alone in HF against the engine's requests."""
+    warnings.filterwarnings("ignore")
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    from hetero import Engine, EngineConfig
+
+    try:
+        model, impl, kw = build(model_type)
+    except Skip as e:
+        return {"status": "skipped", "detail": str(e)}
+    result = {"status": None, "detail": "", "reference": impl, "model_class": type(model).__name__}
+    ids, mask = padded_batch(lengths, VOCAB)
+    rows = [ids[b][mask[b].bool()][None] for b in range(len(lengths))]
+    try:
+        with torch.no_grad():
+            refs = [hf_generate(model, r, torch.ones_like(r)) for r in rows]
+    except Exception as e:
+        return {**result, "status": "skipped",
+                "detail": f"HF generate fails on the tiny model: {type(e).__name__}: {_first_line(e)}"}
+    try:
+        cfg = EngineConfig(background=False, cpu_workers=1, kv_blocks=64, long_prefill_chunk=8,
+                           max_num_batched_tokens=16, max_model_len=min(256, max(lengths) + NEW_TOKENS + 32))
+        with Engine(model, cfg) as eng:
+            streams = [eng.add_request(r, NEW_TOKENS, do_sample=False, pad_token_id=0, output_scores=True)
+                       for r in rows]
+            while not all(s.finished for s in streams):
+                eng.step()
+    except Exception as e:
+        return {**result, **_failed(e)}
+    errs = []
+    for b, (ref, s) in enumerate(zip(refs, streams)):
+        want = ref.sequences[0, rows[b].shape[1]:].tolist()
+        if s.token_ids != want:
+            t = next((i for i, (x, y) in enumerate(zip(s.token_ids, want)) if x != y), min(len(s.token_ids), len(want)))
+            return {**result, "status": "wrong", "detail": f"tokens differ: request {b}, first at new token {t}"}
+        errs += [float((a[0] - g).abs().max()) for a, g in zip(ref.scores, s.scores)]
+    if max(errs) > SCORE_TOL:
+        return {**result, "status": "wrong", "detail": f"same tokens but scores differ by {max(errs):.2e}"}
+    return {**result, "status": "exact", "detail": f"max score error {max(errs):.1e}"}
+
+
+def _failed(e):
+    """A hetero call's exception as a result: refused (UnsupportedModelError, its message) or crash."""
+    from hetero import UnsupportedModelError
+
+    if isinstance(e, UnsupportedModelError):
+        return {"status": "refused", "detail": str(e)}
+    tb = traceback.extract_tb(e.__traceback__)[-1]
+    return {"status": "crash", "detail": f"{type(e).__name__}: {_first_line(e)}",
+            "where": f"{_short_path(tb.filename)}:{tb.lineno}"}
 
 
 def _short_path(path):
@@ -330,9 +388,10 @@ def _jsonable(v):
     return json.loads(json.dumps(v, default=str))
 
 
-def run_isolated(model_type, timeout):
-    """run_one in a nice'd child process (its own process group, killed whole on timeout)."""
-    cmd = ["nice", "-n", "10", sys.executable, os.path.abspath(__file__), "--child", model_type]
+def run_isolated(model_type, timeout, engine=False):
+    """run_one (run_engine_one) in a nice'd child process (its own process group, killed whole on timeout)."""
+    cmd = ["nice", "-n", "10", sys.executable, os.path.abspath(__file__), "--child", model_type] + \
+        (["--engine"] if engine else [])
     t = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -397,12 +456,15 @@ def main():
     ap.add_argument("--markdown", action="store_true", help="print a compact table grouped by status (README)")
     ap.add_argument("--kwargs", action="store_true", help="also print the attention kwargs each family passes")
     ap.add_argument("--report", action="store_true", help="print the tables from the saved JSON; run nothing")
+    ap.add_argument("--engine", action="store_true", help="through hetero.Engine (model_sweep_engine.json)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(MARK + json.dumps(run_one(args.child), default=str), flush=True)
+        fn = run_engine_one if args.engine else run_one
+        print(MARK + json.dumps(fn(args.child), default=str), flush=True)
         return
-    path = os.path.join(RESULTS, OUT)
+    out = OUT_ENGINE if args.engine else OUT
+    path = os.path.join(RESULTS, out)
     saved = json.load(open(path)) if os.path.exists(path) else {"families": {}}
     if not args.report:
         names = args.only.split(",") if args.only else families()
@@ -411,13 +473,13 @@ def main():
             ap.error(f"not causal-LM model types of this transformers: {unknown}")
         results = saved["families"] if args.only else {}
         for i, mt in enumerate(names):
-            r = run_isolated(mt, args.timeout)
+            r = run_isolated(mt, args.timeout, args.engine)
             results[mt] = r
             print(f"[{i + 1}/{len(names)}] {mt}: {r['status']} ({r['seconds']} s) {r['detail'][:150]}", flush=True)
         counts = {s: sum(r["status"] == s for r in results.values()) for s in STATUSES}
         saved = {"machine": machine(), "prompt_lengths": LENGTHS, "new_tokens": NEW_TOKENS, "window": WINDOW,
                  "score_tolerance": SCORE_TOL, "counts": counts, "families": dict(sorted(results.items()))}
-        print("wrote", write_json(OUT, saved))
+        print("wrote", write_json(out, saved))
     results = saved["families"]
     print(compact_table(results) if args.markdown else full_table(results))
     if args.kwargs:

@@ -2,7 +2,9 @@
 import math
 import numbers
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from hetero.engine.config import EngineConfig
 
 
 def _check_int(name, value, minimum, allow_none=True):
@@ -46,6 +48,10 @@ class HeteroConfig:
     continuation: str = "auto"            # who attends a context's new tokens: "workers" (the CPU workers over
                                           # the arena), "prefetch" (the model's device, each layer's KV copied in
                                           # just ahead: hetero.prefetch), "auto": the faster by the measured profile
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(ram_fraction=0.25))
+                                          # generate() calls that overlap (threads sharing the generator) join
+                                          # this engine's batch (hetero.engine.calls); it runs on the generator's
+                                          # workers (its cpu_workers is unused), its KV pool beside the calls' arenas
     transport: str = "auto"               # a CUDA model's decode round trip: "auto": the CUDA extension (hetero/
                                           # cuda, built with nvcc on first use) when it can be used, else host
                                           # copies (one log line says why); "cuda": the extension or an error;
@@ -73,6 +79,8 @@ class HeteroConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0 < value < math.inf):
                 raise ValueError(f"HeteroConfig.{name} must be a finite number > 0 of seconds, got {value!r}")
+        if not isinstance(self.engine, EngineConfig):
+            raise ValueError(f"HeteroConfig.engine must be an EngineConfig, got {self.engine!r}")
         if self.profile not in ("auto", "off"):
             raise ValueError(f"HeteroConfig.profile must be 'auto' or 'off', got {self.profile!r}")
         for name in ("share_contexts", "reuse_contexts"):

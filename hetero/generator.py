@@ -21,6 +21,7 @@ from hetero.adapters.sync import active
 from hetero.compat import GENERATE_CACHE_KWARG, without_cache
 from hetero.config import HeteroConfig
 from hetero.context import Context
+from hetero.engine.calls import GeneratorEngine
 from hetero.errors import AdapterError, GeneratorClosedError, UnsupportedModelError, WorkerError
 from hetero.memory import default_reserve, plan_cache
 from hetero.model_spec import inspect_model
@@ -90,6 +91,7 @@ class HeteroGenerator(PrefillMixin, WorkersMixin):
         self._peft_keys = {}               # its adapters served here -> _peft_adapter_keys when copied
         self._closed = False
         self._calls = CallLock()           # one call at a time (hetero.routing)
+        self._engine = GeneratorEngine(self, config.engine)   # overlapping calls join its batch
         self._lock = self._calls.lock      # taken by Context.save/close too
         # dropped without close(): its workers, segments and hooks go when it is collected (the
         # finalizer holds its attributes, which hold nothing that holds the generator)
@@ -287,6 +289,11 @@ class HeteroGenerator(PrefillMixin, WorkersMixin):
             default = self._default_adapter(layers)
             adapter_names = None if default is None else [default] * input_ids.shape[0]
         lora = self._lora_batch(adapter_names, input_ids.shape[0], layers)
+        if context is None and lora is None and not self._calls.busy_here and \
+                (self._calls.busy_elsewhere or self._engine.busy):
+            out = self._engine.generate(input_ids, attention_mask, max_new_tokens, settings, call)
+            if out is not None:                 # another call runs: this one joined the engine's batch
+                return out
         if context is not None:
             if not many and extend_context is False and not context.closed and input_ids.shape[0] == 1 and \
                     bool(attention_mask.all()) and \
@@ -485,7 +492,8 @@ class HeteroGenerator(PrefillMixin, WorkersMixin):
 
     def close(self):
         """Stop the workers and free every shared segment; restore the model's modules. Idempotent.
-        Waits for a call running in another thread."""
+        Waits for a call running in another thread; calls in the engine's batch are aborted."""
+        self._engine.close()                  # its loop takes the lock between steps: before taking it
         with self._lock:
             self._refuse_nested("close")
             self._close()

@@ -1,7 +1,8 @@
 """Routing a call's attention to hetero's KV session, one call at a time.
 
-Owns: the call lock (CallLock: one call per generator, whose worker pool has one control block,
-and one per model across generators, since a call sets the model's attention implementation);
+Owns: the call lock (CallLock: one call per generator at a time, whose worker pool has one
+control block, and one per model across generators, since a call sets the model's attention
+implementation; calls from other threads wait their turn);
 the decode transport a session gets on a CUDA model (choose_transport); and, for the length of
 a call, the model's attention routed to the session (routed: hetero's attention implementation,
 the forward pre-hook that starts each forward, and for a family whose generate drops its cache,
@@ -10,6 +11,7 @@ generator passes in what they act on.
 """
 import contextlib
 import threading
+import time
 import weakref
 
 from hetero import attention
@@ -18,18 +20,24 @@ from hetero.ipc.cuda_transport import CudaTransport
 from hetero.ipc.transport import PinnedTransport
 from hetero.offload.cache import HeteroCache
 
-_MODEL_LOCKS = weakref.WeakKeyDictionary()    # model -> the lock of the one call it serves (across generators)
+_MODEL_LOCKS = weakref.WeakKeyDictionary()    # model -> [the lock of the one call it serves (across generators),
+                                              # the thread holding it]
 _MODELS_LOCK = threading.Lock()
 
 
 class CallLock:
-    """A generator's lock: one generate (or adapter load, or context close) at a time, the pool
-    having one control block. Reentrant so a call can close its own context (a failed call's
-    recovery); `busy` refuses a nested call (a streamer or logits processor calling back)."""
+    """A generator's lock: one generate (or adapter load, or context close, or engine step) at a
+    time, the pool having one control block. Reentrant so a call can close its own context (a
+    failed call's recovery); `busy` refuses a nested call (a streamer or logits processor calling
+    back). A call from another thread waits its turn (exclusive(wait=True)); concurrent
+    generate() calls that the engine batches join its running batch instead (hetero.engine.calls)."""
 
     def __init__(self):
         self.lock = threading.RLock()
         self.busy = False
+        self.owner = None                 # the thread inside the call (busy)
+        self.waiters = 0                  # calls blocked in exclusive(): the engine lets them in first (turn)
+        self._count = threading.Lock()
 
     def refuse_nested(self, what):
         """Under the lock: this thread is not inside a call (a streamer calling back)."""
@@ -37,28 +45,60 @@ class CallLock:
             raise RuntimeError(f"{what} called from inside a call of the same HeteroGenerator; not supported")
 
     @contextlib.contextmanager
-    def exclusive(self, model):
-        """A call over `model`: this generator's lock and the model's, or RuntimeError at once."""
+    def exclusive(self, model, wait=True):
+        """A call over `model`: this generator's lock and the model's, waiting for a call in another
+        thread (wait=False: RuntimeError at once). A call made from inside a call (this thread
+        holds the lock: a streamer calling back) raises."""
         if not self.lock.acquire(blocking=False):
-            raise RuntimeError("this HeteroGenerator is already generating (in another thread); "
-                               "use one generator per thread")
+            if not wait:
+                raise RuntimeError("this HeteroGenerator is already generating (in another thread)")
+            with self._count:
+                self.waiters += 1
+            try:
+                self.lock.acquire()
+            finally:
+                with self._count:
+                    self.waiters -= 1
         try:
             if self.busy:
                 raise RuntimeError("generate/prefill called from inside a call of the same HeteroGenerator "
                                    "(a streamer or logits processor?); not supported")
             with _MODELS_LOCK:
-                model_lock = _MODEL_LOCKS.setdefault(model, threading.Lock())
-            if not model_lock.acquire(blocking=False):     # a call sets the model's attention implementation
+                model_lock, owner = _MODEL_LOCKS.setdefault(model, [threading.Lock(), None])
+            if owner == threading.get_ident():
+                raise RuntimeError("another HeteroGenerator over the same model is running the call this one is "
+                                   "made from (a streamer or logits processor?); a model serves one call at a time")
+            if not model_lock.acquire(blocking=wait):     # a call sets the model's attention implementation
                 raise RuntimeError("another HeteroGenerator over the same model is running a call (in another "
-                                   "thread, or the call this one is made from); a model serves one call at a time")
+                                   "thread); a model serves one call at a time")
+            _MODEL_LOCKS[model][1] = self.owner = threading.get_ident()
             self.busy = True
             try:
                 yield
             finally:
-                self.busy = False
+                self.busy, self.owner = False, None
+                _MODEL_LOCKS[model][1] = None
                 model_lock.release()
         finally:
             self.lock.release()
+
+
+    @property
+    def busy_here(self):
+        """This thread is inside a call (a streamer calling back)."""
+        return self.busy and self.owner == threading.get_ident()
+
+    @property
+    def busy_elsewhere(self):
+        """A call runs in another thread (one made from inside this thread's call is nested)."""
+        return self.busy and self.owner != threading.get_ident()
+
+    def turn(self, model, poll=0.001):
+        """exclusive(model) for an engine step, after every call waiting for the lock had its turn
+        (a lock is not fair: the engine's loop would take it again first)."""
+        while self.waiters:
+            time.sleep(poll)
+        return self.exclusive(model)
 
 
 @contextlib.contextmanager

@@ -99,6 +99,8 @@ def release(state):
     collected without close()): its contexts, hooks, adapters, workers, and the cores its thread
     was pinned away from. Every step runs; the first error other than a worker's (the contexts
     are closed whatever their workers did) is raised after them."""
+    if state.get("_engine") is not None:              # its loop steps on the pool: stopped first
+        state["_engine"].close()
     contexts = state["_contexts"].take_all()
     steps = [(lambda kept=kept: close_kept(kept)) for kept in contexts] + [state["_hooks"].remove]
     steps += [state[name].close for name in ("_store", "_pool") if state[name] is not None]

@@ -919,11 +919,11 @@ def test_weight_digest_sees_every_element_and_is_the_same_on_any_device(dtype):
     assert digest.weight_digest(p) == d
 
 
-def test_a_refused_prefill_from_another_thread_closes_no_context(llama):
-    """prefill() from a second thread while a call runs is refused (one call per generator) and
-    leaves everything as it was: the contexts nobody references are closed by the next call that
-    runs, under the call lock, not by the refused one (closing one runs a job on the worker pool
-    the running call is using)."""
+def test_a_waiting_prefill_from_another_thread_closes_no_context_early(llama):
+    """prefill() from a second thread while a call runs waits its turn (one call per generator) and
+    leaves everything as it was until then: the contexts nobody references are closed under the
+    call lock, when its turn comes, not while the running call uses the worker pool (closing one
+    runs a job on it)."""
     doc, = turns(11, 20)
     started, release = threading.Event(), threading.Event()
 
@@ -949,12 +949,16 @@ def test_a_refused_prefill_from_another_thread_closes_no_context(llama):
         t.start()
         try:
             assert started.wait(30)
-            with pytest.raises(RuntimeError, match="already generating"):
-                gen.prefill(doc[None], reserve=8)
+            waiting = threading.Thread(target=lambda: out.setdefault("ctx", gen.prefill(doc[None], reserve=8)))
+            waiting.start()
+            waiting.join(0.5)
+            assert waiting.is_alive()                   # a prefill waits for the call's turn to end
             assert len(gen._contexts) == kept == 1      # the unreferenced context is still open
         finally:
             release.set()
             t.join(30)
+        waiting.join(30)
+        out.pop("ctx").close()
         assert torch.equal(out["seq"], hf(llama, doc, 6).sequences)
         ctx = gen.prefill(doc[None], reserve=8)          # runs, and closes the dropped one first
         assert len(gen._contexts) == 1

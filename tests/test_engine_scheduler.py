@@ -269,3 +269,40 @@ def test_a_context_pins_its_prompt_for_its_continuations():
     s.kv.unpin(pinned)
     assert s.kv.num_used_blocks == 0
     s.kv.check_invariants()
+
+
+def test_a_document_arriving_twice_at_once_is_computed_once():
+    """Two requests over the same 100-token document arrive together: the second waits while the
+    first computes the document's whole blocks, then reads them from the cache."""
+    s = make(max_num_batched_tokens=48, long_prefill_chunk=48)
+    doc = list(range(3, 103))
+    a, b = Request("a", doc + [7, 8], 3), Request("b", doc + [9], 3)
+    s.add(a)
+    s.add(b)
+    out, _ = step(s)
+    assert plan(out) == [("a", 48, False)]              # b is held: its first block is a's to compute
+    assert s.kv.pending_prefix(b, len(s.kv.get_computed_blocks(b)[0])) == "a"   # its second block
+    outs = drive(s)
+    computed = {rid: sum(x.num_new_tokens for o in [out] + outs for x in o.scheduled if x.request.request_id == rid)
+                for rid in "ab"}
+    assert b.num_cached_tokens == 96 and computed["b"] == 101 - 96 + 3 - 1
+    assert computed["a"] == 102 + 3 - 1
+    assert a.output_token_ids == expected_outputs(a, 3) and b.output_token_ids == expected_outputs(b, 3)
+    assert not s.kv.promised
+
+
+def test_a_held_request_is_admitted_when_its_leader_goes():
+    """The request computing a document is aborted (or preempted): the one waiting for it computes
+    the document itself."""
+    s = make(max_num_batched_tokens=32, long_prefill_chunk=32)
+    doc = list(range(3, 103))
+    a, b = Request("a", doc + [7], 2), Request("b", doc + [9], 2)
+    s.add(a)
+    s.add(b)
+    step(s)
+    s.abort("a")
+    assert not s.kv.promised
+    out, _ = step(s)
+    assert plan(out) == [("b", 32, False)]
+    drive(s)
+    assert b.output_token_ids == expected_outputs(b, 2)

@@ -347,7 +347,9 @@ def _alive(pid):
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
-def test_concurrent_generate_on_one_generator_is_refused(llama, llama_gen):
+def test_concurrent_generate_on_one_generator_waits_its_turn(llama):
+    """A second call while one runs is not refused: it joins the engine (hetero.engine.calls), whose
+    steps run once the first call has finished; both give HF's sequences."""
     import threading
 
     ids, mask = padded_batch()
@@ -357,19 +359,26 @@ def test_concurrent_generate_on_one_generator_is_refused(llama, llama_gen):
         started.set()
         release.wait(10)
 
-    def first():
-        llama_gen.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, streamer=_Streamer(1, slow))
+    with HeteroGenerator(llama, cpu_workers=1) as gen:
+        out = {}
 
-    t = threading.Thread(target=first)
-    t.start()
-    assert started.wait(10)
-    try:
-        with pytest.raises(RuntimeError, match="already generating"):
-            llama_gen.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0)
-    finally:
+        def first():
+            out["first"] = gen.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0,
+                                        streamer=_Streamer(1, slow))
+
+        t = threading.Thread(target=first)
+        t.start()
+        assert started.wait(10)
+        second = threading.Thread(target=lambda: out.setdefault("second", gen.generate(
+            ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0)))
+        second.start()
+        second.join(0.5)
+        assert second.is_alive()             # waiting (in the engine), not refused
         release.set()
         t.join(10)
-    assert only_ctrl_segment(llama_gen)
+        second.join(30)
+        assert torch.equal(out["first"], llama.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0))
+        assert torch.equal(out["second"], llama.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0))
 
 
 def _mapped_kv_segments():

@@ -26,13 +26,13 @@ One step:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import psutil
 import torch
@@ -42,10 +42,11 @@ from hetero.config import HeteroConfig
 from hetero.cpu_attention.planner import StaticPlanner
 from hetero.engine import sampler as sampling
 from hetero.engine.kv_pool import BLOCK_SIZE, BlockPool, KVCacheManager
+from hetero.engine.config import EngineConfig
 from hetero.engine.paged import PagedKV
 from hetero.engine.request import Request, RequestStatus
 from hetero.engine.runner import ModelRunner
-from hetero.engine.scheduler import FCFSPolicy, Policy, Scheduler, SchedulerConfig
+from hetero.engine.scheduler import Scheduler, SchedulerConfig
 from hetero.errors import CapacityError, EngineError, UnsupportedModelError
 from hetero.ipc import shm
 from hetero.ipc.pool import WorkerPool
@@ -59,41 +60,6 @@ log = logging.getLogger("hetero")
 DEFAULT_MAX_MODEL_LEN = 32768     # tokens per request when the model states no limit
 
 
-def _positive(name, value, allow_none=True):
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"EngineConfig.{name} must be an int >= 1{' or None' if allow_none else ''}, got {value!r}")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    max_num_seqs: int = 32                    # requests running at once
-    max_num_batched_tokens: int = 2048        # tokens one step computes, all requests together
-    long_prefill_chunk: int | None = 512      # prompt tokens one request computes per step (None: the budget)
-    max_model_len: int | None = None          # tokens one request may hold (prompt + new); None: the model's
-                                              # max_position_embeddings, else DEFAULT_MAX_MODEL_LEN
-    kv_blocks: int | None = None              # the pool's 32-row blocks; None: from kv_memory
-    kv_memory: int | None = None              # the pool's bytes; None: ram_fraction of the available RAM, at most
-                                              # what max_num_seqs requests of max_model_len tokens hold
-    ram_fraction: float = 0.5
-    policy: Policy = field(default_factory=FCFSPolicy)
-    background: bool = True                   # add_request starts the step loop's thread (False: call step())
-    cpu_workers: int | None = None            # worker processes (None: usable cores - 1, at least 1)
-    worker_timeout: float = 5.0               # seconds a job may go without progress before WorkerError
-
-    def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            _positive(name, getattr(self, name), allow_none=False)
-        for name in ("long_prefill_chunk", "max_model_len", "kv_blocks", "kv_memory", "cpu_workers"):
-            _positive(name, getattr(self, name))
-        if isinstance(self.ram_fraction, bool) or not isinstance(self.ram_fraction, (int, float)) or \
-                not 0 < self.ram_fraction <= 1:
-            raise ValueError(f"EngineConfig.ram_fraction must be in (0, 1], got {self.ram_fraction!r}")
-        if not hasattr(self.policy, "sort_key"):
-            raise ValueError(f"EngineConfig.policy must have a sort_key method (a Policy), got {self.policy!r}")
-
-
 class RequestStream:
     """One request's output as the engine produces it: iterate (blocking) or `async for` over its
     new token ids, or wait for all of them with result(). `finish_reason` is "stop" (an eos id or
@@ -105,6 +71,7 @@ class RequestStream:
         self.finish_reason: str | None = None
         self.error: BaseException | None = None
         self.scores: list[torch.Tensor] | None = None     # processed scores per token (output_scores=True)
+        self.pad_token_id: int | None = None              # what generate pads a finished sequence with
         self.arrival = time.monotonic()
         self.token_times: list[float] = []          # time.monotonic() of each token's arrival here
         self.finish_time: float | None = None
@@ -189,7 +156,11 @@ class Engine:
     """Continuous batching of requests over `model` (a transformers causal LM, see the module doc)."""
 
     def __init__(self, model, config: EngineConfig | None = None, *, tokenizer=None, pool: WorkerPool | None = None,
-                 planner=None):
+                 planner=None, step_guard=None):
+        """pool/planner: a worker pool (and its planner) to run on instead of starting one; the
+        engine then shares it (a HeteroGenerator's: step_guard, a context manager factory, is
+        entered around every step, e.g. the generator's call lock, and the model's attention
+        implementation is set to hetero's for each step only)."""
         self.config = config = config or EngineConfig()
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
@@ -215,6 +186,7 @@ class Engine:
                               idle_spin=400 if model.device.type == "cpu" else None)
         self.pool = pool
         self.kv = None
+        self._step_guard = step_guard or contextlib.nullcontext
         try:
             self.kv = PagedKV(pool, spec, num_blocks, -(-self.max_model_len // BLOCK_SIZE), config.max_num_seqs,
                               planner=planner or StaticPlanner(pool.n))
@@ -223,11 +195,13 @@ class Engine:
                                                        config.long_prefill_chunk, config.policy), self.kv_manager)
             self.runner = ModelRunner(model, spec, self.kv)
         except BaseException:
-            self._release()
+            self._release(guard=False)        # the caller holds the pool (a generator's lock) while it builds one
             raise
         attention.register()
-        self._previous_attn = model.config._attn_implementation
-        model.set_attn_implementation(attention.NAME)
+        self._previous_attn = None
+        if self._own_pool:                    # the model is the engine's: routed to hetero once
+            self._previous_attn = model.config._attn_implementation
+            model.set_attn_implementation(attention.NAME)
         self._samplers: dict[str, sampling.RequestSampler] = {}
         self._streams: dict[str, RequestStream] = {}
         self._inbox: deque = deque()
@@ -242,13 +216,16 @@ class Engine:
         cfg, s = self.config, self.spec
         per_block = SessionLayout(1, s.q_heads, s.kv_heads, s.head_dim, BLOCK_SIZE, s.layers,
                                   STORAGE_CODES[s.dtype], blocks=1, maxblk=1).kv_bytes
+        free = shm.free_bytes()
         if cfg.kv_blocks is not None:
             n = cfg.kv_blocks
         else:
             need = cfg.max_num_seqs * -(-self.max_model_len // BLOCK_SIZE)
-            room = cfg.kv_memory if cfg.kv_memory is not None else int(cfg.ram_fraction * psutil.virtual_memory().available)
+            if cfg.kv_memory is not None:
+                room = cfg.kv_memory
+            else:                 # a default within the RAM and the shared-memory filesystem's room
+                room = int(cfg.ram_fraction * min(psutil.virtual_memory().available, free or 1 << 62))
             n = max(1, min(need, room // per_block))
-        free = shm.free_bytes()
         if free is not None and n * per_block > free:
             raise CapacityError(f"a KV pool of {n} blocks ({n * per_block / 2**30:.2f} GiB) does not fit the "
                                 f"shared-memory filesystem's {free / 2**30:.2f} GiB free; set EngineConfig.kv_memory")
@@ -263,10 +240,6 @@ class Engine:
         eos_token_id, stop_strings with tokenizer, logits_processor, stopping_criteria, ...).
         seed: the request's own torch.Generator when it samples (None: torch's global one).
         ignore_eos: generate max_new_tokens whatever the tokens (benchmarks, as vLLM's)."""
-        if self._closed:
-            raise RuntimeError("the engine is closed")
-        if self.failure is not None:
-            raise EngineError(f"the engine failed: {self.failure}") from self.failure
         if adapter is not None:
             raise NotImplementedError("LoRA adapters are not served by the engine yet")
         ids = _token_list(prompt)
@@ -287,19 +260,32 @@ class Engine:
             new = max(total - len(ids), 0)
         if new < 1:
             raise ValueError(f"max_new_tokens must be >= 1 (the prompt has {len(ids)} tokens), got {new}")
-        if len(ids) + new > self.max_model_len:
-            raise CapacityError(f"prompt of {len(ids)} tokens + max_new_tokens={new} is past the engine's "
+        return self.submit(ids, settings, new, logits_processor=lp, stopping_criteria=sc, tokenizer=tokenizer,
+                           seed=seed, request_id=request_id, ignore_eos=ignore_eos, keep_scores=keep_scores)
+
+    def submit(self, ids: list[int], settings, max_new_tokens: int, *, logits_processor=None, stopping_criteria=None,
+               tokenizer=None, seed: int | None = None, request_id: str | None = None, ignore_eos: bool = False,
+               keep_scores: bool = False) -> RequestStream:
+        """add_request's second half: a request whose settings are resolved already (a GenerationConfig as
+        hetero.settings.generation_settings gives it; prompt ids checked)."""
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+        if self.failure is not None:
+            raise EngineError(f"the engine failed: {self.failure}") from self.failure
+        if len(ids) + max_new_tokens > self.max_model_len:
+            raise CapacityError(f"prompt of {len(ids)} tokens + max_new_tokens={max_new_tokens} is past the engine's "
                                 f"max_model_len={self.max_model_len}")
-        s = sampling.build(self.model, ids, settings, new, logits_processor=lp, stopping_criteria=sc,
-                           tokenizer=tokenizer, seed=seed)
+        s = sampling.build(self.model, ids, settings, max_new_tokens, logits_processor=logits_processor,
+                           stopping_criteria=stopping_criteria, tokenizer=tokenizer, seed=seed)
         s.keep_scores = keep_scores
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        req = Request(rid, ids, new, eos_token_ids=set() if ignore_eos else s.eos, params=settings)
+        req = Request(rid, ids, max_new_tokens, eos_token_ids=set() if ignore_eos else s.eos, params=settings)
         need = self.kv_manager.blocks_for(req.max_rows)
         if need > self.kv.num_blocks:
             raise CapacityError(f"request {rid!r} needs {need} KV blocks of {BLOCK_SIZE} rows; the pool has "
                                 f"{self.kv.num_blocks} (EngineConfig.kv_blocks / kv_memory)")
         stream = RequestStream(self, rid, len(ids))
+        stream.pad_token_id = s.pad
         if s.keep_scores:
             stream.scores = s.scores
         with self._lock:
@@ -326,6 +312,12 @@ class Engine:
                 self.step()
         return [s.result() for s in streams]
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached blocks no request holds (the next requests start cold); the engine
+        thread's, or between steps. Returns how many blocks were freed."""
+        with self._lock:
+            return self.kv_manager.pool.clear_cache()
+
     @property
     def has_unfinished(self) -> bool:
         with self._lock:
@@ -335,6 +327,23 @@ class Engine:
     def step(self) -> int:
         """One step: admit and abort what callers queued, schedule, one forward, sample, update.
         Returns the number of tokens computed (0: nothing to do)."""
+        with self._step_guard(), self._routed():
+            return self._step()
+
+    @contextlib.contextmanager
+    def _routed(self):
+        """The model's attention is hetero's for the step (once and for all when the engine owns it)."""
+        previous = self.model.config._attn_implementation
+        if previous == attention.NAME:
+            yield
+            return
+        self.model.set_attn_implementation(attention.NAME)
+        try:
+            yield
+        finally:
+            self.model.set_attn_implementation(previous)
+
+    def _step(self) -> int:
         self._drain_inbox()
         plan = self.scheduler.schedule()
         if plan.empty:
@@ -425,7 +434,8 @@ class Engine:
             self._thread.join()
         self._drain_inbox_on_close()
         try:
-            self.model.set_attn_implementation(self._previous_attn)
+            if self._previous_attn is not None:
+                self.model.set_attn_implementation(self._previous_attn)
         finally:
             self._release()
 
@@ -439,10 +449,11 @@ class Engine:
             r = self.scheduler.abort(rid)
             self._end(r, [])
 
-    def _release(self):
+    def _release(self, guard=True):
         try:
             if self.kv is not None:
-                self.kv.close()
+                with self._step_guard() if guard else contextlib.nullcontext():  # a shared pool: between calls
+                    self.kv.close()
         finally:
             self.kv = None
             if self._own_pool:

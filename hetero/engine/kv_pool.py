@@ -126,6 +126,16 @@ class BlockPool:
                 else:
                     self.evictable[b] = None
 
+    def clear_cache(self) -> int:
+        """Forget every cached block nobody holds (the LRU's): they become free. Returns how many."""
+        n = len(self.evictable)
+        while self.evictable:
+            b, _ = self.evictable.popitem(last=False)
+            del self.cached[self.hashes[b]]
+            self.hashes[b] = None
+            self.free.append(b)
+        return n
+
     def register(self, b: int, h: bytes) -> bool:
         """Make block b findable by hash h. False (nothing changes) when b already has a hash or
         another block holds h: a table is append-only, so the duplicate keeps its id, unhashed."""
@@ -181,6 +191,9 @@ class KVCacheManager:
     def __init__(self, pool: BlockPool):
         self.pool, self.block_size = pool, pool.block_size
         self.holders: dict[str, Request] = {}   # requests whose block_table holds blocks
+        # whole prompt blocks a holder is computing and has not cached yet: hash -> its id (a request
+        # whose prefix continues into one waits for it rather than computing it again: pending_prefix)
+        self.promised: dict[bytes, str] = {}
         self.prefix_queries = 0                 # tokens looked up at admissions
         self.prefix_hits = 0                    # of them, found cached
 
@@ -230,6 +243,14 @@ class KVCacheManager:
             out.append(b)
         return out, len(out) * self.block_size
 
+    def pending_prefix(self, request: Request, num_cached_blocks: int) -> str | None:
+        """The id of the holder computing the whole prompt block that follows the request's
+        `num_cached_blocks` cached ones (it is promised: see allocate_slots), or None."""
+        n = (request.num_tokens - 1) // self.block_size
+        if num_cached_blocks >= n:
+            return None
+        return self.promised.get(self.hashes(request, num_cached_blocks + 1)[num_cached_blocks])
+
     def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
         """Give the request blocks for `num_new_tokens` more rows (after its computed ones and the
         cached `computed_blocks`, which a request holding nothing takes first). All or nothing:
@@ -252,6 +273,9 @@ class KVCacheManager:
             self.prefix_hits += len(computed) * bs
             request.num_computed_tokens = request.num_cached_tokens = len(computed) * bs
             request.num_registered_blocks = len(computed)
+            for h in self.hashes(request, request.num_prompt_tokens // bs)[len(computed):]:
+                if h not in self.pool.cached:
+                    self.promised.setdefault(h, request.request_id)
         self.holders[request.request_id] = request
         return True
 
@@ -265,11 +289,17 @@ class KVCacheManager:
         hs = self.hashes(request, n)
         for i in range(start, n):
             self.pool.register(request.block_table[i], hs[i])
+            if self.promised.get(hs[i]) == request.request_id:
+                del self.promised[hs[i]]
         request.num_registered_blocks = n
 
     def free(self, request: Request) -> None:
         """Drop the request's references, its last block first (so the tail is evicted first)."""
         self.pool.release(reversed(request.block_table))
+        bs, rid = self.block_size, request.request_id
+        for h in request.block_hashes[:request.num_prompt_tokens // bs]:
+            if self.promised.get(h) == rid:
+                del self.promised[h]
         request.block_table.clear()
         request.num_registered_blocks = 0
         self.holders.pop(request.request_id, None)
@@ -322,4 +352,6 @@ class KVCacheManager:
             _check(r.num_computed_tokens <= len(t) * self.block_size, f"{rid}: computed rows outside its table")
             _check(r.num_registered_blocks <= len(t), f"{rid}: registered blocks outside its table")
             np.add.at(expected, np.asarray(t, np.int64), 1)
+        for rid in set(self.promised.values()):
+            _check(rid in self.holders, f"prompt blocks promised by {rid}, which holds no blocks")
         self.pool.check_invariants(expected)

@@ -36,8 +36,10 @@ from hetero.offload.session import STORAGE_CODES
 
 
 class PagedKV:
-    """The pool's segment, mapped in `pool`'s workers (a WorkerPool serves one mapped segment at a
-    time: opening this one unmaps a KVSession's, which reopens itself at its next call)."""
+    """The pool's segment, mapped in `pool`'s workers at its first step (ensure_open; a WorkerPool
+    serves one mapped segment at a time: opening this one unmaps a KVSession's, which reopens
+    itself at its next call, and the reverse). planner: the decode planner, or a callable giving
+    it, called at the first step (a generator measures its profile on the pool it shares)."""
 
     def __init__(self, pool, spec, num_blocks: int, max_blocks_per_seq: int, max_seqs: int,
                  max_groups: int | None = None, planner=None):
@@ -48,7 +50,7 @@ class PagedKV:
                                     head_dim=spec.head_dim, cap=BK, layers=spec.layers,
                                     code=STORAGE_CODES[spec.dtype], tmax=1, groups=groups, blocks=num_blocks,
                                     maxblk=max_blocks_per_seq)
-        self.planner = planner or StaticPlanner(pool.n)
+        self.planner = planner or StaticPlanner(pool.n)     # or a callable: resolved by ensure_open
         self.windows = spec.windows or (0,) * spec.layers
         self.opened = False
         shm.warn_if_small_pages(self.layout.nbytes)
@@ -72,7 +74,6 @@ class PagedKV:
                          np.zeros((rows, self.layout.dpad // 2), np.uint32), kernel.score_scratch(rows),
                          *kernel.prefix_sources([], [], v["K"][:1, :, :, :1], v["V"][:1, :, :, :1]),
                          kernel.prefix_scratch(max_seqs * rows, self.layout.dpad))
-            self.open()
         except BaseException:
             self.close()
             raise
@@ -105,6 +106,9 @@ class PagedKV:
         self.pool.run(C.CMD_OPEN)
 
     def ensure_open(self):
+        """Before a step: the planner resolved and the pool mapped in the workers."""
+        if callable(self.planner) and not hasattr(self.planner, "plan"):
+            self.planner = self.planner()
         if self.pool.session is not self:
             self.open()
 

@@ -34,6 +34,7 @@ class RequestSampler:
     eos: set[int]
     ids: torch.Tensor                         # [1, prompt + max_new_tokens] on the model's device
     n: int                                    # tokens in ids
+    pad: int | None = None                    # generate's pad id (pad_token_id, else the first eos id)
     generator: torch.Generator | None = None
     keep_scores: bool = False
     scores: list[torch.Tensor] = field(default_factory=list)   # processed scores per step (output_scores)
@@ -74,8 +75,10 @@ def build(model, prompt: list[int], settings: GenerationConfig, max_new_tokens: 
     if gc.do_sample and seed is not None:
         gen = torch.Generator(device=device)
         gen.manual_seed(int(seed))
+    pad = gc._pad_token_tensor
     return RequestSampler(do_sample=bool(gc.do_sample), processors=processors, criteria=rest, eos=eos, ids=ids,
-                          n=len(prompt), generator=gen, keep_scores=bool(gc.output_scores))
+                          n=len(prompt), pad=None if pad is None else int(pad.flatten()[0]), generator=gen,
+                          keep_scores=bool(gc.output_scores))
 
 
 def sample(samplers: list[RequestSampler], logits: torch.Tensor) -> tuple[list[int], list[bool]]:

@@ -4,7 +4,9 @@ Continuous batching with chunked prefill over one paged KV pool, as vLLM v1 and 
 each step, running requests go first (a decode costs one token of the step's budget, an
 unfinished prefill continues by up to `long_prefill_chunk` tokens), then waiting requests are
 admitted in policy order while the token budget, `max_num_seqs` and the pool allow, each first
-taking its cached prefix. When a running request cannot get a block, the last admitted running
+taking its cached prefix; one whose prompt continues into a block a running request is computing
+(the same document, arrived together) waits until that block is cached instead of computing it
+again. When a running request cannot get a block, the last admitted running
 request is preempted (recompute: its blocks freed, its output tokens kept) and waits first in
 line; no admission happens in a step that preempted.
 
@@ -169,10 +171,15 @@ class Scheduler:
             budget -= n
             i += 1
 
-        while not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        held: set[str] = set()            # waiting for a prefix a running request is computing now
+        while not preempted and len(self.waiting) > len(held) and budget > 0 and len(self.running) < cfg.max_num_seqs:
             key = cfg.policy.sort_key(self.running)
-            r = min(self.waiting, key=lambda w: (w.status is not RequestStatus.PREEMPTED, key(w)))
+            r = min((w for w in self.waiting if w.request_id not in held),
+                    key=lambda w: (w.status is not RequestStatus.PREEMPTED, key(w)))
             computed, num_cached = kv.get_computed_blocks(r)
+            if kv.pending_prefix(r, len(computed)) is not None:
+                held.add(r.request_id)    # computed once, by that request: admitted when it is cached
+                continue
             n = min(r.num_tokens - num_cached, chunk, budget)
             if not kv.allocate_slots(r, n, computed):
                 break

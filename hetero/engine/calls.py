@@ -1,0 +1,118 @@
+"""generate() calls that overlap join the engine's running batch (continuous batching for a web
+application's threads sharing one HeteroGenerator).
+
+A call runs through HF's generation loop, alone, as always when nothing else runs. A call made
+while another runs (the generator's call lock is busy) or while the engine has requests in flight
+is given to the engine instead when the engine batches its settings: each row of its batch
+becomes a request (its real tokens, without the left padding) with HF's processors and stopping
+criteria for that row alone; the call returns generate's tensor, left padding kept and finished
+rows padded with pad_token_id, as HF returns it. Other calls wait their turn for the lock. The
+engine shares the generator's worker pool and model: each engine step holds the call lock (an
+HF-loop call runs between two steps), and the pool maps the engine's KV pool or a call's arena as
+each needs it.
+
+  state           written by                              read by
+  _engine         the calling threads (under _make_lock)  the calling threads
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+from hetero.engine.config import EngineConfig
+from hetero.errors import CapacityError, HeteroError, UnsupportedModelError
+
+# why a call's settings are not batched by the engine (None: they are)
+PER_ROW_OBJECTS = ("logits_processor", "stopping_criteria", "streamer")   # called per request, not per batch
+
+
+def why_not_batched(settings, call, batch: int) -> str | None:
+    """Why these resolved settings run through HF's loop instead of the engine (None: they batch)."""
+    if settings.return_dict_in_generate:
+        return "return_dict_in_generate"
+    if settings.do_sample and batch > 1:
+        return "sampling a batch (HF draws the rows together from one generator)"
+    if batch > 1 and any(call.get(k) for k in PER_ROW_OBJECTS):
+        return "logits processors, stopping criteria or a streamer over a batch"
+    return None
+
+
+class GeneratorEngine:
+    """The engine of one HeteroGenerator, created on the first call that joins it (and again after a
+    worker died: the generator then has a new pool)."""
+
+    def __init__(self, gen, config: EngineConfig):
+        # a weak reference: the generator's finalizer holds this object, which must not keep it alive
+        self._gen, self.config = weakref.ref(gen), config
+        self.engine = None
+        self.refused: str | None = None          # the model is not one the engine serves: why
+        self._make_lock = threading.Lock()
+
+    @property
+    def busy(self) -> bool:
+        e = self.engine
+        return e is not None and e.failure is None and e.has_unfinished
+
+    def _ensure(self):
+        from hetero.engine.engine import Engine
+
+        gen = self._gen()
+        with self._make_lock:
+            e = self.engine
+            if e is not None and (e.failure is not None or e.pool is not gen._pool or not e.pool.alive):
+                self.engine = None
+                e.close()
+            if self.engine is None and self.refused is None:
+                calls, model, pool = gen._calls, gen.model, gen._ensure_pool()
+                try:             # the pool is used at the first step only, under the lock (step_guard)
+                    ref = self._gen
+                    self.engine = Engine(model, self.config, pool=pool, planner=lambda: ref()._ensure_planner(pool),
+                                         step_guard=lambda: calls.turn(model))
+                except (UnsupportedModelError, CapacityError) as err:
+                    self.refused = str(err)
+            return self.engine
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, settings,
+                 call: dict) -> torch.Tensor | None:
+        """The call through the engine: generate's tensor, or None where the engine does not take it
+        (the caller then runs HF's loop)."""
+        B = input_ids.shape[0]
+        if why_not_batched(settings, call, B) is not None:
+            return None
+        engine = self._ensure()
+        if engine is None:
+            return None
+        rows = [input_ids[b][attention_mask[b].bool()].tolist() for b in range(B)]
+        if any(len(r) + max_new_tokens > engine.max_model_len for r in rows):
+            return None
+        streamer = call.get("streamer")
+        kw = dict(logits_processor=call.get("logits_processor"), stopping_criteria=call.get("stopping_criteria"),
+                  tokenizer=call.get("tokenizer"))
+        streams = []
+        try:
+            for r in rows:
+                streams.append(engine.submit(r, settings, max_new_tokens, **kw))
+        except (CapacityError, HeteroError, RuntimeError):
+            for s in streams:
+                s.abort()
+            return None
+        if streamer is not None:                  # one row (why_not_batched): as HF's loop feeds it
+            streamer.put(input_ids.cpu())
+            for t in streams[0]:
+                streamer.put(torch.tensor([t]))
+            streamer.end()
+        outs = [s.result() for s in streams]
+        pad = streams[0].pad_token_id
+        width = max(len(o) for o in outs)
+        if any(len(o) < width for o in outs) and pad is None:
+            raise ValueError("a finished sequence must be padded but neither pad_token_id nor eos_token_id is set")
+        tail = torch.tensor([o + [pad] * (width - len(o)) for o in outs], dtype=input_ids.dtype)
+        return torch.cat([input_ids, tail.to(input_ids.device)], 1)
+
+    def close(self):
+        with self._make_lock:
+            e, self.engine = self.engine, None
+        if e is not None:
+            e.close()

@@ -1,0 +1,42 @@
+"""EngineConfig: the engine's knobs, validated once at the boundary (hetero.engine.engine.Engine;
+a HeteroGenerator's concurrent generate() calls use HeteroConfig.engine)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hetero.engine.scheduler import FCFSPolicy, Policy
+
+
+def _positive(name, value, allow_none=True):
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"EngineConfig.{name} must be an int >= 1{' or None' if allow_none else ''}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 32                    # requests running at once
+    max_num_batched_tokens: int = 2048        # tokens one step computes, all requests together
+    long_prefill_chunk: int | None = 512      # prompt tokens one request computes per step (None: the budget)
+    max_model_len: int | None = None          # tokens one request may hold (prompt + new); None: the model's
+                                              # max_position_embeddings, else DEFAULT_MAX_MODEL_LEN
+    kv_blocks: int | None = None              # the pool's 32-row blocks; None: from kv_memory
+    kv_memory: int | None = None              # the pool's bytes; None: ram_fraction of the available RAM, at most
+                                              # what max_num_seqs requests of max_model_len tokens hold
+    ram_fraction: float = 0.5
+    policy: Policy = field(default_factory=FCFSPolicy)
+    background: bool = True                   # add_request starts the step loop's thread (False: call step())
+    cpu_workers: int | None = None            # worker processes (None: usable cores - 1, at least 1)
+    worker_timeout: float = 5.0               # seconds a job may go without progress before WorkerError
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            _positive(name, getattr(self, name), allow_none=False)
+        for name in ("long_prefill_chunk", "max_model_len", "kv_blocks", "kv_memory", "cpu_workers"):
+            _positive(name, getattr(self, name))
+        if isinstance(self.ram_fraction, bool) or not isinstance(self.ram_fraction, (int, float)) or \
+                not 0 < self.ram_fraction <= 1:
+            raise ValueError(f"EngineConfig.ram_fraction must be in (0, 1], got {self.ram_fraction!r}")
+        if not hasattr(self.policy, "sort_key"):
+            raise ValueError(f"EngineConfig.policy must have a sort_key method (a Policy), got {self.policy!r}")

@@ -1,0 +1,180 @@
+"""generate() from several threads on one HeteroGenerator is never refused: overlapping calls join
+the engine's batch (hetero.engine.calls) and return what HF generate returns for them; calls whose
+settings the engine does not batch wait their turn; a call from inside a call still raises."""
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from hetero import HeteroConfig, HeteroGenerator
+from tests.conftest import VOCAB, our_segments, padded_batch
+
+
+class Gate:
+    """A streamer that holds the call on its n-th token until released (the call stays busy)."""
+
+    def __init__(self, n=2):
+        self.n, self.calls, self.tokens = n, 0, []
+        self.started, self.release = threading.Event(), threading.Event()
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls > 1:
+            self.tokens += value.flatten().tolist()
+        if self.calls == self.n + 1:
+            self.started.set()
+            self.release.wait(30)
+
+    def end(self):
+        pass
+
+
+def wait_for_engine(gen, n, timeout=30):
+    """The generator's engine once n requests are queued in it (callers blocked on their streams)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        e = gen._engine.engine
+        if e is not None and len(e._inbox) + len(e.scheduler.requests) >= n:
+            return e
+        time.sleep(0.01)
+    raise AssertionError(f"{n} requests never reached the engine")
+
+
+def rows(seed, *lengths):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (1, n), generator=g) for n in lengths]
+
+
+def hf(model, ids, mask=None, **kw):
+    return model.generate(ids, attention_mask=torch.ones_like(ids) if mask is None else mask, pad_token_id=0, **kw)
+
+
+def test_overlapping_calls_join_the_engine_and_match_hf(llama):
+    first, *others = rows(0, 30, 5, 44, 17, 9)
+    ids, mask = padded_batch((12, 8, 5), seed=3)
+    with HeteroGenerator(llama, cpu_workers=1) as gen:
+        gate = Gate()
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault("first", gen.generate(
+            first, max_new_tokens=10, pad_token_id=0, streamer=gate)))
+        t.start()
+        assert gate.started.wait(30)                 # the first call is inside HF's loop, holding the lock
+        done = []
+
+        def call(i, x):
+            out[i] = gen.generate(x, max_new_tokens=8 + i, pad_token_id=0)
+            done.append(i)
+
+        threads = [threading.Thread(target=call, args=(i, x)) for i, x in enumerate(others)]
+        threads.append(threading.Thread(target=lambda: out.setdefault("batch", gen.generate(
+            ids, attention_mask=mask, max_new_tokens=7, pad_token_id=0, eos_token_id=None))))
+        for th in threads:
+            th.start()
+        engine = wait_for_engine(gen, len(others) + 3)   # queued in the engine while the first call runs
+        assert not done and engine.steps == 0            # its steps take the lock the first call holds
+        gate.release.set()
+        t.join(60)
+        for th in threads:
+            th.join(60)
+        assert len(done) == len(others) and "batch" in out
+        assert engine.steps < sum(8 + i for i in range(len(others)))    # one batch, not one call after another
+        assert torch.equal(out["first"], hf(llama, first, max_new_tokens=10))
+        for i, x in enumerate(others):
+            assert torch.equal(out[i], hf(llama, x, max_new_tokens=8 + i)), i
+        assert torch.equal(out["batch"], hf(llama, ids, mask, max_new_tokens=7, eos_token_id=None))
+        assert engine.kv_manager.num_used_blocks == 0
+
+
+def test_a_streamer_sees_each_token_and_eos_pads_like_hf(llama):
+    x, y = rows(1, 20, 11)
+    eos = hf(llama, y, max_new_tokens=6)[0, 11 + 2].item()        # the third token y generates
+    with HeteroGenerator(llama, cpu_workers=1) as gen:
+        gate = Gate()
+        t = threading.Thread(target=lambda: gen.generate(x, max_new_tokens=6, pad_token_id=0, streamer=gate))
+        t.start()
+        assert gate.started.wait(30)
+        seen = Gate(n=10 ** 6)
+        ys = torch.cat([y, rows(2, 11)[0]])                            # a batch: one row stops early
+        out = {}
+        ths = [threading.Thread(target=lambda: out.update(
+                   one=gen.generate(y, max_new_tokens=6, pad_token_id=0, streamer=seen))),
+               threading.Thread(target=lambda: out.update(
+                   batch=gen.generate(ys, max_new_tokens=6, pad_token_id=5, eos_token_id=eos)))]
+        for th in ths:
+            th.start()
+        wait_for_engine(gen, 3)
+        gate.release.set()
+        t.join(60)
+        for th in ths:
+            th.join(60)
+        assert gen._engine.engine.steps > 0
+    assert torch.equal(out["one"], hf(llama, y, max_new_tokens=6))
+    assert seen.tokens == out["one"][0, 11:].tolist()
+    ref = llama.generate(ys, attention_mask=torch.ones_like(ys), max_new_tokens=6, pad_token_id=5, eos_token_id=eos)
+    assert torch.equal(out["batch"], ref)
+    assert (out["batch"][0, 11 + 3:] == 5).all()
+
+
+def test_settings_the_engine_does_not_batch_wait_their_turn(llama):
+    x, y = rows(4, 15, 9)
+    with HeteroGenerator(llama, cpu_workers=1) as gen:
+        gate = Gate()
+        t = threading.Thread(target=lambda: gen.generate(x, max_new_tokens=5, pad_token_id=0, streamer=gate))
+        t.start()
+        assert gate.started.wait(30)
+        out = {}
+        th = threading.Thread(target=lambda: out.setdefault("dict", gen.generate(
+            y, max_new_tokens=4, pad_token_id=0, return_dict_in_generate=True, output_scores=True)))
+        th.start()
+        th.join(1.0)
+        assert th.is_alive()                          # waiting for the lock, not refused
+        gate.release.set()
+        t.join(60)
+        th.join(60)
+        ref = hf(llama, y, max_new_tokens=4, return_dict_in_generate=True, output_scores=True)
+        assert torch.equal(out["dict"].sequences, ref.sequences)
+        assert gen._engine.engine is None            # nothing joined an engine
+
+
+def test_a_call_from_inside_a_call_still_raises(llama):
+    x, = rows(5, 10)
+    with HeteroGenerator(llama, cpu_workers=1) as gen:
+        class Nested:
+            error = None
+
+            def put(self, value):
+                if Nested.error is None:
+                    try:
+                        gen.generate(x, max_new_tokens=2, pad_token_id=0)
+                    except RuntimeError as e:
+                        Nested.error = e
+
+            def end(self):
+                pass
+
+        gen.generate(x, max_new_tokens=3, pad_token_id=0, streamer=Nested())
+        assert "from inside a call" in str(Nested.error)
+
+
+def test_many_threads_and_close_leave_nothing(llama):
+    before = set(our_segments(os.getpid()))
+    prompts = rows(6, *[3 + 5 * i for i in range(8)])
+    refs = [hf(llama, p, max_new_tokens=6) for p in prompts]
+    with HeteroGenerator(llama, config=HeteroConfig(cpu_workers=1)) as gen:
+        outs = [None] * len(prompts)
+
+        def call(i):
+            outs[i] = gen.generate(prompts[i], max_new_tokens=6, pad_token_id=0)
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(prompts))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(120)
+        for o, r in zip(outs, refs):
+            assert torch.equal(o, r)
+    assert set(our_segments(os.getpid())) == before
+    with pytest.raises(Exception, match="closed"):
+        gen.generate(prompts[0], max_new_tokens=2)
