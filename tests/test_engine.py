@@ -15,7 +15,7 @@ from transformers import StoppingCriteria
 
 from hetero.engine import BLOCK_SIZE
 from hetero import Engine, EngineConfig, EngineError
-from hetero.errors import CapacityError, UnsupportedModelError, WorkerDiedError
+from hetero.errors import AdapterError, CapacityError, UnsupportedModelError, WorkerDiedError
 from tests.conftest import FAMILIES, VOCAB, build_model, our_segments
 
 NEW = 8
@@ -254,7 +254,7 @@ def test_bad_input_raises_clear_errors(llama, engine):
         (ValueError, "num_beams", (ok, 4), {"num_beams": 2}),
         (ValueError, "max_new_tokens", (ok, 0), {}),
         (ValueError, "RequestStream", (ok, 4), {"streamer": object()}),
-        (NotImplementedError, "adapters", (ok, 4), {"adapter": "x"}),
+        (AdapterError, r"no adapter named 'x' is loaded \(loaded: \[\]\)", (ok, 4), {"adapter": "x"}),
     ]
     for exc, msg, args, kw in cases:
         with pytest.raises(exc, match=msg):

@@ -66,48 +66,65 @@ def plan_units(pieces, din, dout, nworkers):
 
 
 class LoraBatch:
-    """The adapters of one generate call: names[b] is request b's adapter (None: base model)."""
+    """The adapters of one generate call: adapters[b] is request b's (None: base model), over x
+    [B, T, in] request-major. An engine step's packed forward (x [1, N, in], requests one after
+    another, each its own number of tokens) is LoraBatch.packed(store, [(row0, row1, adapter)])."""
 
-    def __init__(self, store, adapters, owner=None):
+    def __init__(self, store, adapters, owner=None, segments=None):
         self.store = store
         self.owner = owner                       # the LoraHooks (generator) whose call this is
         self.adapters = adapters                 # per request: store.Adapter or None
+        self.segments = segments                 # packed: [(row0, row1, adapter)] over x's rows; None: per request
         self._plans = {}                         # (site, pieces) -> staged unit tables
         self.transport = None                    # a CUDA transport posting the decode jobs (use_transport)
         self._parts = {}                         # site -> workers of its GPU-posted decode job
         self._bounce = None                      # page-locked buffers for the host jobs of a GPU model
 
+    @classmethod
+    def packed(cls, store, segments, owner=None):
+        """An engine step's adapters: rows [row0, row1) of the packed forward use `adapter`."""
+        return cls(store, [a for _, _, a in segments], owner, segments=list(segments))
+
     def use_transport(self, transport):
         """Decode deltas through `transport` (a CudaTransport mapping the store's staging)."""
-        if len(self.adapters) <= self.store.x.shape[0]:          # one staging row per request
+        if self.segments is None and len(self.adapters) <= self.store.x.shape[0]:   # one staging row per request
             transport.lora_rows([-1 if a is None else a.slot for a in self.adapters])
             self.transport = transport
 
+    def _users(self, site, rows):
+        """[(row0, row1, adapter)] of x's `rows` rows whose adapter adapts `site`."""
+        if self.segments is not None:
+            return [(r0, r1, a) for r0, r1, a in self.segments if a is not None and site in a.entries]
+        T = rows // len(self.adapters)
+        return [(b * T, (b + 1) * T, a) for b, a in enumerate(self.adapters) if a is not None and site in a.entries]
+
     def apply(self, site, x, base):
-        """x [B, T, in] (or any [..., in] with B*T rows, request-major) -> base() + LoRA deltas."""
-        users = [(b, a) for b, a in enumerate(self.adapters) if a is not None and site in a.entries]
+        """x [..., in] (rows as the batch orders them) -> base() + LoRA deltas. A piece of one row
+        (a decode token) goes to the CPU workers; a longer one (a prompt) runs on the model's
+        device where its adapter has a device copy, else on the workers too."""
+        din = x.shape[-1]
+        x2 = x.reshape(-1, din)                  # [rows, in]
+        users = self._users(site, x2.shape[0])
         if not users:
             return base()
-        B = len(self.adapters)
-        din = x.shape[-1]
-        x2 = x.reshape(B, -1, din)               # [B, T, in]
-        T = x2.shape[1]
-        if T == 1 and self.transport is not None and _decoding():
-            return self._apply_posted(site, x2, base, users)
-        on_device = [] if T == 1 else [(b, a) for b, a in users if a.device is not None]
-        on_cpu = [(b, a) for b, a in users if T == 1 or a.device is None]
-        chunks = self._chunks(on_cpu, T, self.store.x.shape[0])
+        if self.segments is None and x2.shape[0] == len(self.adapters) and self.transport is not None \
+                and _decoding():
+            return self._apply_posted(site, x2.view(len(self.adapters), 1, din), base,
+                                      [(b, a) for b, a in enumerate(self.adapters) if a is not None and site in a.entries])
+        on_device = [u for u in users if u[1] - u[0] > 1 and u[2].device is not None]
+        on_cpu = [u for u in users if u[1] - u[0] == 1 or u[2].device is None]
+        chunks = self._chunks(on_cpu, self.store.x.shape[0])
         pending = self._submit(site, x2, chunks[0]) if chunks else None
         out = base()                              # the base projection runs while the workers work
-        out3 = out.view(B, T, out.shape[-1])      # a fresh tensor: deltas are added in place
+        out2 = out.view(-1, out.shape[-1])        # a fresh tensor: deltas are added in place
         if pending is not None:
-            self._collect(pending, out3)
+            self._collect(pending, out2)
             for chunk in chunks[1:]:
-                self._collect(self._submit(site, x2, chunk), out3)
-        for b, a in on_device:                    # prefill on the model's device
+                self._collect(self._submit(site, x2, chunk), out2)
+        for r0, r1, a in on_device:               # prefill on the model's device
             A, BT = a.device[site]
             s = a.entries[site][2]
-            _add(out3[b], ((x2[b].float() @ A.T) * s) @ BT)
+            _add(out2[r0:r1], ((x2[r0:r1].float() @ A.T) * s) @ BT)
         return out
 
     def _apply_posted(self, site, x2, base, users):
@@ -125,16 +142,16 @@ class LoraBatch:
 
     # ---- CPU workers
     @staticmethod
-    def _chunks(users, T, rows):
-        """[(b, adapter, t0, t1)] pieces packed into chunks of at most `rows` rows."""
+    def _chunks(users, rows):
+        """[(row0, row1, adapter)] pieces cut and packed into chunks of at most `rows` staging rows."""
         chunks, cur, n = [], [], 0
-        for b, a in users:
-            for t0 in range(0, T, rows):
-                t1 = min(T, t0 + rows)
+        for r0, r1, a in users:
+            for t0 in range(r0, r1, rows):
+                t1 = min(r1, t0 + rows)
                 if n + t1 - t0 > rows:
                     chunks.append(cur)
                     cur, n = [], 0
-                cur.append((b, a, t0, t1))
+                cur.append((t0, t1, a))
                 n += t1 - t0
         if cur:
             chunks.append(cur)
@@ -146,7 +163,7 @@ class LoraBatch:
         din, dout = st.site_dims[site]
         self._stage_rows(x2, chunk, din)
         pieces, row = [], 0
-        for b, a, t0, t1 in chunk:
+        for t0, t1, a in chunk:
             _, _, s, r = a.entries[site]
             pieces.append((a.slot, site, row, row + t1 - t0, s, r))
             row += t1 - t0
@@ -174,32 +191,32 @@ class LoraBatch:
         seq = pool.submit(C.CMD_LORA, nactive)
         return seq, nactive, chunk, dout
 
-    def _collect(self, pending, out3):
+    def _collect(self, pending, out2):
         seq, nactive, chunk, dout = pending
         self.store.pool.wait(seq, nactive)
-        n = sum(t1 - t0 for _, _, t0, t1 in chunk)
+        n = sum(t1 - t0 for t0, t1, _ in chunk)
         delta = self.store.delta[:n, :dout]
-        if out3.is_cuda:              # one asynchronous copy through a page-locked buffer: the next
+        if out2.is_cuda:              # one asynchronous copy through a page-locked buffer: the next
             buf = self._bounce.get("delta", delta.shape)   # job's _stage_rows waits for it before
             buf.copy_(delta)                               # this buffer is written again
-            delta = buf.to(out3.device, non_blocking=True)
+            delta = buf.to(out2.device, non_blocking=True)
         row = 0
-        for b, _, t0, t1 in chunk:
-            _add(out3[b, t0:t1], delta[row:row + t1 - t0])
+        for t0, t1, _ in chunk:
+            _add(out2[t0:t1], delta[row:row + t1 - t0])
             row += t1 - t0
 
     def _stage_rows(self, x2, chunk, din):
-        """The chunk's rows of x2 [B, T, in] into the staging's x (f32), request-major. From a GPU:
+        """The chunk's rows of x2 [rows, in] into the staging's x (f32), in chunk order. From a GPU:
         one gather and one copy through a page-locked buffer, one wait (the workers read them
         next), not a synchronous copy per piece."""
         x = self.store.x
         if not x2.is_cuda:
             row = 0
-            for b, _, t0, t1 in chunk:
-                x[row:row + t1 - t0, :din].copy_(x2[b, t0:t1])
+            for t0, t1, _ in chunk:
+                x[row:row + t1 - t0, :din].copy_(x2[t0:t1])
                 row += t1 - t0
             return
-        rows = torch.cat([x2[b, t0:t1] for b, _, t0, t1 in chunk]).float()    # [n, in] on the device
+        rows = torch.cat([x2[t0:t1] for t0, t1, _ in chunk]).float()    # [n, in] on the device
         self._bounce = self._bounce or Bounce(x2.device)
         buf = self._bounce.get("x", rows.shape)
         buf.copy_(rows, non_blocking=True)

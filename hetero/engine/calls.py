@@ -3,7 +3,8 @@ application's threads sharing one HeteroGenerator).
 
 A call runs through HF's generation loop, alone, as always when nothing else runs. A call made
 while another runs (the generator's call lock is busy) or while the engine has requests in flight
-is given to the engine instead when the engine batches its settings: each row of its batch
+is given to the engine instead when the engine batches its settings (adapters loaded in the
+generator included; a PeftModel's calls run HF's loop): each row of its batch
 becomes a request (its real tokens, without the left padding) with HF's processors and stopping
 criteria for that row alone; the call returns generate's tensor, left padding kept and finished
 rows padded with pad_token_id, as HF returns it. Other calls wait their turn for the lock. The
@@ -68,17 +69,23 @@ class GeneratorEngine:
                 calls, model, pool = gen._calls, gen.model, gen._ensure_pool()
                 try:             # the pool is used at the first step only, under the lock (step_guard)
                     ref = self._gen
+
+                    def lora():                   # the generator's adapters, as they are now
+                        g = ref()
+                        return (g._store, g._hooks) if g is not None and g._store is not None else (None, None)
+
                     self.engine = Engine(model, self.config, pool=pool, planner=lambda: ref()._ensure_planner(pool),
-                                         step_guard=lambda: calls.turn(model))
+                                         step_guard=lambda: calls.turn(model), lora=lora)
                 except (UnsupportedModelError, CapacityError) as err:
                     self.refused = str(err)
             return self.engine
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, settings,
-                 call: dict) -> torch.Tensor | None:
+                 call: dict, lora=None) -> torch.Tensor | None:
         """The call through the engine: generate's tensor, or None where the engine does not take it
-        (the caller then runs HF's loop)."""
+        (the caller then runs HF's loop). lora: the call's LoraBatch (its adapters by request)."""
         B = input_ids.shape[0]
+        names = [None] * B if lora is None else [None if a is None else a.name for a in lora.adapters]
         if why_not_batched(settings, call, B) is not None:
             return None
         engine = self._ensure()
@@ -92,8 +99,8 @@ class GeneratorEngine:
                   tokenizer=call.get("tokenizer"))
         streams = []
         try:
-            for r in rows:
-                streams.append(engine.submit(r, settings, max_new_tokens, **kw))
+            for r, name in zip(rows, names):
+                streams.append(engine.submit(r, settings, max_new_tokens, adapter=name, **kw))
         except (CapacityError, HeteroError, RuntimeError):
             for s in streams:
                 s.abort()

@@ -46,8 +46,10 @@ from hetero.engine.config import EngineConfig
 from hetero.engine.paged import PagedKV
 from hetero.engine.request import Request, RequestStatus
 from hetero.engine.runner import ModelRunner
-from hetero.engine.scheduler import Scheduler, SchedulerConfig
-from hetero.errors import CapacityError, EngineError, UnsupportedModelError
+from hetero.engine.scheduler import RankAwarePolicy, Scheduler, SchedulerConfig
+from hetero.adapters import sync
+from hetero.engine.adapters import EngineAdapters
+from hetero.errors import AdapterError, CapacityError, EngineError, UnsupportedModelError
 from hetero.ipc import shm
 from hetero.ipc.pool import WorkerPool
 from hetero.model_spec import inspect_model
@@ -155,15 +157,23 @@ class RequestStream:
 class Engine:
     """Continuous batching of requests over `model` (a transformers causal LM, see the module doc)."""
 
-    def __init__(self, model, config: EngineConfig | None = None, *, tokenizer=None, pool: WorkerPool | None = None,
-                 planner=None, step_guard=None):
-        """pool/planner: a worker pool (and its planner) to run on instead of starting one; the
-        engine then shares it (a HeteroGenerator's: step_guard, a context manager factory, is
-        entered around every step, e.g. the generator's call lock, and the model's attention
-        implementation is set to hetero's for each step only)."""
+    def __init__(self, model, config: EngineConfig | None = None, *, tokenizer=None, adapters: dict | None = None,
+                 pool: WorkerPool | None = None, planner=None, step_guard=None, lora=None):
+        """model: a transformers causal LM, or a peft PeftModel (its adapters are served by name).
+        adapters: {name: a peft LoRA adapter's save_pretrained directory}, served by name
+        (add_request(adapter=name)). pool/planner: a worker pool (and its planner) to run on
+        instead of starting one; the engine then shares it (a HeteroGenerator's: step_guard, a
+        context manager factory, is entered around every step, e.g. the generator's call lock; the
+        model's attention implementation is set to hetero's for each step only; lora, a callable
+        giving the generator's (AdapterStore, LoraHooks), serves its adapters)."""
         self.config = config = config or EngineConfig()
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+        if adapters is not None and not isinstance(adapters, dict):
+            raise TypeError(f"adapters= takes {{name: save_pretrained directory}}, got {type(adapters).__name__}")
+        peft_model = model if sync.is_peft_model(model) else None
+        if peft_model is not None:
+            model = peft_model.get_base_model()
         self.model, self.tokenizer = model, tokenizer
         self.spec = spec = inspect_model(model)
         if spec.one_pass_only:
@@ -185,15 +195,27 @@ class Engine:
             pool = WorkerPool(n, cores, job_timeout=config.worker_timeout,
                               idle_spin=400 if model.device.type == "cpu" else None)
         self.pool = pool
-        self.kv = None
+        self.kv = self._adapters = None
         self._step_guard = step_guard or contextlib.nullcontext
+        self._step_lock = threading.Lock()    # held through a step; adapter loads wait for it
         try:
             self.kv = PagedKV(pool, spec, num_blocks, -(-self.max_model_len // BLOCK_SIZE), config.max_num_seqs,
                               planner=planner or StaticPlanner(pool.n))
             self.kv_manager = KVCacheManager(BlockPool(num_blocks))
+            if lora is None:
+                self._adapters = EngineAdapters(model, pool)
+                if peft_model is not None:
+                    self._adapters.from_peft(peft_model)
+                for name, path in (adapters or {}).items():
+                    self._adapters.load(name, path)
+                lora = self._adapters.lora
+            self._lora = lora
+            policy = config.policy
+            if isinstance(policy, RankAwarePolicy) and policy.rank_of is None:
+                policy.rank_of = self.adapter_rank
             self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                       config.long_prefill_chunk, config.policy), self.kv_manager)
-            self.runner = ModelRunner(model, spec, self.kv)
+                                                       config.long_prefill_chunk, policy), self.kv_manager)
+            self.runner = ModelRunner(model, spec, self.kv, lora=lora)
         except BaseException:
             self._release(guard=False)        # the caller holds the pool (a generator's lock) while it builds one
             raise
@@ -240,8 +262,6 @@ class Engine:
         eos_token_id, stop_strings with tokenizer, logits_processor, stopping_criteria, ...).
         seed: the request's own torch.Generator when it samples (None: torch's global one).
         ignore_eos: generate max_new_tokens whatever the tokens (benchmarks, as vLLM's)."""
-        if adapter is not None:
-            raise NotImplementedError("LoRA adapters are not served by the engine yet")
         ids = _token_list(prompt)
         vocab = self.model.config.get_text_config().vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
@@ -261,11 +281,12 @@ class Engine:
         if new < 1:
             raise ValueError(f"max_new_tokens must be >= 1 (the prompt has {len(ids)} tokens), got {new}")
         return self.submit(ids, settings, new, logits_processor=lp, stopping_criteria=sc, tokenizer=tokenizer,
-                           seed=seed, request_id=request_id, ignore_eos=ignore_eos, keep_scores=keep_scores)
+                           seed=seed, request_id=request_id, ignore_eos=ignore_eos, keep_scores=keep_scores,
+                           adapter=adapter)
 
     def submit(self, ids: list[int], settings, max_new_tokens: int, *, logits_processor=None, stopping_criteria=None,
                tokenizer=None, seed: int | None = None, request_id: str | None = None, ignore_eos: bool = False,
-               keep_scores: bool = False) -> RequestStream:
+               keep_scores: bool = False, adapter: str | None = None) -> RequestStream:
         """add_request's second half: a request whose settings are resolved already (a GenerationConfig as
         hetero.settings.generation_settings gives it; prompt ids checked)."""
         if self._closed:
@@ -275,11 +296,14 @@ class Engine:
         if len(ids) + max_new_tokens > self.max_model_len:
             raise CapacityError(f"prompt of {len(ids)} tokens + max_new_tokens={max_new_tokens} is past the engine's "
                                 f"max_model_len={self.max_model_len}")
+        if adapter is not None and adapter not in self.adapters:
+            raise AdapterError(f"no adapter named {adapter!r} is loaded (loaded: {self.adapters})")
         s = sampling.build(self.model, ids, settings, max_new_tokens, logits_processor=logits_processor,
                            stopping_criteria=stopping_criteria, tokenizer=tokenizer, seed=seed)
         s.keep_scores = keep_scores
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        req = Request(rid, ids, max_new_tokens, eos_token_ids=set() if ignore_eos else s.eos, params=settings)
+        req = Request(rid, ids, max_new_tokens, eos_token_ids=set() if ignore_eos else s.eos, params=settings,
+                      adapter=adapter)
         need = self.kv_manager.blocks_for(req.max_rows)
         if need > self.kv.num_blocks:
             raise CapacityError(f"request {rid!r} needs {need} KV blocks of {BLOCK_SIZE} rows; the pool has "
@@ -296,6 +320,41 @@ class Engine:
         if self.config.background:
             self.start()
         return stream
+
+    # ---- adapters
+    @property
+    def adapters(self) -> list[str]:
+        """Names of the LoRA adapters requests may name."""
+        store, _ = self._lora()
+        return sorted(store.adapters) if store is not None else []
+
+    def adapter_rank(self, name: str | None) -> int:
+        """An adapter's rank (its largest over the layers it adapts; 0: the base model)."""
+        store, _ = self._lora()
+        if name is None or store is None or name not in store.adapters:
+            return 0
+        return max(e[3] for e in store.adapters[name].entries.values())
+
+    def load_adapter(self, name: str, path) -> None:
+        """Serve a peft LoRA adapter saved with save_pretrained under `name` (between two steps)."""
+        self._own_adapters("load_adapter").load_in_turn(name, path, self._in_turn)
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving `name`: requests still naming it fail (AdapterError) at the next step."""
+        self._own_adapters("unload_adapter").remove_in_turn(name, self._in_turn)
+
+    def _own_adapters(self, what):
+        if self._adapters is None:
+            raise RuntimeError(f"{what}: this engine serves its HeteroGenerator's adapters; use the generator's")
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+        return self._adapters
+
+    @contextlib.contextmanager
+    def _in_turn(self):
+        """Between two steps, holding what a step holds (the pool is free)."""
+        with self._step_lock, self._step_guard():
+            yield
 
     def abort(self, request_id: str) -> None:
         """Finish a request now (its stream ends with finish_reason "abort"); its blocks are freed
@@ -327,7 +386,7 @@ class Engine:
     def step(self) -> int:
         """One step: admit and abort what callers queued, schedule, one forward, sample, update.
         Returns the number of tokens computed (0: nothing to do)."""
-        with self._step_guard(), self._routed():
+        with self._step_lock, self._step_guard(), self._routed():
             return self._step()
 
     @contextlib.contextmanager
@@ -345,6 +404,12 @@ class Engine:
 
     def _step(self) -> int:
         self._drain_inbox()
+        store, _ = self._lora()
+        for r in [r for r in self.scheduler.requests.values() if r.adapter is not None]:
+            if store is None or r.adapter not in store.adapters:        # unloaded since it was added
+                self.scheduler.abort(r.request_id)
+                self._samplers.pop(r.request_id, None)
+                self._streams.pop(r.request_id)._push([], error=AdapterError(f"adapter {r.adapter!r} was unloaded"))
         plan = self.scheduler.schedule()
         if plan.empty:
             return 0
@@ -451,8 +516,10 @@ class Engine:
 
     def _release(self, guard=True):
         try:
-            if self.kv is not None:
-                with self._step_guard() if guard else contextlib.nullcontext():  # a shared pool: between calls
+            with self._step_guard() if guard else contextlib.nullcontext():      # a shared pool: between calls
+                if self._adapters is not None:
+                    self._adapters.close()
+                if self.kv is not None:
                     self.kv.close()
         finally:
             self.kv = None

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from hetero import attention
+from hetero.adapters.hooks import LoraBatch, active_batch
 from hetero.compat import forward_cache_kwarg
 from hetero.engine.paged import PagedKV
 from hetero.engine.scheduler import SchedulerOutput
@@ -107,8 +108,10 @@ def chunk_attention(q, k, v, start, window, scale, softcap=None, sinks=None):
 class ModelRunner:
     """Runs a SchedulerOutput through the model: one forward, logits of the sampling rows."""
 
-    def __init__(self, model, spec, kv: PagedKV):
-        self.model, self.spec, self.kv = model, spec, kv
+    def __init__(self, model, spec, kv: PagedKV, lora=None):
+        """lora: a callable giving (AdapterStore, LoraHooks) or (None, None): the adapters
+        requests name (hetero.engine.adapters)."""
+        self.model, self.spec, self.kv, self.lora = model, spec, kv, lora
         self.device = model.device
         self.keeps_logits = model._supports_logits_to_keep()
         self.cache_kwarg = forward_cache_kwarg(model.forward)
@@ -140,11 +143,25 @@ class ModelRunner:
         keep = torch.tensor(sample or [off - 1], device=dev)
         kwargs = {"logits_to_keep": keep} if self.keeps_logits else {}
         token = attention.active_session.set(step)
+        lora = active_batch.set(self._lora_batch(plan))
         try:
             out = self.model(input_ids=torch.tensor([tokens], device=dev),
                              position_ids=torch.tensor([positions], device=dev),
                              use_cache=True, return_dict=True, **{self.cache_kwarg: HeteroCache(step)}, **kwargs)
         finally:
+            active_batch.reset(lora)
             attention.active_session.reset(token)
         logits = out.logits[0] if self.keeps_logits else out.logits[0, keep]
         return logits[:len(sample)].float()
+
+    def _lora_batch(self, plan: SchedulerOutput):
+        """The step's packed LoraBatch: each request's rows with its adapter (None: no adapters)."""
+        store, hooks = self.lora() if self.lora is not None else (None, None)
+        if hooks is None:
+            return None
+        segs, off = [], 0
+        for s in plan.scheduled:
+            name = s.request.adapter
+            segs.append((off, off + s.num_new_tokens, None if name is None else store.adapters[name]))
+            off += s.num_new_tokens
+        return LoraBatch.packed(store, segs, owner=hooks)

@@ -56,9 +56,10 @@ class RankAwarePolicy:
       2. its rank <= the running batch's largest rank (padding costs no more);
       3. the rest, lowest rank first (a batch's rank grows as slowly as it can).
     With nothing running, the oldest request goes first and the batch forms around it.
-    `rank_of(adapter)` gives an adapter's rank (None: the base model, usually 0)."""
+    `rank_of(adapter)` gives an adapter's rank (None: the base model, usually 0); left None, an
+    Engine sets its own (the loaded adapters' ranks)."""
 
-    def __init__(self, rank_of: Callable[[str | None], int], max_wait_s: float | None = None,
+    def __init__(self, rank_of: Callable[[str | None], int] | None = None, max_wait_s: float | None = None,
                  clock: Callable[[], float] = time.monotonic):
         self.rank_of, self.max_wait_s, self.clock = rank_of, max_wait_s, clock
 

@@ -1,0 +1,126 @@
+"""LoRA adapters through the engine against peft itself (real PeftModels, real save_pretrained
+directories): each request runs the adapter it names, in a batch mixing adapters, prompts
+chunked beside decodes, and gives peft generate's tokens and scores for it alone."""
+import threading
+
+import pytest
+import torch
+
+from hetero import AdapterError, Engine, EngineConfig, HeteroGenerator
+from hetero.engine import RankAwarePolicy
+from tests.conftest import padded_batch
+from tests.test_lora import make_adapters
+
+NEW = 8
+ROWS_NAMES = ["legal", "code", None]
+
+
+def rows_of(ids, mask):
+    return [ids[b][mask[b].bool()].tolist() for b in range(ids.shape[0])]
+
+
+def peft_alone(pm, row, name, new=NEW):
+    t = torch.tensor([row])
+    out = pm.generate(input_ids=t, attention_mask=torch.ones_like(t), max_new_tokens=new, do_sample=False,
+                      pad_token_id=0, adapter_names=[name or "__base__"], return_dict_in_generate=True,
+                      output_scores=True)
+    return out.sequences[0, len(row):].tolist(), torch.cat(out.scores)
+
+
+def config(**kw):
+    return EngineConfig(**{**dict(background=False, cpu_workers=1, kv_blocks=48, long_prefill_chunk=4,
+                                  max_num_batched_tokens=10, max_model_len=128), **kw})
+
+
+def run(engine, streams):
+    while not all(s.finished for s in streams):
+        engine.step()
+
+
+def assert_peft(pm, streams, rows, names):
+    for s, r, n in zip(streams, rows, names):
+        tokens, scores = peft_alone(pm, r, n)
+        assert s.token_ids == tokens, (n, s.token_ids, tokens)
+        assert (torch.stack(s.scores) - scores).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("model_type", ["llama", "phi3"])
+def test_mixed_adapters_match_peft(model_type, tmp_path):
+    base, pm, _ = make_adapters(model_type, tmp_path)
+    rows = rows_of(*padded_batch())
+    dirs = {n: str(tmp_path / n) for n in ("legal", "code")}
+    with Engine(base, config(policy=RankAwarePolicy()), adapters=dirs) as eng:
+        assert eng.adapters == ["code", "legal"] and eng.adapter_rank("code") == 16 and eng.adapter_rank(None) == 0
+        streams = [eng.add_request(r, NEW, adapter=n, output_scores=True) for r, n in zip(rows, ROWS_NAMES)]
+        run(eng, streams)
+        # a prompt cached under one adapter is not reused under another (the hash includes the adapter)
+        again = eng.add_request(rows[0], NEW, adapter="code", output_scores=True)
+        run(eng, [again])
+    assert_peft(pm, streams + [again], rows + [rows[0]], ROWS_NAMES + ["code"])
+    assert all("forward" not in m.__dict__ for m in base.modules())       # no hook left behind
+
+
+def test_a_peft_model_and_adapters_loaded_at_run_time(tmp_path):
+    base, pm, _ = make_adapters("llama", tmp_path)
+    rows = rows_of(*padded_batch())
+    with Engine(pm, config()) as eng:
+        assert eng.adapters == ["code", "legal"]
+        streams = [eng.add_request(r, NEW, adapter=n, output_scores=True) for r, n in zip(rows, ROWS_NAMES)]
+        run(eng, streams)
+        assert_peft(pm, streams, rows, ROWS_NAMES)
+    with Engine(base, config()) as eng:
+        with pytest.raises(AdapterError, match="no adapter named 'legal'"):
+            eng.add_request(rows[0], NEW, adapter="legal")
+        eng.load_adapter("legal", tmp_path / "legal")
+        s = eng.add_request(rows[0], NEW, adapter="legal", output_scores=True)
+        late = eng.add_request(rows[1], 30, adapter="legal")
+        run(eng, [s])
+        eng.unload_adapter("legal")
+        eng.step()
+        assert isinstance(late.error, AdapterError) and "unloaded" in str(late.error)
+        assert eng.kv_manager.num_used_blocks == 0
+        with pytest.raises(AdapterError, match="no adapter named 'legal'"):
+            eng.unload_adapter("legal")
+    assert_peft(pm, [s], rows[:1], ["legal"])
+
+
+def test_a_generator_s_overlapping_calls_keep_their_adapters(tmp_path):
+    base, pm, _ = make_adapters("llama", tmp_path)
+    ids, mask = padded_batch()
+    dirs = {n: str(tmp_path / n) for n in ("legal", "code")}
+    with HeteroGenerator(base, cpu_workers=1, adapters=dirs) as gen:
+        started, release = threading.Event(), threading.Event()
+
+        class Gate:
+            n = 0
+
+            def put(self, value):
+                self.n += 1
+                if self.n == 2:
+                    started.set()
+                    release.wait(30)
+
+            def end(self):
+                pass
+
+        out = {}
+        first = threading.Thread(target=lambda: out.setdefault("first", gen.generate(
+            ids[:1], attention_mask=mask[:1], max_new_tokens=NEW, pad_token_id=0, adapter_names=["code"],
+            streamer=Gate())))
+        first.start()
+        assert started.wait(30)
+        second = threading.Thread(target=lambda: out.setdefault("batch", gen.generate(
+            ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=0, adapter_names=["legal", "code", None])))
+        second.start()
+        while gen._engine.engine is None or not gen._engine.busy:
+            second.join(0.01)
+        release.set()
+        first.join(30)
+        second.join(30)
+        assert gen._engine.engine.steps > 0
+    ref = pm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                      adapter_names=["legal", "code", "__base__"])
+    assert torch.equal(out["batch"], ref)
+    ref1 = pm.generate(input_ids=ids[:1], attention_mask=mask[:1], max_new_tokens=NEW, do_sample=False,
+                       pad_token_id=0, adapter_names=["code"])
+    assert torch.equal(out["first"], ref1)
