@@ -309,3 +309,26 @@ def test_close_aborts_unfinished_and_leaves_no_segments(llama):
     assert set(our_segments(os.getpid())) == before
     with pytest.raises(RuntimeError, match="closed"):
         eng.add_request([5], 2)
+
+
+def test_a_pinned_document_survives_pressure_and_is_read_by_every_request(llama):
+    doc = prompts([96], seed=13)[0]                   # 3 whole blocks
+    with make(llama, kv_blocks=10, max_num_batched_tokens=64, long_prefill_chunk=None) as eng:
+        pin = eng.pin(doc)
+        assert pin.result() == [] and len(pin.pinned_blocks) == 3
+        for p in prompts([120, 100, 110], seed=14):     # other traffic fills and recycles the pool
+            s = eng.add_request(p, 8)
+            run(eng, [s])
+        hits = eng.kv_manager.prefix_hits
+        streams = [eng.add_request(doc + q, NEW, output_scores=True) for q in prompts([5, 9], seed=15)]
+        run(eng, streams)
+        assert eng.kv_manager.prefix_hits - hits == 2 * 96
+        assert all(s_.finish_reason for s_ in streams)
+        for s_, q in zip(streams, prompts([5, 9], seed=15)):
+            assert_exact(llama, s_, doc + q)
+        assert eng.kv_manager.num_used_blocks == 3      # the pin alone
+        eng.unpin(pin)
+        eng.step()
+        assert_idle(eng)
+        with pytest.raises(CapacityError, match="max_model_len"):
+            eng.pin([5] * 300)

@@ -74,6 +74,8 @@ class RequestStream:
         self.error: BaseException | None = None
         self.scores: list[torch.Tensor] | None = None     # processed scores per token (output_scores=True)
         self.pad_token_id: int | None = None              # what generate pads a finished sequence with
+        self.pinned_blocks: list[int] | None = None       # a pin()'s blocks, once computed (unpin releases)
+        self.unpinned = False
         self.arrival = time.monotonic()
         self.token_times: list[float] = []          # time.monotonic() of each token's arrival here
         self.finish_time: float | None = None
@@ -109,7 +111,10 @@ class RequestStream:
             raise EngineError(f"request {self.request_id!r} failed: {self.error}") from self.error
 
     def _since(self, i: int, wait: bool = False) -> tuple[list[int], bool]:
-        """(the tokens after the first i, finished), waiting for one of them with wait."""
+        """(the tokens after the first i, finished), waiting for one of them with wait (an engine
+        without its background thread is stepped here meanwhile)."""
+        if wait:
+            self._drive(lambda: len(self.token_ids) > i)
         with self._cond:
             while wait and len(self.token_ids) <= i and not self.finished:
                 self._cond.wait()
@@ -142,8 +147,17 @@ class RequestStream:
             with self._cond:
                 self._waiters.remove((loop, event))
 
+    def _drive(self, ready):
+        """EngineConfig(background=False): step the engine in this thread until ready() or finished."""
+        e = self.engine
+        if not e.config.background:
+            while not ready() and not self.finished and e.step():
+                pass
+
     def result(self, timeout: float | None = None) -> list[int]:
-        """All output token ids once finished (raises EngineError if it failed, TimeoutError)."""
+        """All output token ids once finished (raises EngineError if it failed, TimeoutError). An
+        engine without its background thread (EngineConfig.background=False) is stepped here."""
+        self._drive(lambda: False)
         with self._cond:
             if not self._cond.wait_for(lambda: self.finished, timeout):
                 raise TimeoutError(f"request {self.request_id!r} unfinished after {timeout} s")
@@ -262,11 +276,7 @@ class Engine:
         eos_token_id, stop_strings with tokenizer, logits_processor, stopping_criteria, ...).
         seed: the request's own torch.Generator when it samples (None: torch's global one).
         ignore_eos: generate max_new_tokens whatever the tokens (benchmarks, as vLLM's)."""
-        ids = _token_list(prompt)
-        vocab = self.model.config.get_text_config().vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        ids = self._checked_prompt(prompt)
         if generate_kwargs.get("streamer") is not None:
             raise ValueError("streamer= is generate's: iterate over the RequestStream add_request returns")
         generate_kwargs.pop("streamer", None)
@@ -312,6 +322,22 @@ class Engine:
         stream.pad_token_id = s.pad
         if s.keep_scores:
             stream.scores = s.scores
+        return self._queue(req, s, stream)
+
+    def _checked_prompt(self, prompt) -> list[int]:
+        ids = _token_list(prompt)
+        vocab = self.model.config.get_text_config().vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return ids
+
+    def _queue(self, req: Request, s, stream: RequestStream) -> RequestStream:
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+        if self.failure is not None:
+            raise EngineError(f"the engine failed: {self.failure}") from self.failure
+        rid = req.request_id
         with self._lock:
             if rid in self._streams or any(x[0] == "add" and x[1].request_id == rid for x in self._inbox):
                 raise ValueError(f"request id {rid!r} is already in use")
@@ -320,6 +346,26 @@ class Engine:
         if self.config.background:
             self.start()
         return stream
+
+    # ---- documents kept in the pool
+    def pin(self, prompt, adapter: str | None = None, request_id: str | None = None) -> RequestStream:
+        """Compute a prompt (a document) and keep its whole 32-token blocks in the pool until
+        unpin(): every later request starting with it reads them (never evicted, never
+        recomputed). Returns its stream: result() waits for it; then `stream.pinned_blocks`."""
+        ids = self._checked_prompt(prompt)
+        if adapter is not None and adapter not in self.adapters:
+            raise AdapterError(f"no adapter named {adapter!r} is loaded (loaded: {self.adapters})")
+        if len(ids) > self.max_model_len:
+            raise CapacityError(f"a prompt of {len(ids)} tokens is past the engine's max_model_len={self.max_model_len}")
+        rid = request_id if request_id is not None else f"pin-{next(self._ids)}"
+        req = Request(rid, ids, 0, adapter=adapter, pin_prompt=True)
+        return self._queue(req, None, RequestStream(self, rid, len(ids)))
+
+    def unpin(self, stream: RequestStream) -> None:
+        """Release a pin()'s blocks (at the next step): cached, evicted when the room is needed."""
+        with self._lock:
+            self._inbox.append(("unpin", stream))
+            self._lock.notify_all()
 
     # ---- adapters
     @property
@@ -366,9 +412,6 @@ class Engine:
     def generate(self, prompts, max_new_tokens=MODEL_DEFAULT, **kwargs) -> list[list[int]]:
         """Every prompt as its own request (they batch continuously); their output token ids."""
         streams = [self.add_request(p, max_new_tokens, **kwargs) for p in prompts]
-        if not self.config.background:
-            while not all(s.finished for s in streams):
-                self.step()
         return [s.result() for s in streams]
 
     def reset_prefix_cache(self) -> int:
@@ -444,6 +487,8 @@ class Engine:
                     stream._push([], error=e)
                     continue
                 self._samplers[req.request_id], self._streams[req.request_id] = s, stream
+            elif item[0] == "unpin":
+                self._unpin(item[1])
             else:
                 r = self.scheduler.abort(item[1])
                 if r is not None:
@@ -453,7 +498,17 @@ class Engine:
         reason = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
                   RequestStatus.FINISHED_ABORTED: "abort"}[r.status]
         self._samplers.pop(r.request_id, None)
-        self._streams.pop(r.request_id)._push(last, reason)
+        stream = self._streams.pop(r.request_id)
+        stream.pinned_blocks = r.pinned_blocks          # a pin()'s, until unpin()
+        if stream.unpinned:                              # unpin() came before the pin was computed
+            self._unpin(stream)
+        stream._push(last, reason)
+
+    def _unpin(self, stream: RequestStream):
+        stream.unpinned = True
+        blocks, stream.pinned_blocks = stream.pinned_blocks, None
+        if blocks:
+            self.kv_manager.unpin(blocks)
 
     def _fail_all(self, e: BaseException):
         """A step raised: every live request fails with it (their blocks freed)."""
