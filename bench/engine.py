@@ -37,7 +37,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import machine, write_json  # noqa: E402
+from bench.common import RESULTS, machine, write_json  # noqa: E402
 
 SYSTEMS = ("engine", "serial", "hf_cb")
 TARGETS = {"saturated_vs_serial": 3.0, "cached_ttft_vs_best_peer": 0.3, "kv_vs_private": 0.3,
@@ -273,12 +273,17 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=int, default=1800)
     ap.add_argument("--out", default="engine.json")
+    ap.add_argument("--plot", nargs="+", help="only plot these result files (names in bench/results) into --out's png")
     ap.add_argument("--one", choices=SYSTEMS, help=argparse.SUPPRESS)
     ap.add_argument("--rate", help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         return child(args)
+    if args.plot:
+        plot([json.load(open(os.path.join(RESULTS, f))) for f in args.plot],
+             os.path.join(RESULTS, args.out.replace(".json", ".png")))
+        return
     cells = []
     common = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
               ("docs", "doc_min", "doc_max", "requests", "new_min", "new_max", "budget", "kv_memory", "seed")]
@@ -306,6 +311,32 @@ def main():
                                       "targets": TARGETS, "summary": summary(cells)})
     for k, v in summary(cells).items():
         print(f"  {k}: {v}")
+    plot([json.load(open(os.path.join(RESULTS, args.out)))], os.path.join(RESULTS, args.out.replace(".json", ".png")))
+
+
+def plot(payloads, path):
+    """Throughput and TTFT p50 per rate and system (several runs: one marker each)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    names = {"engine": "hetero engine", "serial": "hetero, one call at a time", "hf_cb": "transformers CB"}
+    for system, color in zip(SYSTEMS, ("C0", "C1", "C2")):
+        label = names[system]
+        for payload in payloads:
+            cells = [c for c in payload["cells"] if c["system"] == system and "error" not in c]
+            rates = [c["rate"] for c in cells]
+            a.plot(rates, [c["throughput_tok_s"] for c in cells], "o-", color=color, label=label)
+            b.plot(rates, [c["ttft_p50"] for c in cells], "o-", color=color, label=label)
+            label = None
+    a.set(xlabel="arrival rate (req/s; inf: all at once)", ylabel="output tokens/s", title="throughput")
+    b.set(xlabel="arrival rate (req/s; inf: all at once)", ylabel="s", title="TTFT p50", yscale="log")
+    a.legend(fontsize=8)
+    fig.suptitle(f"RAG mix, {payloads[0]['machine'].get('cpus_usable')} cores, SmolLM2-135M")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def summary(cells):
