@@ -1,6 +1,6 @@
 """hetero: heterogeneous CPU-GPU long-context inference for transformers causal LMs.
 
-Names are imported lazily: CPU worker processes import `hetero.ipc.worker`,
+Names are imported lazily: CPU worker processes import `hetero.worker`,
 which must not pull torch or transformers in through this package.
 """
 import importlib

@@ -1,5 +1,5 @@
 """`hetero` command line: `hetero demo` (the embedded default job), `hetero chat`, `hetero info`,
-`hetero profile`."""
+`hetero profile`, `hetero serve` (hetero.server)."""
 import argparse
 import os
 import sys
@@ -276,6 +276,12 @@ def main(argv=None):
     p.add_argument("--device", type=device, default=None, help="the model's device for the continuation crossover "
                                                     "(default: cuda when available, else cpu)")
     p.set_defaults(fn=profile)
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the engine (continuous batching, "
+                                     "LoRA adapters by model name, named contexts)")
+    from hetero.server.main import add_arguments, serve
+
+    add_arguments(s, positive)
+    s.set_defaults(fn=serve)
     args = ap.parse_args(argv)
     try:
         return args.fn(args)

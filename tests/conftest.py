@@ -22,10 +22,10 @@ if not os.path.basename(os.environ.get("HETERO_CACHE_DIR", "")).startswith("hete
 def pytest_sessionstart(session):
     """Load the attention kernel from numba's cache (compiled in a child on a cold cache) before any
     test compiles it here: the workers load the cached code, and the tests compare them bit for bit
-    with this process (see hetero.ipc.pool._load_kernels)."""
-    from hetero.ipc.pool import _load_kernels
+    with this process (see hetero.worker.prepare_parent)."""
+    from hetero.worker import prepare_parent
 
-    _load_kernels(dict(os.environ), 600)
+    prepare_parent(dict(os.environ), 600)
 
 
 VOCAB = 160

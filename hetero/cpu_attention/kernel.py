@@ -37,7 +37,7 @@ from hetero.cpu_attention import simd
 from hetero.cpu_attention.simd import BK, W
 from hetero.ipc import atomics, control as C
 
-F32, BF16, F16 = 0, 1, 2           # storage dtype codes
+from hetero.ipc.control import BF16, F16, F32  # noqa: E402  storage dtype codes (re-exported)
 NP_STORAGE = {F32: np.float32, BF16: np.uint16, F16: np.uint16}
 
 

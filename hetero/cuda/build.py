@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import tempfile
 
-from hetero.cpu_attention.kernel import BF16, F16, F32
+from hetero.ipc.control import BF16, F16, F32
 from hetero.cpu_attention.planner import cache_dir
 from hetero.errors import HeteroError
 from hetero.ipc import control as C

@@ -40,7 +40,7 @@ import torch
 from hetero import attention
 from hetero.config import HeteroConfig
 from hetero.cpu_attention.planner import StaticPlanner
-from hetero.engine import sampler as sampling
+from hetero.engine import sampler as sampling, saved as engine_saved
 from hetero.engine.kv_pool import BLOCK_SIZE, BlockPool, KVCacheManager
 from hetero.engine.config import EngineConfig
 from hetero.engine.paged import PagedKV
@@ -75,6 +75,8 @@ class RequestStream:
         self.scores: list[torch.Tensor] | None = None     # processed scores per token (output_scores=True)
         self.pad_token_id: int | None = None              # what generate pads a finished sequence with
         self.pinned_blocks: list[int] | None = None       # a pin()'s blocks, once computed (unpin releases)
+        self.prompt_ids: list[int] | None = None          # a pin()'s document and adapter
+        self.adapter: str | None = None
         self.unpinned = False
         self.arrival = time.monotonic()
         self.token_times: list[float] = []          # time.monotonic() of each token's arrival here
@@ -359,7 +361,40 @@ class Engine:
             raise CapacityError(f"a prompt of {len(ids)} tokens is past the engine's max_model_len={self.max_model_len}")
         rid = request_id if request_id is not None else f"pin-{next(self._ids)}"
         req = Request(rid, ids, 0, adapter=adapter, pin_prompt=True)
-        return self._queue(req, None, RequestStream(self, rid, len(ids)))
+        stream = RequestStream(self, rid, len(ids))
+        stream.prompt_ids, stream.adapter = ids, adapter
+        return self._queue(req, None, stream)
+
+    def save_pin(self, stream: RequestStream, path, extra: dict | None = None) -> None:
+        """Write a computed pin()'s blocks to `path` (hetero's saved-context format, atomically);
+        extra: a JSON object kept with it (load_pin returns it)."""
+        stream.result()
+        engine_saved.save_pin(self, stream, path, extra)
+
+    def load_pin(self, path) -> tuple[RequestStream, dict]:
+        """A document saved by save_pin, loaded into the pool and pinned without computing it: (its
+        stream, finished once loaded; unpin() releases it, and the extra the file keeps). A file
+        from another model or adapter, or corrupted, raises ContextFileError naming the difference."""
+        header, adapter = engine_saved.read(self, path)
+        rid = f"load-{next(self._ids)}"
+        stream = RequestStream(self, rid, header["length"])
+        stream.prompt_ids, stream.adapter = header["tokens"] + header["pending"], adapter
+        with self._lock:
+            self._inbox.append(("load", header, adapter, str(path), stream))
+            self._lock.notify_all()
+        if self.config.background:
+            self.start()
+        else:
+            self._drain_inbox()
+        stream.result()
+        return stream, header.get("extra") or {}
+
+    def adapter_digest(self, name: str | None):
+        """What identifies a loaded adapter's weights in a saved file (None: the base model / not loaded)."""
+        store, _ = self._lora()
+        if name is None or store is None or name not in store.adapters:
+            return None
+        return store.digest(store.adapters[name])
 
     def unpin(self, stream: RequestStream) -> None:
         """Release a pin()'s blocks (at the next step): cached, evicted when the room is needed."""
@@ -489,6 +524,14 @@ class Engine:
                 self._samplers[req.request_id], self._streams[req.request_id] = s, stream
             elif item[0] == "unpin":
                 self._unpin(item[1])
+            elif item[0] == "load":
+                _, header, adapter, path, stream = item
+                try:
+                    stream.pinned_blocks = engine_saved.load_into(self, header, adapter, path, stream.request_id)
+                except Exception as e:
+                    stream._push([], error=e)
+                else:
+                    stream._push([], "length")
             else:
                 r = self.scheduler.abort(item[1])
                 if r is not None:

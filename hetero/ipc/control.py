@@ -39,6 +39,7 @@
 import numpy as np
 
 LINE = 8  # int64 words per 64-byte cache line
+F32, BF16, F16 = 0, 1, 2                        # storage dtype codes (S_CODE; the kernels' and the GPU's)
 CMD, LAYER, QLEN, WINDOW, NSPLIT, UNITS, PSPLIT, NGROUPS = 8, 9, 10, 11, 12, 13, 14, 15
 F_SCALE, F_SOFTCAP = 16, 17                     # float64 words
 S_BATCH, S_HQ, S_HKV, S_HDIM, S_CAP, S_LAYERS, S_CODE, S_TMAX = range(24, 32)

@@ -21,9 +21,9 @@ import time
 import numpy as np
 import torch
 
-from hetero.cpu_attention.kernel import BF16, F16, F32
 from hetero.errors import HeteroError, WorkerDiedError, WorkerError
 from hetero.ipc import control as C
+from hetero.ipc.control import BF16, F16, F32
 from hetero.ipc.pool import describe_exit
 
 log = logging.getLogger("hetero")

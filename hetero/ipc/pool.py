@@ -16,6 +16,7 @@ leaves that worker idle. One job is in flight at a time: a submit while one is
 params are never rewritten under running workers.
 """
 import atexit
+import importlib
 import os
 import signal
 import subprocess
@@ -54,11 +55,17 @@ def _process_state(pid):
         return "?"
 
 
+PROGRAM = "hetero.worker"      # the workers' program: a module run with -m, whose prepare_parent(env, timeout)
+                              # readies the parent first (hetero/worker.py: compiling the kernels)
+
+
 class WorkerPool:
-    def __init__(self, nworkers, cores, spin_budget=20000, start_timeout=300.0, job_timeout=5.0, idle_spin=None):
+    def __init__(self, nworkers, cores, spin_budget=20000, start_timeout=300.0, job_timeout=5.0, idle_spin=None,
+                 program=PROGRAM):
         """spin_budget: polls between this process's liveness checks while it waits for a job;
         idle_spin: polls a worker spins after a job before it sleeps (default spin_budget; small
-        when the workers share cores with the parent's torch threads)."""
+        when the workers share cores with the parent's torch threads). program: the workers'
+        module (named, not imported here: it runs the jobs of the layers above this one)."""
         if nworkers < 1:
             raise ValueError(f"a worker pool needs at least one worker, got {nworkers}")
         self.n, self.cores, self.spin, self.job_timeout = nworkers, list(cores), spin_budget, job_timeout
@@ -72,14 +79,14 @@ class WorkerPool:
         self.session = None   # the KVSession mapped in the workers (one at a time)
         shm.sweep_stale()
         env = child_env()
-        _load_kernels(env, start_timeout)
+        importlib.import_module(program).prepare_parent(env, start_timeout)
         self.ctrl = shm.Segment(shm.new_name("ctrl"), C.nbytes(nworkers), create=True)
         atexit.register(self.close)
         try:
             self.words = self.ctrl.array(0, (C.nbytes(nworkers) // 8,), np.int64)
             self.floats = self.words.view(np.float64)
             for rank, core in enumerate(self.worker_cores):
-                args = [sys.executable, "-m", "hetero.ipc.worker", self.ctrl.name, str(rank), str(nworkers),
+                args = [sys.executable, "-m", program, self.ctrl.name, str(rank), str(nworkers),
                         str(core), str(os.getpid()), str(spin_budget if idle_spin is None else idle_spin)]
                 # a session of their own: a signal to the parent's process group (a terminal's hangup,
                 # `kill -TERM -PGID`, systemd) leaves them alive to notice the parent gone and clean up
@@ -286,28 +293,3 @@ def child_env():
         env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) if p else os.getcwd()
                                             for p in env["PYTHONPATH"].split(os.pathsep))
     return env
-
-
-WARM_UP = "from hetero.ipc import atomics; from hetero.cpu_attention import kernel; atomics.warm_up(); kernel.warm_up()"
-
-
-def _load_kernels(env, timeout):
-    """Before this process first uses the attention kernel: compile it (on a cold numba cache) in a
-    child process, then load it here from the cache, as every worker does. The parent takes units
-    too, and numba's in-process JIT code rounds differently (1 ulp) from the object code it caches,
-    so a parent that compiled the kernel itself would not be bit-identical with its workers."""
-    from hetero.cpu_attention import kernel
-
-    if kernel.run_job.overloads:                 # loaded (or compiled) already in this process
-        return
-    try:
-        subprocess.run([sys.executable, "-c", WARM_UP], env=env, cwd=ROOT, stdin=subprocess.DEVNULL, check=True,
-                       timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise WorkerError(f"compiling the attention kernel took over start_timeout={timeout} s (a cold numba "
-                          "cache takes ~10-60 s); raise HeteroConfig.start_timeout") from None
-    except subprocess.CalledProcessError as e:
-        raise WorkerError(f"compiling the attention kernel failed in a child process (exit {e.returncode}; "
-                          "its error is above)") from None
-    atomics.warm_up()
-    kernel.warm_up()

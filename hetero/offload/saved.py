@@ -80,26 +80,31 @@ def _layer_bytes(session, layers):
 
 
 def save(ctx, path):
-    """Write ctx (a Context) to `path` atomically (a temporary file, then rename). Two passes over
-    the arena: the CRC-32 goes in the header, which precedes the payload."""
+    """Write ctx (a Context) to `path` atomically (a temporary file, then rename)."""
     s = ctx.session
-    n = ctx.length
-    layers = [{"start": layer_start(n, s.ring_window[i]), "rows": n} for i in range(s.spec.layers)]
-    tokens, pending = ctx.token_ids.tolist(), ctx.pending.tolist()
+    write(path, s, ctx.length, ctx.token_ids.tolist(), ctx.pending.tolist(),
+          fingerprint(ctx.generator.model, s.spec, ctx.generator._adapter_id(ctx)))
+
+
+def write(path, source, n, tokens, pending, fp, extra=None):
+    """Write n rows of KV read from `source` (read_rows(layer, 0, rows, start), ring_window, spec:
+    a KVSession, or an engine's pinned blocks) with their tokens and fingerprint to `path`
+    atomically. Two passes over the rows: the CRC-32 goes in the header, which precedes the
+    payload. extra: a JSON object kept in the header (hetero serve: a context's name, messages)."""
+    layers = [{"start": layer_start(n, source.ring_window[i]), "rows": n} for i in range(source.spec.layers)]
     crc, payload = _meta_crc(tokens, pending, n, layers), 0
-    for raw in _layer_bytes(s, layers):
+    for raw in _layer_bytes(source, layers):
         crc, payload = zlib.crc32(raw, crc), payload + len(raw)
     header = json.dumps({
-        "version": VERSION, "fingerprint": fingerprint(ctx.generator.model, s.spec, ctx.generator._adapter_id(ctx)),
-        "tokens": tokens, "pending": pending, "length": n,
-        "layers": layers, "payload_bytes": payload, "crc32": crc}).encode()
+        "version": VERSION, "fingerprint": fp, "tokens": tokens, "pending": pending, "length": n,
+        "layers": layers, "payload_bytes": payload, "crc32": crc, **({"extra": extra} if extra else {})}).encode()
     head = MAGIC + len(header).to_bytes(8, "little") + header
     head += b"\0" * (-len(head) % ALIGN)
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         with open(tmp, "wb") as f:
             f.write(head)
-            for raw in _layer_bytes(s, layers):
+            for raw in _layer_bytes(source, layers):
                 f.write(raw)
         os.replace(tmp, path)
     finally:

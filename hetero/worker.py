@@ -1,4 +1,4 @@
-"""CPU worker process: `python -m hetero.ipc.worker CTRL RANK NWORKERS CORE PARENT_PID SPIN`.
+"""CPU worker process: `python -m hetero.worker CTRL RANK NWORKERS CORE PARENT_PID SPIN`.
 
 Started by `WorkerPool` as a fresh interpreter with single-threaded numeric
 libraries, pinned to one core. Imports numpy/numba only (never torch). Loop:
@@ -8,9 +8,12 @@ shared with the other workers and the parent through a tagged ticket
 (kernel.run_job): a worker that wakes after its job ended finds it empty.
 Exits on CMD_EXIT, or when the parent dies (rank 0 then unlinks the parent's
 segments, so nothing is left in /dev/shm; so does any worker that reads EXIT after the parent died).
+It runs the jobs of every layer (attention kernels, LoRA, the arena's layout), so it sits above
+them all; hetero.ipc.pool starts it by name (PROGRAM) and calls prepare_parent first.
 """
 import os
 import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -20,6 +23,7 @@ import numpy as np
 
 from hetero.adapters import layout as lora
 from hetero.cpu_attention import kernel
+from hetero.errors import WorkerError
 from hetero.ipc import atomics, control as C, shm
 from hetero.offload.arena import SessionLayout, slots_of
 
@@ -184,6 +188,31 @@ class Worker:
                 atomics.store(w, C.err_word(self.rank), seq)
                 atomics.store(w, C.ABORT, 1)      # a GPU waiting on this job gives up and adds nothing
             atomics.store(w, C.done_word(self.rank), seq)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the directory holding the package
+WARM_UP = "from hetero.ipc import atomics; from hetero.cpu_attention import kernel; atomics.warm_up(); kernel.warm_up()"
+
+
+def prepare_parent(env, timeout):
+    """Before the parent first uses the attention kernel (WorkerPool calls it): compile it (on a
+    cold numba cache) in a child process, then load it here from the cache, as every worker does.
+    The parent takes units too, and numba's in-process JIT code rounds differently (1 ulp) from
+    the object code it caches, so a parent that compiled the kernel itself would not be
+    bit-identical with its workers."""
+    if kernel.run_job.overloads:                 # loaded (or compiled) already in this process
+        return
+    try:
+        subprocess.run([sys.executable, "-c", WARM_UP], env=env, cwd=ROOT, stdin=subprocess.DEVNULL, check=True,
+                       timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise WorkerError(f"compiling the attention kernel took over start_timeout={timeout} s (a cold numba "
+                          "cache takes ~10-60 s); raise HeteroConfig.start_timeout") from None
+    except subprocess.CalledProcessError as e:
+        raise WorkerError(f"compiling the attention kernel failed in a child process (exit {e.returncode}; "
+                          "its error is above)") from None
+    atomics.warm_up()
+    kernel.warm_up()
 
 
 def main(argv):

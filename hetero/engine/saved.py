@@ -1,0 +1,78 @@
+"""A pinned document's KV in a file and back (Engine.save_pin, Engine.load_pin): hetero's saved
+context format (hetero.offload.saved: fingerprint of the model and adapter, tokens, CRC-checked
+rows), written from the pool's pinned blocks and read into new blocks of a pool, where they are
+registered in the prefix cache and pinned as if the document had been computed there.
+
+The file holds the document's whole blocks as its cached "tokens" and the rest of its prompt as
+"pending" (computed again by the first request that reads it); its header's "extra" keeps what
+the caller adds (hetero serve: the context's name and messages).
+"""
+from __future__ import annotations
+
+import torch
+
+from hetero.engine.kv_pool import BLOCK_SIZE
+from hetero.engine.request import Request, RequestStatus
+from hetero.errors import ContextFileError
+from hetero.offload import saved
+
+
+class PoolRows:
+    """A request's rows in the pool through its block table, as hetero.offload.saved reads and
+    writes a session's (batch 1, no rings)."""
+
+    def __init__(self, kv, table: list[int]):
+        self.kv, self.spec = kv, kv.spec
+        self.table = torch.tensor(table, dtype=torch.int64)
+        self.ring_window = (0,) * kv.spec.layers
+
+    def read_rows(self, layer, b, n, start=0):
+        k, v = self.kv.read_rows(layer, self.table, n)
+        return k[:, start:], v[:, start:]
+
+    def write_rows(self, layer, b, key, value, start=0):
+        self.kv.write_rows(layer, self.table, start, key, value)
+
+
+def save_pin(engine, stream, path, extra=None):
+    """Write a pin()'s blocks (computed, pinned) to `path` atomically."""
+    blocks = stream.pinned_blocks
+    if not blocks:
+        raise ValueError("that pin holds no whole block (shorter than 32 tokens, unpinned, or not computed yet)")
+    n = len(blocks) * BLOCK_SIZE
+    ids = stream.prompt_ids
+    fp = saved.fingerprint(engine.model, engine.spec, engine.adapter_digest(stream.adapter))
+    saved.write(path, PoolRows(engine.kv, blocks), n, ids[:n], ids[n:], fp, extra)
+
+
+def read(engine, path):
+    """(header, adapter name) of a saved document this engine can load, or ContextFileError."""
+    header = saved.read_header(path)
+    name = saved.check_model(header, engine.model, engine.spec, path, engine.adapter_digest)
+    if any(lay["start"] != 0 for lay in header["layers"]):
+        raise ContextFileError(f"{path} keeps only a sliding window's rows of some layers (a generator's context "
+                               "past its window); the engine's pool needs every row")
+    if header["length"] % BLOCK_SIZE:
+        raise ContextFileError(f"{path} holds {header['length']} rows, not whole blocks of {BLOCK_SIZE}: "
+                               "not a document the engine saved (load it with HeteroGenerator.load_context)")
+    saved.check_vocabulary(header, engine.model.config.get_text_config().vocab_size, path)
+    return header, name
+
+
+def load_into(engine, header, adapter, path, rid) -> list[int]:
+    """The engine thread: new blocks filled from the file, cached under the tokens' hashes and
+    pinned. Returns the pinned blocks."""
+    n, kvm = header["length"], engine.kv_manager
+    req = Request(rid, header["tokens"], 0, adapter=adapter)
+    queries, hits = kvm.prefix_queries, kvm.prefix_hits
+    if not kvm.allocate_slots(req, n):
+        raise ContextFileError(f"{path}: the pool has no room for its {n // BLOCK_SIZE} blocks")
+    kvm.prefix_queries, kvm.prefix_hits = queries, hits         # a load is no prompt looked up
+    try:
+        saved.fill(PoolRows(engine.kv, req.block_table), header, path)
+        req.num_computed_tokens = n
+        kvm.cache_full_blocks(req)
+        return kvm.pin_prefix(req, n // BLOCK_SIZE)
+    finally:
+        kvm.free(req)
+        req.status = RequestStatus.FINISHED_LENGTH

@@ -1,0 +1,276 @@
+"""The OpenAI-compatible HTTP API over the engine (FastAPI; `hetero serve` runs it under uvicorn).
+
+  POST /v1/completions, /v1/chat/completions   OpenAI's, streamed as server-sent events or not
+  GET  /v1/models                              the base model and every loaded adapter
+  POST /v1/load_lora_adapter, /v1/unload_lora_adapter   adapters at run time (vLLM's names)
+  POST /v1/contexts, GET /v1/contexts, DELETE /v1/contexts/{name}   named documents pinned in the
+                                               pool; a request names one with the extra field
+                                               "context" (its tokens, or messages, come first)
+  GET  /health (200 only while the engine can generate), GET /metrics (Prometheus)
+
+Errors are OpenAI's JSON ({"error": {"message", "type", "param", "code"}}) with the status that
+says what went wrong (400 bad input, 401 key, 404 unknown model/adapter/context, 429 queue full,
+500 the engine failed, 503 starting or stopping). A client that disconnects aborts its request:
+its blocks are free at the next step. Every response carries X-Request-Id (the client's, or new).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from hetero.errors import EngineError
+from hetero.server import metrics as prom
+from hetero.server.protocol import (CHAT_FIELDS, COMPLETION_FIELDS, APIError, bad, check_fields, messages_of,
+                                    new_id, now, prompt_of, sampling, usage)
+from hetero.server.state import ServerState
+from hetero.server.text import Detokenizer, chat_logprobs, completion_logprobs, logprob_entries
+
+
+def build_app(state: ServerState) -> FastAPI:
+    metrics = prom.Metrics(state)
+
+    async def lifespan(app):
+        state.status = "ready"
+        yield
+        state.status = "stopping"
+        await asyncio.to_thread(state.close)
+
+    app = FastAPI(title="hetero", lifespan=lifespan)
+    app.state.hetero = state
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        rid = request.headers.get("x-request-id") or new_id("req")
+        request.state.request_id = rid
+        if state.api_key and request.url.path.startswith("/v1/"):
+            auth = request.headers.get("authorization", "")
+            if auth != f"Bearer {state.api_key}":
+                return _error(APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
+                                       type="authentication_error", code="invalid_api_key"), rid)
+        try:
+            response = await call_next(request)
+        except APIError as e:
+            return _error(e, rid)
+        response.headers["X-Request-Id"] = rid
+        return response
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return _error(e, getattr(request.state, "request_id", None))
+
+    @app.get("/health")
+    async def health():
+        if state.status != "ready":
+            return JSONResponse({"status": state.status}, status_code=503)
+        try:
+            await asyncio.to_thread(state.live_engine)      # a failed engine is replaced here
+        except Exception as e:
+            return JSONResponse({"status": "failed", "error": str(e)}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def get_metrics():
+        return PlainTextResponse(metrics.render(), media_type=prom.CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models():
+        base = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "hetero"}
+        return {"object": "list", "data": [base] + [
+            {"id": a, "object": "model", "created": 0, "owned_by": "hetero", "parent": state.model_name,
+             "root": state.adapter_dirs.get(a)} for a in state.engine.adapters]}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora(request: Request):
+        body = check_fields(await _json(request), {"lora_name", "lora_path"})
+        await asyncio.to_thread(state.load_adapter, body.get("lora_name"), body.get("lora_path"))
+        return {"status": "ok", "lora_name": body["lora_name"]}
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora(request: Request):
+        body = check_fields(await _json(request), {"lora_name", "lora_int_id"})
+        await asyncio.to_thread(state.unload_adapter, body.get("lora_name"))
+        return {"status": "ok", "lora_name": body["lora_name"]}
+
+    @app.post("/v1/contexts")
+    async def create_context(request: Request):
+        body = check_fields(await _json(request), {"name", "prompt", "messages", "model"})
+        adapter = state.adapter_for(body.get("model"))
+        if ("prompt" in body) == ("messages" in body):
+            raise bad("a context takes either prompt or messages")
+        messages = messages_of(body) if "messages" in body else None
+        ids = _chat_ids(state, messages, generation_prompt=False) if messages else _prompt_ids(state, prompt_of(body))
+        ctx = await state.create_context(body.get("name"), ids, adapter, messages)
+        return _context_json(ctx)
+
+    @app.get("/v1/contexts")
+    async def list_contexts():
+        return {"object": "list", "data": [_context_json(c) for c in state.contexts.values()]}
+
+    @app.delete("/v1/contexts/{name}")
+    async def delete_context(name: str):
+        state.delete_context(name)
+        return {"name": name, "object": "context", "deleted": True}
+
+    async def parsed(request, fields, chat):
+        """(body, adapter, sampling, named context) of a completion or chat request."""
+        body = check_fields(await _json(request), fields)
+        adapter = state.adapter_for(body.get("model"))
+        s = sampling(body, chat=chat)
+        return body, adapter, s, state.context(s.context)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body, adapter, s, ctx = await parsed(request, COMPLETION_FIELDS, chat=False)
+        ids = _prompt_ids(state, prompt_of(body), prefix=ctx.ids if ctx else None)
+        return await _respond(request, state, metrics, ids, s, adapter, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body, adapter, s, ctx = await parsed(request, CHAT_FIELDS, chat=True)
+        messages = messages_of(body)
+        if ctx is not None:
+            if ctx.messages is None:
+                raise bad(f"context {ctx.name!r} was made from a prompt: use it with /v1/completions", "context")
+            messages = ctx.messages + messages
+        ids = _chat_ids(state, messages, generation_prompt=True)
+        return await _respond(request, state, metrics, ids, s, adapter, chat=True)
+
+    return app
+
+
+def _error(e: APIError, rid: str | None):
+    headers = {"X-Request-Id": rid} if rid else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+async def _json(request: Request):
+    try:
+        return json.loads(await request.body())
+    except ValueError as e:
+        raise bad(f"the request body is not JSON: {e}") from e
+
+
+def _prompt_ids(state, prompt, prefix=None) -> list[int]:
+    vocab = state.model.config.get_text_config().vocab_size
+    if isinstance(prompt, str):
+        ids = state.tokenizer(prompt, add_special_tokens=prefix is None)["input_ids"]
+    else:
+        ids = list(prompt)
+        bad_ids = [t for t in ids if not 0 <= t < vocab]
+        if bad_ids:
+            raise bad(f"prompt token ids {bad_ids[:5]} are outside the vocabulary [0, {vocab})", "prompt")
+    return (list(prefix) if prefix else []) + ids
+
+
+def _chat_ids(state, messages, generation_prompt) -> list[int]:
+    tok = state.tokenizer
+    if getattr(tok, "chat_template", None) is None:
+        raise bad("this model's tokenizer has no chat template: use /v1/completions", "messages")
+    out = tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
+    return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+
+def _context_json(ctx):
+    return {"name": ctx.name, "object": "context", "tokens": len(ctx.ids), "model": ctx.adapter,
+            "kind": "messages" if ctx.messages is not None else "prompt", "saved": ctx.path is not None}
+
+
+async def _respond(request, state, metrics, ids, s, adapter, chat):
+    stream = state.submit(ids, s, adapter, s.max_tokens)
+    metrics.started(len(ids))
+    rid = new_id("chatcmpl" if chat else "cmpl")
+    model = adapter or state.model_name
+    if s.stream:
+        return StreamingResponse(_sse(request, state, metrics, stream, ids, s, rid, model, chat),
+                                 media_type="text/event-stream")
+    watcher = asyncio.create_task(_abort_on_disconnect(request, stream))
+    try:
+        tokens = [t async for t in stream]
+    except EngineError as e:
+        raise APIError(500, str(e), type="server_error") from e
+    finally:
+        watcher.cancel()
+    metrics.finished(stream)
+    if stream.finish_reason == "abort":
+        raise APIError(499 if await request.is_disconnected() else 503, "the request was aborted",
+                       type="server_error")
+    det = Detokenizer(state.tokenizer, s.stop)
+    text = det.add(tokens, final=True)
+    reason = "stop" if det.stopped or stream.finish_reason == "stop" else "length"
+    lp = None
+    if s.logprobs is not None:
+        entries = logprob_entries(state.tokenizer, tokens, stream.scores, s.logprobs)
+        lp = chat_logprobs(entries) if chat else completion_logprobs(entries)
+    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": reason}
+              if chat else {"index": 0, "text": text, "logprobs": lp, "finish_reason": reason})
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": now(), "model": model,
+            "choices": [choice], "usage": usage(len(ids), len(tokens))}
+
+
+async def _abort_on_disconnect(request, stream, period=0.1):
+    """A non-streamed response's client went away: abort its request (its blocks free at the next step)."""
+    while not stream.finished:
+        if await request.is_disconnected():
+            stream.abort()
+            return
+        await asyncio.sleep(period)
+
+
+def _event(payload) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+async def _sse(request, state, metrics, stream, ids, s, rid, model, chat):
+    """A streamed response: one event per delta, the finish reason, usage (include_usage), [DONE].
+    A client that disconnects closes this generator: its request is aborted."""
+    created, det, n, lp_sent = now(), Detokenizer(state.tokenizer, s.stop), 0, 0
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(delta_text, reason=None, first=False, logprobs=None):
+        if chat:
+            delta = {"role": "assistant", "content": delta_text} if first else \
+                ({"content": delta_text} if delta_text or reason is None else {})
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": delta_text, "logprobs": logprobs, "finish_reason": reason}
+        return _event({"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]})
+
+    finished = False
+    try:
+        if chat:
+            yield chunk("", first=True)
+        async for t in stream:
+            n += 1
+            text = det.add([t])
+            lp = None
+            if s.logprobs is not None and stream.scores is not None:
+                entries = logprob_entries(state.tokenizer, det.ids[lp_sent:], stream.scores[lp_sent:len(det.ids)],
+                                          s.logprobs)
+                lp_sent = len(det.ids)
+                lp = chat_logprobs(entries) if chat else completion_logprobs(entries)
+            if text or lp is not None:
+                yield chunk(text, logprobs=lp)
+            if det.stopped:
+                stream.abort()                   # the engine stops on it too (StopStringCriteria), this may be first
+                break
+        tail = det.add([], final=True)
+        if tail:
+            yield chunk(tail)
+        reason = "stop" if det.stopped or stream.finish_reason == "stop" else "length"
+        yield chunk("", reason=reason)
+        finished = True
+        metrics.finished(stream)
+        if s.include_usage:
+            yield _event({"id": rid, "object": kind, "created": created, "model": model, "choices": [],
+                          "usage": usage(len(ids), n)})
+        yield "data: [DONE]\n\n"
+    except EngineError as e:
+        yield _event(APIError(500, str(e), type="server_error").body())
+        yield "data: [DONE]\n\n"
+    finally:
+        if not finished and not stream.finished:
+            stream.abort()                       # the client went away (or the server stops)
+            metrics.aborted()

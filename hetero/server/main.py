@@ -1,0 +1,125 @@
+"""`hetero serve`: load the model, start the engine, run the API under uvicorn until SIGTERM/Ctrl-C.
+
+SIGTERM (or Ctrl-C) stops accepting requests (503), lets the ones in flight finish for up to
+--shutdown-timeout seconds, then closes the engine: its workers exit and no shared-memory
+segment is left.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import signal
+import sys
+
+from hetero.errors import MissingDependencyError
+
+SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.I)
+
+
+def size(text: str) -> int:
+    """argparse type: bytes, with an optional K/M/G/T suffix (powers of 1024)."""
+    m = SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 512M, 8G)")
+    value = float(m.group(1)) * 1024 ** " KMGT".index((m.group(2) or " ").upper())
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size")
+    return int(value)
+
+
+def adapter_pair(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--adapters takes name=DIR, got {text!r}")
+    return name, path
+
+
+def add_arguments(p: argparse.ArgumentParser, positive):
+    p.add_argument("--model", default=None, help="a transformers causal LM directory or hub id "
+                                                "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", default=None, help="the model's id in the API (default: from --model)")
+    p.add_argument("--adapters", nargs="*", type=adapter_pair, default=[], metavar="NAME=DIR",
+                   help="peft LoRA adapters served by name (a request's model picks one)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("HETERO_API_KEY"), help="required as 'Authorization: "
+                                                                               "Bearer KEY' (env HETERO_API_KEY)")
+    p.add_argument("--max-queue", type=positive, default=256, help="requests waiting beyond this get 429")
+    p.add_argument("--context-memory", type=size, default=None, help="the KV pool's size (e.g. 8G; default: a "
+                                                                      "share of the RAM)")
+    p.add_argument("--saved-contexts", default=None, help="a directory where named contexts are saved and from "
+                                                          "which they are loaded at start, without a prefill")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    p.add_argument("--max-num-seqs", type=positive, default=32)
+    p.add_argument("--max-model-len", type=positive, default=None)
+    p.add_argument("--max-num-batched-tokens", type=positive, default=512, help="tokens per engine step")
+    p.add_argument("--cpu-workers", type=positive, default=None)
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests may finish "
+                                                                        "after SIGTERM")
+    p.add_argument("--log-level", default="info")
+
+
+def serve(args) -> int:
+    try:
+        import uvicorn
+    except ImportError as e:
+        raise MissingDependencyError(f"hetero serve needs the serve extra ({e}): pip install 'hetero[serve]'") from e
+    import torch
+
+    from hetero.engine.config import EngineConfig
+    from hetero.server.app import build_app
+    from hetero.server.state import ServerState
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    model, tok, name = load(args.model, dtype)
+    cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       long_prefill_chunk=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                       kv_memory=args.context_memory, cpu_workers=args.cpu_workers)
+    state = ServerState(model, tok, model_name=args.served_model_name or name, engine_config=cfg,
+                        adapters=dict(args.adapters), api_key=args.api_key, max_queue=args.max_queue,
+                        saved_contexts=args.saved_contexts)
+    try:
+        state.load_saved_contexts()
+        app = build_app(state)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                timeout_graceful_shutdown=args.shutdown_timeout)
+        server = _Server(config, state)
+        # uvicorn re-raises the signal that stopped it once it has shut down, under the handler that was
+        # there before: a plain exit here, so the process's exit handlers (its last shared-memory name)
+        # run, as they would not under SIGTERM's default action
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        server.run()
+    finally:
+        state.close()                          # idempotent; the lifespan closes it on a clean stop
+    return 0
+
+
+class _Server:
+    """uvicorn's server, telling the state it stops (503 for new requests) as soon as a signal comes."""
+
+    def __new__(cls, config, state):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig, frame):
+                state.status = "stopping"
+                super().handle_exit(sig, frame)
+
+        return Server(config)
+
+
+def load(path: str | None, dtype):
+    """(model, tokenizer, served name): the embedded SmolLM2 by default."""
+    if path is None:
+        from hetero.models import load_smollm2
+
+        model, tok = load_smollm2(dtype)
+        return model, tok, "SmolLM2-135M-Instruct"
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    return model, tok, os.path.basename(os.path.normpath(path))

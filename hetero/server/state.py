@@ -1,0 +1,212 @@
+"""What one `hetero serve` process holds: the engine, its model's name and adapters, the named
+documents (contexts) pinned in its pool, the request limits and the metrics.
+
+The HTTP handlers (hetero.server.app) run on the event loop's thread and call in here; the engine
+runs its steps in its own thread (Engine's background loop), so nothing here blocks the loop for
+longer than a request's tokenization and queueing. A dead worker fails the requests it touched;
+the next request finds the engine failed and gets a new one (adapters loaded again, contexts
+pinned again: from their saved files, else recomputed).
+
+  state            written by                         read by
+  engine           the loop's thread (restart)        handlers, metrics
+  contexts         the loop's thread (create/delete)  handlers
+  status           lifespan, SIGTERM                  handlers (503 unless "ready"), /health
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass
+
+from hetero.engine.config import EngineConfig
+from hetero.errors import AdapterError, CapacityError, EngineError
+from hetero.server.protocol import APIError, bad
+
+log = logging.getLogger("hetero")
+
+
+@dataclass
+class NamedContext:
+    name: str
+    ids: list[int]
+    adapter: str | None
+    messages: list[dict] | None      # a chat context: its messages come first in a chat request's
+    pin: object                      # the engine's pin() stream
+    path: str | None = None          # its saved file (--saved-contexts)
+
+
+class ServerState:
+    def __init__(self, model, tokenizer, *, model_name: str, engine_config: EngineConfig,
+                 adapters: dict | None = None, api_key: str | None = None, max_queue: int = 256,
+                 saved_contexts: str | None = None):
+        from hetero import Engine
+
+        self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
+        self.engine_config, self.api_key, self.max_queue = engine_config, api_key, max_queue
+        self.adapter_dirs = dict(adapters or {})
+        self.saved_contexts = saved_contexts
+        self.contexts: dict[str, NamedContext] = {}
+        self.status = "starting"
+        self._Engine = Engine
+        self.engine = self._new_engine()
+        self.restarts = 0
+
+    def _new_engine(self):
+        return self._Engine(self.model, self.engine_config, tokenizer=self.tokenizer, adapters=self.adapter_dirs)
+
+    # ---- the engine, restarted after a failure
+    def live_engine(self):
+        """The engine; a new one when the last failed (a worker died): its requests failed with it."""
+        e = self.engine
+        if e.failure is None:
+            return e
+        log.warning("hetero serve: the engine failed (%s); starting a new one", e.failure)
+        try:
+            e.close()
+        except Exception as err:             # the failed engine's pool is broken: closing it still frees its memory
+            log.warning("hetero serve: closing the failed engine: %s", err)
+        self.engine = self._new_engine()
+        self.restarts += 1
+        for ctx in self.contexts.values():   # pinned again in the new pool: loaded from its file, else recomputed
+            try:
+                ctx.pin = self.engine.load_pin(ctx.path)[0] if ctx.path else None
+            except Exception as e:
+                log.warning("hetero serve: context %r: its saved file does not load (%s); computing it again",
+                            ctx.name, e)
+                ctx.pin = None
+            if ctx.pin is None:
+                ctx.pin = self.engine.pin(ctx.ids, adapter=ctx.adapter)
+        return self.engine
+
+    def check_ready(self):
+        if self.status != "ready":
+            raise APIError(503, f"the server is {self.status}", type="service_unavailable")
+
+    def queue_depth(self) -> int:
+        s = self.engine.scheduler
+        return len(self.engine._inbox) + len(s.waiting)
+
+    # ---- models and adapters
+    def model_ids(self) -> list[str]:
+        return [self.model_name] + self.engine.adapters
+
+    def adapter_for(self, model: str | None) -> str | None:
+        """A request's `model`: the base model (None / its name) or a loaded adapter's name."""
+        if model is None or model == self.model_name:
+            return None
+        if not isinstance(model, str):
+            raise bad(f"model must be a string, got {model!r}", "model")
+        if model in self.engine.adapters:
+            return model
+        raise APIError(404, f"the model {model!r} does not exist (served: {self.model_ids()})",
+                       type="not_found_error", param="model", code="model_not_found")
+
+    def load_adapter(self, name: str, path: str):
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise bad("lora_name and lora_path must be non-empty strings")
+        if name == self.model_name or name in self.engine.adapters:
+            raise bad(f"an adapter or model named {name!r} is already served", "lora_name")
+        try:
+            self.live_engine().load_adapter(name, path)
+        except (AdapterError, OSError, ValueError) as e:
+            raise bad(f"cannot load adapter {name!r} from {path!r}: {e}", "lora_path") from e
+        self.adapter_dirs[name] = path
+
+    def unload_adapter(self, name: str):
+        if name not in self.engine.adapters:
+            raise APIError(404, f"no adapter named {name!r} is loaded", type="not_found_error", param="lora_name")
+        users = [c.name for c in self.contexts.values() if c.adapter == name]
+        if users:
+            raise bad(f"adapter {name!r} is used by contexts {users}; delete them first", "lora_name")
+        self.live_engine().unload_adapter(name)
+        self.adapter_dirs.pop(name, None)
+
+    # ---- requests
+    def submit(self, ids: list[int], sampling, adapter: str | None, max_tokens: int | None):
+        """Queue a request in the engine: (its stream, max_tokens resolved)."""
+        self.check_ready()
+        engine = self.live_engine()
+        if self.queue_depth() >= self.max_queue:
+            raise APIError(429, f"the server's queue is full ({self.max_queue} requests waiting); retry later",
+                           type="rate_limit_error")
+        room = engine.max_model_len - len(ids)
+        if room < 1 or (max_tokens is not None and max_tokens > room):
+            raise bad(f"this model's maximum context length is {engine.max_model_len} tokens; the prompt has "
+                      f"{len(ids)} and {max_tokens or 1} more were asked", "max_tokens" if room >= 1 else "messages")
+        kw = dict(sampling.kwargs)
+        if sampling.stop:
+            kw.update(stop_strings=sampling.stop, tokenizer=self.tokenizer)
+        try:
+            stream = engine.add_request(ids, max_tokens or room, seed=sampling.seed, adapter=adapter,
+                                        ignore_eos=sampling.ignore_eos, output_scores=sampling.logprobs is not None,
+                                        **kw)
+        except CapacityError as e:
+            raise bad(f"the request does not fit: {e}") from e
+        except (ValueError, TypeError) as e:
+            raise bad(str(e)) from e
+        except EngineError as e:
+            raise APIError(500, str(e), type="server_error") from e
+        return stream
+
+    # ---- named contexts (documents pinned in the pool)
+    async def create_context(self, name: str, ids: list[int], adapter: str | None, messages: list[dict] | None):
+        self.check_ready()
+        if not isinstance(name, str) or not name or len(name) > 128 or "/" in name or name.startswith("."):
+            raise bad(f"a context's name must be 1-128 characters without '/' and not starting with '.', got {name!r}",
+                      "name")
+        if name in self.contexts:
+            raise APIError(409, f"a context named {name!r} exists; delete it first", param="name")
+        engine = self.live_engine()
+        if len(ids) > engine.max_model_len:
+            raise bad(f"the context has {len(ids)} tokens; this model's maximum context length is "
+                      f"{engine.max_model_len}", "prompt")
+        try:
+            pin = engine.pin(ids, adapter=adapter)
+        except CapacityError as e:
+            raise bad(f"the context does not fit: {e}") from e
+        await asyncio.to_thread(pin.result)              # raises EngineError if the engine failed
+        ctx = self.contexts[name] = NamedContext(name, ids, adapter, messages, pin)
+        if self.saved_contexts:
+            ctx.path = os.path.join(self.saved_contexts, f"{name}.ctx")
+            await asyncio.to_thread(engine.save_pin, pin, ctx.path, {"name": name, "messages": messages})
+        return ctx
+
+    def delete_context(self, name: str):
+        ctx = self.contexts.pop(name, None)
+        if ctx is None:
+            raise APIError(404, f"no context named {name!r}", type="not_found_error", param="name")
+        self.engine.unpin(ctx.pin)
+        if ctx.path and os.path.exists(ctx.path):
+            os.unlink(ctx.path)
+
+    def context(self, name: str | None) -> NamedContext | None:
+        if name is None:
+            return None
+        ctx = self.contexts.get(name)
+        if ctx is None:
+            raise APIError(404, f"no context named {name!r} (created: {sorted(self.contexts)})",
+                           type="not_found_error", param="context")
+        return ctx
+
+    def load_saved_contexts(self):
+        """At start: every context saved in --saved-contexts, loaded into the pool without a prefill."""
+        if not self.saved_contexts:
+            return
+        os.makedirs(self.saved_contexts, exist_ok=True)
+        for fn in sorted(os.listdir(self.saved_contexts)):
+            if not fn.endswith(".ctx"):
+                continue
+            path = os.path.join(self.saved_contexts, fn)
+            try:
+                pin, extra = self.engine.load_pin(path)
+                pin.result()
+            except Exception as e:               # a file of another model, or corrupted: skipped, named
+                log.warning("hetero serve: skipping saved context %s: %s", path, e)
+                continue
+            name = extra.get("name") or fn[:-4]
+            self.contexts[name] = NamedContext(name, pin.prompt_ids, pin.adapter, extra.get("messages"), pin, path)
+
+    def close(self):
+        self.status = "stopped"
+        self.engine.close()

