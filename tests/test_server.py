@@ -294,3 +294,27 @@ def test_a_full_queue_gets_429_and_sigterm_finishes_in_flight(smol):
         assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
     finally:
         assert s.stop() == 0
+
+
+def test_a_dead_worker_fails_its_requests_with_500_and_the_server_keeps_serving(smol):
+    s = Server(key=None)
+    try:
+        workers = subprocess.run(["pgrep", "-P", str(s.proc.pid), "-f", "hetero.worker"], capture_output=True,
+                                 text=True).stdout.split()
+        assert workers
+        body = {"model": NAME, "messages": MSG, "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+        with httpx.stream("POST", s.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)
+            os.kill(int(workers[0]), signal.SIGKILL)
+            t = time.monotonic()
+            events = [x for x in lines if x.startswith("data: {")]
+        assert time.monotonic() - t < 10
+        err = json.loads(events[-1][6:])["error"]
+        assert err["type"] == "server_error" and "worker 0" in err["message"] and "SIGKILL" in err["message"]
+        assert httpx.get(s.url + "/health").status_code == 200          # a new engine
+        r = httpx.post(s.url + "/v1/chat/completions", json={**body, "max_tokens": 8}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+        assert s.metrics()["hetero_engine_restarts"] == 1
+    finally:
+        assert s.stop() == 0
