@@ -25,14 +25,12 @@ One step:
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
 
 import psutil
 import torch
@@ -47,6 +45,7 @@ from hetero.engine.paged import PagedKV
 from hetero.engine.request import Request, RequestStatus
 from hetero.engine.runner import ModelRunner
 from hetero.engine.scheduler import RankAwarePolicy, Scheduler, SchedulerConfig
+from hetero.engine.stream import RequestStream
 from hetero.adapters import sync
 from hetero.engine.adapters import EngineAdapters
 from hetero.errors import AdapterError, CapacityError, EngineError, UnsupportedModelError
@@ -60,114 +59,6 @@ from hetero.settings import MODEL_DEFAULT, generation_settings, resolve_lengths
 log = logging.getLogger("hetero")
 
 DEFAULT_MAX_MODEL_LEN = 32768     # tokens per request when the model states no limit
-
-
-class RequestStream:
-    """One request's output as the engine produces it: iterate (blocking) or `async for` over its
-    new token ids, or wait for all of them with result(). `finish_reason` is "stop" (an eos id or
-    a stopping criterion), "length" (max_new_tokens) or "abort" once finished."""
-
-    def __init__(self, engine: Engine, request_id: str, prompt_len: int):
-        self.engine, self.request_id, self.prompt_len = engine, request_id, prompt_len
-        self.token_ids: list[int] = []
-        self.finish_reason: str | None = None
-        self.error: BaseException | None = None
-        self.scores: list[torch.Tensor] | None = None     # processed scores per token (output_scores=True)
-        self.pad_token_id: int | None = None              # what generate pads a finished sequence with
-        self.pinned_blocks: list[int] | None = None       # a pin()'s blocks, once computed (unpin releases)
-        self.prompt_ids: list[int] | None = None          # a pin()'s document and adapter
-        self.adapter: str | None = None
-        self.unpinned = False
-        self.arrival = time.monotonic()
-        self.token_times: list[float] = []          # time.monotonic() of each token's arrival here
-        self.finish_time: float | None = None
-        self._cond = threading.Condition()
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None or self.error is not None
-
-    def _push(self, tokens: list[int], finish_reason: str | None = None, error: BaseException | None = None):
-        """The engine thread: new tokens, and the end."""
-        with self._cond:
-            now = time.monotonic()
-            self.token_times += [now] * len(tokens)
-            self.token_ids += tokens
-            if error is not None:
-                self.error = error
-            elif finish_reason is not None:
-                self.finish_reason = finish_reason
-            if self.finished:
-                self.finish_time = now
-            self._cond.notify_all()
-            waiters = list(self._waiters)
-        for loop, event in waiters:
-            try:
-                loop.call_soon_threadsafe(event.set)
-            except RuntimeError:          # that loop is closed
-                pass
-
-    def _raise(self):
-        if self.error is not None:
-            raise EngineError(f"request {self.request_id!r} failed: {self.error}") from self.error
-
-    def _since(self, i: int, wait: bool = False) -> tuple[list[int], bool]:
-        """(the tokens after the first i, finished), waiting for one of them with wait (an engine
-        without its background thread is stepped here meanwhile)."""
-        if wait:
-            self._drive(lambda: len(self.token_ids) > i)
-        with self._cond:
-            while wait and len(self.token_ids) <= i and not self.finished:
-                self._cond.wait()
-            return self.token_ids[i:], self.finished     # finished: no token comes after these
-
-    def __iter__(self) -> Iterator[int]:
-        i, done = 0, False
-        while not done:
-            new, done = self._since(i, wait=True)
-            yield from new
-            i += len(new)
-        self._raise()
-
-    async def __aiter__(self):
-        loop, event = asyncio.get_running_loop(), asyncio.Event()
-        with self._cond:
-            self._waiters.append((loop, event))
-        try:
-            i, done = 0, False
-            while not done:
-                event.clear()
-                new, done = self._since(i)
-                for t in new:
-                    yield t
-                i += len(new)
-                if not new and not done:
-                    await event.wait()
-            self._raise()
-        finally:
-            with self._cond:
-                self._waiters.remove((loop, event))
-
-    def _drive(self, ready):
-        """EngineConfig(background=False): step the engine in this thread until ready() or finished."""
-        e = self.engine
-        if not e.config.background:
-            while not ready() and not self.finished and e.step():
-                pass
-
-    def result(self, timeout: float | None = None) -> list[int]:
-        """All output token ids once finished (raises EngineError if it failed, TimeoutError). An
-        engine without its background thread (EngineConfig.background=False) is stepped here."""
-        self._drive(lambda: False)
-        with self._cond:
-            if not self._cond.wait_for(lambda: self.finished, timeout):
-                raise TimeoutError(f"request {self.request_id!r} unfinished after {timeout} s")
-        self._raise()
-        return list(self.token_ids)
-
-    def abort(self):
-        self.engine.abort(self.request_id)
 
 
 class Engine:
