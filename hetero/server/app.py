@@ -193,13 +193,14 @@ async def _respond(request, state, metrics, ids, s, adapter, chat):
         raise APIError(500, str(e), type="server_error") from e
     finally:
         watcher.cancel()
-    metrics.finished(stream)
     if stream.finish_reason == "abort":
+        metrics.aborted()
         raise APIError(499 if await request.is_disconnected() else 503, "the request was aborted",
                        type="server_error")
     det = Detokenizer(state.tokenizer, s.stop)
     text = det.add(tokens, final=True)
     reason = "stop" if det.stopped or stream.finish_reason == "stop" else "length"
+    metrics.finished(stream, reason)
     lp = None
     if s.logprobs is not None:
         entries = logprob_entries(state.tokenizer, tokens, stream.scores, s.logprobs)
@@ -262,7 +263,7 @@ async def _sse(request, state, metrics, stream, ids, s, rid, model, chat):
         reason = "stop" if det.stopped or stream.finish_reason == "stop" else "length"
         yield chunk("", reason=reason)
         finished = True
-        metrics.finished(stream)
+        metrics.finished(stream, reason)
         if s.include_usage:
             yield _event({"id": rid, "object": kind, "created": created, "model": model, "choices": [],
                           "usage": usage(len(ids), n)})

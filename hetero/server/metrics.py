@@ -52,10 +52,10 @@ class Metrics:
     def started(self, prompt_tokens: int):
         self.prompt_tokens.inc(prompt_tokens)
 
-    def finished(self, stream):
+    def finished(self, stream, reason: str):
         times = stream.token_times
         self.generation_tokens.inc(len(stream.token_ids))
-        self.requests.labels(stream.finish_reason or "error").inc()
+        self.requests.labels(reason).inc()
         if times:
             self.ttft.observe(times[0] - stream.arrival)
             for a, b in zip(times, times[1:]):

@@ -1,0 +1,232 @@
+"""`hetero serve` under an open-loop HTTP load, beside the servers people use, on the same model and cores.
+
+The RAG mix of bench/engine.py as chat requests over HTTP (a system message holding one of D
+documents, Zipf popularity; a user question of 20-60 tokens; N new tokens, greedy, eos ignored
+where the server allows it), sent at Poisson arrival times (open loop: a slow server does not slow
+the arrivals) with `stream=true`; each token's arrival is timed at the client. Every (rate,
+system) cell starts a fresh server (caches cold) and warms it with two requests over other text
+(not timed).
+
+Systems (each skipped, and said so, where it is not installed):
+  hetero      hetero serve (this repository), fp32 weights, one CPU worker per core but one
+  llama       llama.cpp's C++ llama-server (continuous batching, 8 slots, prompt cache) on the same
+              model's GGUF (Q4_1: 4-bit weights), --llama-server PATH (built from the
+              llama-cpp-python source distribution's vendored llama.cpp, cmake target llama-server)
+  hf          transformers serve --continuous-batching on the same fp32 weights
+
+Per cell: throughput (completion tokens / (last token - first request)), TTFT, inter-token and
+end-to-end latency p50/p99, and goodput: the share of requests meeting the SLO (TTFT <= --slo-ttft
+and their own p99 inter-token gap <= --slo-itl). Summary: per system the highest rate with >= 90 %
+of requests within the SLO.
+
+    python bench/serve.py [--llama-server PATH] [--rates 0.1 0.25 0.5] [--systems hetero llama hf]
+"""
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import machine, write_json  # noqa: E402
+from bench.engine import pct, workload  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SYSTEMS = ("hetero", "llama", "hf")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def command(system, port, args):
+    from hetero.models import model_cache_dir, smollm2_gguf
+
+    threads = str(len(os.sched_getaffinity(0)))
+    if system == "hetero":
+        return [sys.executable, "-m", "hetero.cli", "serve", "--port", str(port), "--max-num-seqs", "32",
+                "--max-num-batched-tokens", str(args.budget), "--context-memory", "2G", "--log-level", "warning"]
+    if system == "llama":
+        return [args.llama_server, "-m", smollm2_gguf(), "--port", str(port), "-c", str(8 * 4096), "-np", "8",
+                "-t", threads, "-tb", threads, "--cont-batching", "--log-disable"]
+    here = os.path.join(os.path.dirname(sys.executable), "transformers")      # this venv's, else the PATH's
+    return [here if os.path.exists(here) else shutil.which("transformers") or "transformers", "serve",
+            os.path.join(model_cache_dir(), "smollm2-135m-instruct-fp32"), "--continuous-batching",
+            "--port", str(port), "--device", "cpu", "--dtype", "float32"]
+
+
+class Server:
+    def __init__(self, system, args):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(command(system, self.port, args), cwd=ROOT, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, start_new_session=True)
+        import httpx
+
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{system} server exited with {self.proc.returncode}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"{system} server did not answer /health in 300 s")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+async def one(client, url, body, t_send):
+    """Send at t_send (monotonic); returns (sent, token times, completion tokens)."""
+    delay = t_send - time.monotonic()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    sent, times, usage = time.monotonic(), [], None
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if ev.get("usage"):
+                usage = ev["usage"].get("completion_tokens")
+            if ev.get("choices") and ev["choices"][0].get("delta", {}).get("content"):
+                times.append(time.monotonic())
+    return sent, times, usage or len(times)
+
+
+def bodies(system, docs_text, reqs, questions_text, model):
+    out = []
+    for q, qt in zip(reqs, questions_text):
+        b = {"model": model, "messages": [{"role": "system", "content": docs_text[q["doc"]]},
+                                          {"role": "user", "content": qt}],
+             "max_tokens": q["new"], "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        if system in ("hetero", "llama"):
+            b["ignore_eos"] = True
+        out.append(b)
+    return out
+
+
+def run_cell(system, rate, args, tok, tokens):
+    import httpx
+
+    docs, reqs = workload(tokens, args, rate, args.seed)
+    docs_text = [tok.decode(d) for d in docs]
+    qtext = [tok.decode(q["question"]) for q in reqs]
+    warm = tok.decode(list(reversed(tokens[:400])))
+    server = Server(system, args)
+    try:
+        model = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
+
+        async def go():
+            async with httpx.AsyncClient(timeout=3600, limits=limits) as c:
+                t = time.monotonic()
+                for _ in range(2):                              # warm-up, not timed
+                    await one(c, server.url, {"model": model, "messages": [{"role": "user", "content": warm}],
+                                              "max_tokens": 8, "temperature": 0, "stream": True}, 0)
+                warm_s = time.monotonic() - t
+                t0 = time.monotonic() + 0.1
+                res = await asyncio.gather(*(one(c, server.url, b, t0 + q["arrival"])
+                                             for b, q in zip(bodies(system, docs_text, reqs, qtext, model), reqs)))
+                return res, warm_s
+        res, warm_s = asyncio.run(go())
+    finally:
+        server.stop()
+    return summarize(res, reqs, args) | {"warmup_s": warm_s}
+
+
+def summarize(res, reqs, args):
+    ttft = [times[0] - sent for sent, times, _ in res if times]
+    itl = [b - a for _, times, _ in res for a, b in zip(times, times[1:])]
+    e2e = [times[-1] - sent for sent, times, _ in res if times]
+    ok = 0
+    for sent, times, _ in res:
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        if times and times[0] - sent <= args.slo_ttft and (not gaps or pct(gaps, 99) <= args.slo_itl):
+            ok += 1
+    span = max(t[-1] for _, t, _ in res if t) - min(s for s, _, _ in res)
+    out_tokens = sum(n for _, _, n in res)
+    return {"throughput_tok_s": out_tokens / span, "completion_tokens": out_tokens, "makespan_s": span,
+            "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99),
+            "e2e_p50": pct(e2e, 50), "e2e_p99": pct(e2e, 99), "within_slo": ok / len(res), "requests": len(res)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--docs", type=int, default=4)
+    ap.add_argument("--doc-min", type=int, default=512)
+    ap.add_argument("--doc-max", type=int, default=1024)
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--new-min", type=int, default=16)
+    ap.add_argument("--new-max", type=int, default=32)
+    ap.add_argument("--rates", nargs="+", type=float, default=[0.1, 0.25, 0.5])
+    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    ap.add_argument("--llama-server", default=shutil.which("llama-server"))
+    ap.add_argument("--budget", type=int, default=256, help="hetero's tokens per engine step")
+    ap.add_argument("--slo-ttft", type=float, default=2.0)
+    ap.add_argument("--slo-itl", type=float, default=0.2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="serve.json")
+    args = ap.parse_args()
+    from hetero.models import english_text, load_smollm2
+
+    _, tok = load_smollm2(__import__("torch").float32)
+    tokens = tok(english_text())["input_ids"]
+    systems = [s for s in args.systems if s != "llama" or args.llama_server]
+    if "llama" in args.systems and not args.llama_server:
+        print("no llama-server (--llama-server PATH): no llama.cpp row")
+    cells = []
+    for rate in args.rates:
+        for system in systems:
+            t = time.time()
+            try:
+                cell = run_cell(system, rate, args, tok, tokens)
+            except Exception as e:                   # a server that fails a cell: said, the others go on
+                cell = {"error": f"{type(e).__name__}: {e}"[:500]}
+            cell.update(system=system, rate=rate, wall_s=time.time() - t)
+            cells.append(cell)
+            show = {k: round(v, 3) if isinstance(v, float) else v for k, v in cell.items()
+                    if k in ("throughput_tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "within_slo", "error")}
+            print(f"rate {rate} {system}: {show}", flush=True)
+            write_json(args.out, {"bench": "serve", "machine": machine(), "args": vars(args), "cells": cells,
+                                  "summary": summary(cells, systems)})
+    for k, v in summary(cells, systems).items():
+        print(f"  {k}: {v}")
+
+
+def summary(cells, systems):
+    out = {}
+    for s in systems:
+        ok = [c["rate"] for c in cells if c["system"] == s and c.get("within_slo", 0) >= 0.9]
+        out[f"{s}: highest rate with >= 90 % of requests within the SLO"] = max(ok) if ok else None
+    best = {s: v for s, v in ((s, out[f"{s}: highest rate with >= 90 % of requests within the SLO"]) for s in systems)}
+    if best.get("hetero") and any(v for k, v in best.items() if k != "hetero"):
+        peer = max(v for k, v in best.items() if k != "hetero" and v)
+        out["hetero / the better peer (target >= 1.5)"] = round(best["hetero"] / peer, 2)
+    return out
+
+
+if __name__ == "__main__":
+    np.seterr(all="ignore")
+    main()
