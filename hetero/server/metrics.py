@@ -19,20 +19,7 @@ class _EngineGauges:
         self.state = state
 
     def collect(self):
-        e = self.state.engine
-        kv = e.kv_manager
-        values = {
-            "hetero_requests_waiting": ("requests queued for the engine, not yet running", self.state.queue_depth()),
-            "hetero_requests_running": ("requests the engine is computing", len(e.scheduler.running)),
-            "hetero_kv_blocks_used": ("KV pool blocks held by requests and pins", kv.num_used_blocks),
-            "hetero_kv_blocks_free": ("KV pool blocks free or cached (evictable)", kv.pool.num_available_blocks),
-            "hetero_kv_blocks_total": ("KV pool blocks", kv.num_blocks),
-            "hetero_prefix_cache_hit_rate": ("prompt tokens found in the prefix cache / prompt tokens looked up",
-                                             kv.prefix_hits / max(kv.prefix_queries, 1)),
-            "hetero_contexts": ("named contexts pinned in the pool", len(self.state.contexts)),
-            "hetero_engine_restarts": ("engines replaced after a failure (a dead worker)", self.state.restarts),
-        }
-        for name, (doc, value) in values.items():
+        for name, (doc, value) in self.state.gauges().items():
             yield GaugeMetricFamily(name, doc, value=value)
 
 
@@ -40,6 +27,8 @@ class Metrics:
     def __init__(self, state):
         self.registry = r = CollectorRegistry()
         r.register(_EngineGauges(state))
+        if hasattr(state, "register_metrics"):          # the replicas' ingress counts per replica
+            state.register_metrics(r)
         self.prompt_tokens = Counter("hetero_prompt_tokens", "prompt tokens of requests queued", registry=r)
         self.generation_tokens = Counter("hetero_generation_tokens", "tokens generated", registry=r)
         self.requests = Counter("hetero_requests", "requests finished, by reason", ["finish_reason"], registry=r)

@@ -36,6 +36,12 @@ class NamedContext:
     path: str | None = None          # its saved file (--saved-contexts)
 
 
+def check_context_name(name):
+    if not isinstance(name, str) or not name or len(name) > 128 or "/" in name or name.startswith("."):
+        raise bad(f"a context's name must be 1-128 characters without '/' and not starting with '.', got {name!r}",
+                  "name")
+
+
 class ServerState:
     def __init__(self, model, tokenizer, *, model_name: str, engine_config: EngineConfig,
                  adapters: dict | None = None, api_key: str | None = None, max_queue: int = 256,
@@ -78,6 +84,33 @@ class ServerState:
             if ctx.pin is None:
                 ctx.pin = self.engine.pin(ctx.ids, adapter=ctx.adapter)
         return self.engine
+
+    def check_health(self):
+        self.live_engine()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.get_text_config().vocab_size
+
+    def adapter_models(self) -> list[tuple[str, str | None]]:
+        """(name, directory) of every adapter a request's model may name."""
+        return [(a, self.adapter_dirs.get(a)) for a in self.engine.adapters]
+
+    def gauges(self) -> dict[str, tuple[str, float]]:
+        """/metrics' gauges, read when scraped: {name: (help, value)}."""
+        e = self.engine
+        kv = e.kv_manager
+        return {
+            "hetero_requests_waiting": ("requests queued for the engine, not yet running", self.queue_depth()),
+            "hetero_requests_running": ("requests the engine is computing", len(e.scheduler.running)),
+            "hetero_kv_blocks_used": ("KV pool blocks held by requests and pins", kv.num_used_blocks),
+            "hetero_kv_blocks_free": ("KV pool blocks free or cached (evictable)", kv.pool.num_available_blocks),
+            "hetero_kv_blocks_total": ("KV pool blocks", kv.num_blocks),
+            "hetero_prefix_cache_hit_rate": ("prompt tokens found in the prefix cache / prompt tokens looked up",
+                                             kv.prefix_hits / max(kv.prefix_queries, 1)),
+            "hetero_contexts": ("named contexts pinned in the pool", len(self.contexts)),
+            "hetero_engine_restarts": ("engines replaced after a failure (a dead worker)", self.restarts),
+        }
 
     def check_ready(self):
         if self.status != "ready":
@@ -123,8 +156,9 @@ class ServerState:
         self.adapter_dirs.pop(name, None)
 
     # ---- requests
-    def submit(self, ids: list[int], sampling, adapter: str | None, max_tokens: int | None):
-        """Queue a request in the engine: (its stream, max_tokens resolved)."""
+    def submit(self, ids: list[int], sampling, adapter: str | None, max_tokens: int | None, doc_len=None):
+        """Queue a request in the engine: its stream. doc_len (the replicas' routing) is not needed:
+        the engine's prefix cache finds any document it holds."""
         self.check_ready()
         engine = self.live_engine()
         if self.queue_depth() >= self.max_queue:
@@ -152,9 +186,7 @@ class ServerState:
     # ---- named contexts (documents pinned in the pool)
     async def create_context(self, name: str, ids: list[int], adapter: str | None, messages: list[dict] | None):
         self.check_ready()
-        if not isinstance(name, str) or not name or len(name) > 128 or "/" in name or name.startswith("."):
-            raise bad(f"a context's name must be 1-128 characters without '/' and not starting with '.', got {name!r}",
-                      "name")
+        check_context_name(name)
         if name in self.contexts:
             raise APIError(409, f"a context named {name!r} exists; delete it first", param="name")
         engine = self.live_engine()
