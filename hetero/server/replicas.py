@@ -1,0 +1,427 @@
+"""hetero on Ray Serve: replicas of the engine behind one OpenAI ingress, routed by document, with a
+context store they share.
+
+  Ingress         a Ray Serve deployment running hetero serve's FastAPI app (hetero.server.app)
+                  over ReplicatedState: it parses and tokenizes each request, then streams it from
+                  a replica through a DeploymentHandle (token ids in, token ids out; the text,
+                  SSE and errors are made here, as in `hetero serve`)
+  HeteroReplica   one engine (hetero.server.state.ServerState) on its share of the host's cores:
+                  the replica's process is pinned to them, so its engine's workers are too
+  DocumentRouter  Ray Serve's request router for the replicas: a request whose prompt starts with a
+                  document goes to the replica rendezvous hashing picks for the hash of the
+                  document's first whole blocks (the same choice in every ingress, with no shared
+                  state, and a lost replica moves only its own documents); when that replica is
+                  full (max_ongoing_requests), the least loaded of the others
+  ContextStore    (hetero.server.store) documents' KV by content: a replica missing a request's
+                  document loads it from the store instead of prefilling it, and saves the ones it
+                  prefills
+
+A request's path: ingress (tokens, document length, route key) -> DocumentRouter -> replica:
+the document cached in its pool ("hit"), else loaded from the store ("load"), else prefilled,
+pinned while it is saved, then released to the prefix cache ("prefill") -> the request itself
+over those blocks -> tokens streamed back -> ingress -> client.
+
+Build it with `hetero serve --replicas N`, or add `build(...)` to your own Ray application.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from hetero.engine.kv_pool import BLOCK_SIZE, block_hash
+from hetero.errors import ContextFileError, EngineError
+from hetero.server.protocol import APIError, bad
+from hetero.server.state import check_context_name
+from hetero.server.store import ContextStore
+
+log = logging.getLogger("hetero")
+ROUTE_BLOCKS = 4          # whole blocks of a prompt's start that name its document for routing
+
+
+@dataclass
+class Job:
+    """What the ingress sends a replica: token ids and settings (pickled once per request)."""
+    ids: list[int]
+    sampling: object                # hetero.server.protocol.Sampling
+    adapter: str | None
+    max_tokens: int | None
+    doc_len: int                    # the prompt's leading document (0: none)
+    route_key: str | None           # DocumentRouter's key (None: the least loaded replica)
+
+
+def route_key(ids: list[int], doc_len: int) -> str | None:
+    """The hash of the first whole blocks (up to ROUTE_BLOCKS) of the document, else of the prompt
+    before its last token; None under one block."""
+    n = min((doc_len or len(ids) - 1) // BLOCK_SIZE, ROUTE_BLOCKS)
+    if n < 1:
+        return None
+    return hashlib.blake2b(str(ids[:n * BLOCK_SIZE]).encode(), digest_size=16).hexdigest()
+
+
+class DocumentRouter(RequestRouter):
+    """Rendezvous hashing on a Job's route_key: [[its replica], [the others]]; Ray Serve takes the
+    least loaded replica of the first rank with room (max_ongoing_requests), then of the next."""
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        job = next((a for a in (pending_request.args if pending_request else ()) if hasattr(a, "route_key")), None)
+        if job is None or job.route_key is None or len(candidate_replicas) < 2:
+            return [candidate_replicas]
+        ranked = sorted(candidate_replicas, key=lambda r: hashlib.blake2b(
+            f"{job.route_key}/{r.replica_id.unique_id}".encode(), digest_size=8).digest(), reverse=True)
+        return [ranked[:1], ranked[1:]]
+
+
+class HeteroReplica:
+    """One engine on its share of the cores (Ray Serve deployment class)."""
+
+    def __init__(self, model: str | None, dtype: str, engine: dict, store: str, adapters: dict | None = None,
+                 cores_per_replica: int | None = None):
+        import torch
+
+        from hetero.engine.config import EngineConfig
+        from hetero.server.main import load
+        from hetero.server.state import ServerState
+
+        ctx = serve.get_replica_context()
+        self.name = ctx.replica_id.unique_id if ctx else f"local-{os.getpid()}"
+        if cores_per_replica:                # this replica's share: its engine's workers pin inside it
+            usable = sorted(os.sched_getaffinity(0))
+            rank = ctx.rank.local_rank if ctx and ctx.rank is not None else 0
+            share = [usable[(rank * cores_per_replica + i) % len(usable)] for i in range(cores_per_replica)]
+            os.sched_setaffinity(0, share)
+            torch.set_num_threads(len(share))
+        dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+        m, tok, served = load(model, dt)
+        self.state = ServerState(m, tok, model_name=served, engine_config=EngineConfig(**engine),
+                                 adapters=adapters, max_queue=1 << 30)
+        self.state.status = "ready"
+        self.store = ContextStore(store)
+        self._locks: dict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
+        self._fingerprints: dict[str | None, dict] = {}
+
+    def check_health(self):
+        """Ray Serve's health check: a failed engine is replaced; one that cannot be fails the replica."""
+        self.state.live_engine()
+
+    def front(self) -> dict:
+        """What the ingress needs of the model: its tokenizer, name, vocabulary, length and adapters."""
+        s = self.state
+        return {"tokenizer": s.tokenizer, "model_name": s.model_name, "vocab_size": s.vocab_size,
+                "max_model_len": s.engine.max_model_len, "adapters": dict(s.adapter_models())}
+
+    def info(self) -> dict:
+        e = self.state.engine
+        return {"replica": self.name, "pid": os.getpid(), "cores": sorted(os.sched_getaffinity(0)),
+                "max_model_len": e.max_model_len, "prefix_hits": e.kv_manager.prefix_hits,
+                "prefix_queries": e.kv_manager.prefix_queries}
+
+    async def document(self, job: Job) -> str | None:
+        """Make sure the job's document is in this replica's pool: "hit", "load", "prefill" or None."""
+        n = job.doc_len // BLOCK_SIZE
+        if n < 1:
+            return None
+        engine = self.state.live_engine()
+        doc = job.ids[:job.doc_len]
+        if self._cached(engine, doc, n, job.adapter):
+            return "hit"
+        fp = self._fingerprints.get(job.adapter)
+        if fp is None:
+            from hetero.offload.saved import fingerprint
+
+            fp = self._fingerprints[job.adapter] = await asyncio.to_thread(
+                fingerprint, engine.model, engine.spec, engine.adapter_digest(job.adapter))
+        key = self.store.key(fp, doc)
+        async with self._locks[key]:
+            if self._cached(engine, doc, n, job.adapter):
+                return "hit"
+            if self.store.has(key):
+                try:
+                    pin, _ = await asyncio.to_thread(engine.load_pin, self.store.path(key))
+                    engine.unpin(pin)                       # cached: the request below finds its blocks
+                    return "load"
+                except ContextFileError as e:               # corrupted or not this model's: prefilled again
+                    log.warning("context store: %s does not load (%s); prefilling it", self.store.path(key), e)
+                    self.store.discard(key)
+            pin = engine.pin(doc, adapter=job.adapter)
+            try:
+                await asyncio.to_thread(pin.result)
+                await asyncio.to_thread(engine.save_pin, pin, self.store.prepare(key), {"tokens": len(doc)})
+            finally:
+                engine.unpin(pin)
+            return "prefill"
+
+    @staticmethod
+    def _cached(engine, doc, n, adapter) -> bool:
+        cached, h = engine.kv_manager.pool.cached, None
+        for i in range(n):
+            h = block_hash(h, doc[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE], adapter)
+            if h not in cached:
+                return False
+        return True
+
+    async def generate(self, job: Job):
+        """Stream the job's tokens ([ids] per step), then {"finish_reason", "replica", "source", "scores"}.
+        Cancelled (the client went away): its request is aborted, its blocks free at the next step."""
+        source = await self.document(job)
+        stream = self.state.submit(job.ids, job.sampling, job.adapter, job.max_tokens)
+        try:
+            async for t in stream:
+                yield [t]
+        finally:
+            if not stream.finished:
+                stream.abort()
+        keep = job.sampling.logprobs is not None
+        yield {"finish_reason": stream.finish_reason, "replica": self.name, "pid": os.getpid(), "source": source,
+               "scores": [s.float() for s in stream.scores] if keep and stream.scores else None}
+
+    def __del__(self):
+        """Ray Serve's graceful shutdown: the engine closes (its workers exit, its segments go), then
+        this process's owner lock, as its exit handlers would (Ray ends the actor without them)."""
+        state = getattr(self, "state", None)
+        if state is not None:
+            state.close()
+            self.state = None
+        from hetero.ipc import shm
+
+        shm.release_owner_lock()
+
+
+class RemoteStream:
+    """A replica's streamed answer, read as the app reads an engine's RequestStream."""
+
+    def __init__(self, front, gen, prompt_len):
+        self.front, self.gen = front, gen
+        self.arrival = time.monotonic()
+        self.token_ids: list[int] = []
+        self.token_times: list[float] = []
+        self.finish_reason = None
+        self.scores = None
+        self.finished = False
+        self.num_prompt_tokens = prompt_len
+
+    async def __aiter__(self):
+        try:
+            async for msg in self.gen:
+                if isinstance(msg, list):
+                    now = time.monotonic()
+                    for t in msg:
+                        self.token_ids.append(t)
+                        self.token_times.append(now)
+                        yield t
+                else:
+                    self.finish_reason, self.scores = msg["finish_reason"], msg["scores"]
+                    self.front.record(msg["replica"], msg["pid"], msg["source"])
+        except APIError:
+            raise
+        except Exception as e:
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, APIError):
+                raise cause from None
+            if isinstance(cause, EngineError):
+                raise EngineError(str(cause)) from None
+            raise EngineError(f"the replica serving this request failed: {type(e).__name__}: {e}") from None
+        finally:
+            self.finished = True
+
+    def abort(self):
+        if not self.finished:
+            self.gen.cancel()
+            self.finish_reason, self.finished = "abort", True
+
+
+@dataclass
+class StoredContext:
+    name: str
+    ids: list[int]
+    adapter: str | None
+    messages: list[dict] | None
+    path: str | None
+
+
+class ReplicatedState:
+    """ServerState's face for the app (hetero.server.app) in the ingress: requests go to replicas."""
+
+    def __init__(self, replicas, tokenizer, *, model_name: str, vocab_size: int, max_model_len: int,
+                 adapters: dict, store: str, api_key: str | None):
+        self.replicas, self.tokenizer, self.model_name = replicas, tokenizer, model_name
+        self.vocab_size, self.max_model_len, self.adapter_dirs = vocab_size, max_model_len, dict(adapters)
+        self.api_key, self.store = api_key, ContextStore(store)
+        self.status = "starting"
+        self.in_flight = 0
+        self._replica_requests = self._sources = None
+
+    def register_metrics(self, registry):
+        from prometheus_client import Counter
+
+        self._replica_requests = Counter("hetero_replica_requests", "requests served, by replica (and its process)",
+                                         ["pid", "replica"], registry=registry)
+        self._sources = Counter("hetero_documents", "requests' documents: cached on their replica (hit), loaded "
+                                "from the context store (load) or prefilled (prefill)", ["source"], registry=registry)
+
+    def record(self, replica: str, pid: int, source: str | None):
+        if self._replica_requests is not None:
+            self._replica_requests.labels(str(pid), replica).inc()
+            if source:
+                self._sources.labels(source).inc()
+
+    def gauges(self):
+        return {"hetero_requests_in_flight": ("requests sent to replicas, not finished", self.in_flight),
+                "hetero_contexts": ("named contexts in the context store", len(self.store.names()))}
+
+    def check_health(self):
+        pass                                   # Ray Serve checks the replicas (HeteroReplica.check_health)
+
+    def check_ready(self):
+        if self.status != "ready":
+            raise APIError(503, f"the server is {self.status}", type="service_unavailable")
+
+    def close(self):
+        self.status = "stopped"
+
+    # ---- models
+    def model_ids(self) -> list[str]:
+        return [self.model_name] + list(self.adapter_dirs)
+
+    def adapter_models(self):
+        return list(self.adapter_dirs.items())
+
+    def adapter_for(self, model):
+        if model is None or model == self.model_name:
+            return None
+        if not isinstance(model, str):
+            raise bad(f"model must be a string, got {model!r}", "model")
+        if model in self.adapter_dirs:
+            return model
+        raise APIError(404, f"the model {model!r} does not exist (served: {self.model_ids()})",
+                       type="not_found_error", param="model", code="model_not_found")
+
+    def load_adapter(self, name, path):
+        raise bad("with replicas, adapters are fixed at start (--adapters): restart with the new set")
+
+    unload_adapter = load_adapter
+
+    # ---- requests
+    def submit(self, ids, sampling, adapter, max_tokens, doc_len=None):
+        self.check_ready()
+        room = self.max_model_len - len(ids)
+        if room < 1 or (max_tokens is not None and max_tokens > room):
+            raise bad(f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                      f"{len(ids)} and {max_tokens or 1} more were asked", "max_tokens" if room >= 1 else "messages")
+        n = doc_len() if callable(doc_len) else (doc_len or 0)
+        job = Job(list(ids), sampling, adapter, max_tokens, n, route_key(ids, n))
+        gen = self.replicas.options(stream=True).generate.remote(job)
+        return _Counted(self, RemoteStream(self, gen, len(ids)))
+
+    # ---- named contexts: in the store, loaded by whichever replica a request reaches
+    @property
+    def contexts(self) -> dict[str, StoredContext]:
+        return {n: c for n in self.store.names() if (c := self._stored(n)) is not None}
+
+    def _stored(self, name):
+        rec = self.store.get_name(name)
+        return None if rec is None else StoredContext(name, rec["ids"], rec["adapter"], rec["messages"], self.store.root)
+
+    async def create_context(self, name, ids, adapter, messages):
+        self.check_ready()
+        check_context_name(name)
+        if self.store.get_name(name) is not None:
+            raise APIError(409, f"a context named {name!r} exists; delete it first", param="name")
+        if len(ids) > self.max_model_len:
+            raise bad(f"the context has {len(ids)} tokens; this model's maximum context length is "
+                      f"{self.max_model_len}", "prompt")
+        job = Job(list(ids), None, adapter, None, len(ids), route_key(ids, len(ids)))
+        try:
+            source = await self.replicas.document.remote(job)
+        except Exception as e:
+            cause = getattr(e, "cause", e)
+            raise APIError(500, f"the replica computing context {name!r} failed: {cause}", type="server_error") from e
+        self.store.put_name(name, {"ids": list(ids), "adapter": adapter, "messages": messages, "source": source})
+        return self._stored(name)
+
+    def delete_context(self, name):
+        if not self.store.delete_name(name):
+            raise APIError(404, f"no context named {name!r}", type="not_found_error", param="name")
+
+    def context(self, name):
+        if name is None:
+            return None
+        ctx = self._stored(name)
+        if ctx is None:
+            raise APIError(404, f"no context named {name!r} (created: {self.store.names()})",
+                           type="not_found_error", param="context")
+        return ctx
+
+
+class _Counted:
+    """A RemoteStream that keeps the ingress's in-flight count."""
+
+    def __init__(self, front, stream):
+        self._front, self._stream = front, stream
+        front.in_flight += 1
+        self._done = False
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+    async def __aiter__(self):
+        try:
+            async for t in self._stream:
+                yield t
+        finally:
+            self._release()
+
+    def abort(self):
+        self._stream.abort()
+        self._release()
+
+    def _release(self):
+        if not self._done:
+            self._done = True
+            self._front.in_flight -= 1
+
+
+class Ingress:
+    """The OpenAI API (hetero.server.app) as a Ray Serve ingress over the replicas' handle."""
+
+    def __init__(self, replicas, store: str, api_key: str | None):
+        self.replicas, self.store, self.api_key = replicas, store, api_key
+
+    async def __serve_build_asgi_app__(self):
+        from hetero.server.app import build_app
+
+        info = await self.replicas.front.remote()            # the model's tokenizer, name and limits
+        self.state = ReplicatedState(self.replicas, info["tokenizer"], model_name=info["model_name"],
+                                     vocab_size=info["vocab_size"], max_model_len=info["max_model_len"],
+                                     adapters=info["adapters"], store=self.store, api_key=self.api_key)
+        return build_app(self.state)
+
+
+def build(*, replicas: int = 2, model: str | None = None, dtype: str = "fp32", engine: dict | None = None,
+          store: str, adapters: dict | None = None, api_key: str | None = None, cores_per_replica: int | None = None,
+          max_ongoing_requests: int = 32, max_queued_requests: int = 256, autoscaling_config: dict | None = None):
+    """A Ray Serve application: the ingress over `replicas` HeteroReplica deployments (or Ray
+    Serve's autoscaling_config instead of a fixed count), document-aware routing, the store at
+    `store`. Run it with serve.run(build(...)). cores_per_replica: each replica's num_cpus and the
+    host cores its process (and its engine's workers) is pinned to, by its local rank."""
+    engine = dict(engine or {})
+    scaling = {"autoscaling_config": autoscaling_config} if autoscaling_config else {"num_replicas": replicas}
+    replica = serve.deployment(
+        HeteroReplica, name="HeteroReplica", max_ongoing_requests=max_ongoing_requests,
+        max_queued_requests=max_queued_requests, health_check_period_s=5, health_check_timeout_s=60,
+        graceful_shutdown_timeout_s=30,
+        ray_actor_options={"num_cpus": cores_per_replica or 1},
+        request_router_config=RequestRouterConfig(request_router_class=f"{__name__}:DocumentRouter"), **scaling,
+    ).bind(model, dtype, engine, store, adapters or {}, cores_per_replica)
+    ingress = serve.deployment(serve.ingress()(Ingress), name="HeteroIngress", num_replicas=1,
+                               max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
+    return ingress.bind(replica, store, api_key)

