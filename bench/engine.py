@@ -14,6 +14,10 @@ Systems:
                 (generate(question, context=ctx)): its best setting for a RAG service
   hf_cb         transformers' ContinuousBatchingManager (init_continuous_batching, block
                 sharing on, its default cache sizing), requests added at their arrival times
+  llama         llama.cpp's C++ llama-server (continuous batching, 8 slots, prompt cache) on the
+                same model's GGUF (Q4_1: 4-bit weights), requests as token ids over loopback HTTP
+                (/v1/completions, streamed), sent at their arrival times; --llama-server PATH
+                (bench/build_llama_server.sh builds it); its KV: the f16 cache it allocates
 Per cell: throughput (output tokens / (last finish - first arrival)), TTFT and inter-token
 latency p50/p99, end-to-end p50/p99, TTFT p50 of the requests whose document an earlier request
 already brought in ("cached"), and the KV held (engine: peak pool blocks in use; serial: its
@@ -23,11 +27,13 @@ contexts' and call's arenas; both against every request holding a private copy).
 
 The default is sized for this 2-core VM (~20 minutes): 6 documents of 512-1536 tokens, 24
 requests of 24-48 new tokens, fp32; the issue's full mix (8 documents of 2K-8K tokens, 32
-requests of 64-128 new tokens) is for a bigger machine. llama.cpp's llama-server is not a row yet.
+requests of 64-128 new tokens) is for a bigger machine. llama-server runs at the first --dtypes only
+(its weights are its GGUF's whatever the dtype).
 """
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -39,8 +45,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import RESULTS, machine, write_json  # noqa: E402
 
-SYSTEMS = ("engine", "serial", "hf_cb")
-TARGETS = {"saturated_vs_serial": 3.0, "cached_ttft_vs_best_peer": 0.3, "kv_vs_private": 0.3,
+SYSTEMS = ("engine", "serial", "hf_cb", "llama")
+LLAMA_SLOTS, LLAMA_CTX = 8, 8 * 4096
+TARGETS = {"saturated_vs_serial": 3.0, "saturated_vs_llama": 1.0, "cached_ttft_vs_best_peer": 0.3, "kv_vs_private": 0.3,
            "medium_itl_p99_vs_batch1": 2.0}
 
 
@@ -238,6 +245,54 @@ def run_hf_cb(model, docs, reqs, warm, args):
         manager.stop(block=True, timeout=60)
 
 
+def run_llama(model, docs, reqs, warm, args):
+    """llama-server over loopback HTTP: each request's token ids streamed from /v1/completions."""
+    import asyncio
+
+    import httpx
+
+    from bench.serve import Server
+
+    server = Server("llama", args)
+    try:
+        async def one(c, ids, new, t_send):
+            delay = t_send - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            sent, times = time.monotonic(), []
+            body = {"prompt": ids, "max_tokens": new, "temperature": 0, "stream": True, "ignore_eos": True,
+                    "cache_prompt": True}
+            async with c.stream("POST", server.url + "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    raise RuntimeError(f"llama-server: HTTP {r.status_code}: {(await r.aread())[:300]}")
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        ev = json.loads(line[6:])
+                        if ev.get("choices") and ev["choices"][0].get("text") is not None and \
+                                ev["choices"][0].get("finish_reason") is None:
+                            times.append(time.monotonic())
+            return sent, times
+
+        async def go():
+            limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
+            async with httpx.AsyncClient(timeout=3600, limits=limits) as c:
+                t = time.monotonic()
+                await one(c, warm[:200], 8, 0)
+                warm_s = time.monotonic() - t
+                t0 = time.monotonic() + 0.05
+                res = await asyncio.gather(*(one(c, docs[q["doc"]] + q["question"], q["new"], t0 + q["arrival"])
+                                             for q in reqs))
+                return res, warm_s
+        res, warm_s = asyncio.run(go())
+    finally:
+        server.stop()
+    records = [{"arrival": sent, "times": times} for sent, times in res]
+    c = model.config
+    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    f16_row = 2 * c.num_hidden_layers * c.num_key_value_heads * hd * 2
+    return records, {"warmup_s": warm_s, "kv_alloc_bytes": LLAMA_CTX * f16_row}
+
+
 def child(args):
     import torch
 
@@ -249,7 +304,7 @@ def child(args):
     rate = float(args.rate)
     docs, reqs = workload(tokens, args, rate, args.seed)
     warm = [int(t) for t in tok(" ".join(reversed(english_text().split())))["input_ids"]]  # not a workload window
-    fn = {"engine": run_engine, "serial": run_serial, "hf_cb": run_hf_cb}[args.one]
+    fn = {"engine": run_engine, "serial": run_serial, "hf_cb": run_hf_cb, "llama": run_llama}[args.one]
     records, extra = fn(model, docs, reqs, warm, args)
     private = sum(len(docs[q["doc"]]) + len(q["question"]) + q["new"] for q in reqs) * kv_row_bytes(model)
     cell = {**summarize(records, reqs), **extra, "kv_private_bytes": private}
@@ -272,6 +327,7 @@ def main():
     ap.add_argument("--kv-memory", type=int, default=2 << 30)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=int, default=1800)
+    ap.add_argument("--llama-server", default=shutil.which("llama-server"), help="llama.cpp's llama-server binary")
     ap.add_argument("--out", default="engine.json")
     ap.add_argument("--plot", nargs="+", help="only plot these result files (names in bench/results) into --out's png")
     ap.add_argument("--one", choices=SYSTEMS, help=argparse.SUPPRESS)
@@ -287,10 +343,15 @@ def main():
     cells = []
     common = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
               ("docs", "doc_min", "doc_max", "requests", "new_min", "new_max", "budget", "kv_memory", "seed")]
+    if args.llama_server:
+        common.append(f"--llama-server={args.llama_server}")
+    elif "llama" in args.systems:
+        print("no llama-server (--llama-server PATH, or bench/build_llama_server.sh): no llama.cpp row")
+        args.systems = [s for s in args.systems if s != "llama"]
     for dtype in args.dtypes:
         for rate in args.rates:
             for system in args.systems:
-                if rate != "inf" and system in args.saturated_only:
+                if rate != "inf" and system in args.saturated_only or system == "llama" and dtype != args.dtypes[0]:
                     continue
                 t = time.time()
                 cmd = [sys.executable, os.path.abspath(__file__), "--one", system, "--rate", rate, "--dtype", dtype,
@@ -322,8 +383,9 @@ def plot(payloads, path):
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    names = {"engine": "hetero engine", "serial": "hetero, one call at a time", "hf_cb": "transformers CB"}
-    for system, color in zip(SYSTEMS, ("C0", "C1", "C2")):
+    names = {"engine": "hetero engine", "serial": "hetero, one call at a time", "hf_cb": "transformers CB",
+             "llama": "llama-server (4-bit)"}
+    for system, color in zip(SYSTEMS, ("C0", "C1", "C2", "C3")):
         label = names[system]
         for payload in payloads:
             cells = [c for c in payload["cells"] if c["system"] == system and "error" not in c]
@@ -349,13 +411,17 @@ def summary(cells):
         out[name] = [round(value, 3), met]
 
     for dtype in sorted({c["dtype"] for c in cells}):
-        eng, ser, hf = (by.get((dtype, "inf", s)) for s in SYSTEMS)
+        eng, ser, hf = (by.get((dtype, "inf", s)) for s in SYSTEMS[:3])
+        llama = next((c for (d, r, s), c in by.items() if r == "inf" and s == "llama"), None)
         if eng and ser:
             put(f"{dtype} saturated throughput, engine / serial", eng["throughput_tok_s"] / ser["throughput_tok_s"],
                 TARGETS["saturated_vs_serial"])
         if eng and hf:
             put(f"{dtype} saturated throughput, engine / hf_cb", eng["throughput_tok_s"] / hf["throughput_tok_s"])
-        peers = [c["cached_ttft_p50"] for c in (ser, hf) if c and c.get("cached_ttft_p50")]
+        if eng and llama:
+            put(f"{dtype} saturated throughput, engine / llama-server (4-bit)",
+                eng["throughput_tok_s"] / llama["throughput_tok_s"], TARGETS["saturated_vs_llama"])
+        peers = [c["cached_ttft_p50"] for c in (ser, hf, llama) if c and c.get("cached_ttft_p50")]
         if eng and peers and eng.get("cached_ttft_p50"):
             put(f"{dtype} saturated cached-document TTFT p50, engine / best peer", eng["cached_ttft_p50"] / min(peers),
                 TARGETS["cached_ttft_vs_best_peer"], below=True)

@@ -394,7 +394,9 @@ class Engine:
         done = {r.request_id for r in finished}
         for r in rows:
             if r.request_id not in done:
-                self._streams[r.request_id]._push([sampled[r.request_id]])
+                stream = self._streams[r.request_id]
+                stream.cached_tokens = r.num_cached_tokens
+                stream._push([sampled[r.request_id]])
         for r in finished:
             last = [sampled[r.request_id]] if r.request_id in sampled else []
             self._end(r, last)
@@ -434,6 +436,7 @@ class Engine:
         self._samplers.pop(r.request_id, None)
         stream = self._streams.pop(r.request_id)
         stream.pinned_blocks = r.pinned_blocks          # a pin()'s, until unpin()
+        stream.cached_tokens = r.num_cached_tokens
         if stream.unpinned:                              # unpin() came before the pin was computed
             self._unpin(stream)
         stream._push(last, reason)

@@ -37,6 +37,7 @@ class RequestStream:
         self.prompt_ids: list[int] | None = None          # a pin()'s document and adapter
         self.adapter: str | None = None
         self.unpinned = False
+        self.cached_tokens = 0                      # prompt tokens found in the prefix cache (at its admission)
         self.arrival = time.monotonic()
         self.token_times: list[float] = []          # time.monotonic() of each token's arrival here
         self.finish_time: float | None = None

@@ -221,7 +221,7 @@ async def _respond(request, state, metrics, ids, s, adapter, chat, doc_len=None)
     choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": reason}
               if chat else {"index": 0, "text": text, "logprobs": lp, "finish_reason": reason})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": now(), "model": model,
-            "choices": [choice], "usage": usage(len(ids), len(tokens))}
+            "choices": [choice], "usage": usage(len(ids), len(tokens), stream.cached_tokens)}
 
 
 async def _abort_on_disconnect(request, stream, period=0.1):
@@ -279,7 +279,7 @@ async def _sse(request, state, metrics, stream, ids, s, rid, model, chat):
         metrics.finished(stream, reason)
         if s.include_usage:
             yield _event({"id": rid, "object": kind, "created": created, "model": model, "choices": [],
-                          "usage": usage(len(ids), n)})
+                          "usage": usage(len(ids), n, stream.cached_tokens)})
         yield "data: [DONE]\n\n"
     except EngineError as e:
         yield _event(APIError(500, str(e), type="server_error").body())

@@ -62,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser, positive):
     p.add_argument("--replicas", type=positive, default=None, help="N engines on Ray Serve (the ray extra), each on "
                    "its share of the cores, requests routed by document; --saved-contexts is their shared context "
                    "store (default: a temporary directory)")
+    p.add_argument("--routing", choices=["document", "pow2"], default="document", help="with --replicas: by the "
+                   "prompt's document (default), or Ray Serve's default power-of-two-choices (load only)")
 
 
 def serve(args) -> int:
@@ -133,7 +135,8 @@ def serve_replicas(args) -> int:
         ray_serve.start(http_options={"host": args.host, "port": args.port})
         ray_serve.run(build(replicas=args.replicas, model=model, dtype=args.dtype, engine=engine, store=store,
                             adapters=adapters, api_key=args.api_key, cores_per_replica=per,
-                            max_ongoing_requests=args.max_num_seqs, max_queued_requests=args.max_queue),
+                            max_ongoing_requests=args.max_num_seqs, max_queued_requests=args.max_queue,
+                            routing=args.routing),
                       name="hetero", route_prefix="/")
         print(f"hetero serve: {args.replicas} replicas on {per} core(s) each at http://{args.host}:{args.port} "
               f"(context store {store})", flush=True)

@@ -69,7 +69,12 @@ def route_key(ids: list[int], doc_len: int) -> str | None:
 
 class DocumentRouter(RequestRouter):
     """Rendezvous hashing on a Job's route_key: [[its replica], [the others]]; Ray Serve takes the
-    least loaded replica of the first rank with room (max_ongoing_requests), then of the next."""
+    least loaded replica of the first rank with room (max_ongoing_requests), then of the next.
+    When its replica has `imbalance` more requests in flight than the least loaded one, the others
+    come first: a popular document spreads (the others load it from the context store)."""
+
+    def initialize_state(self, imbalance: int = 4):
+        self.imbalance = imbalance
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -78,7 +83,25 @@ class DocumentRouter(RequestRouter):
             return [candidate_replicas]
         ranked = sorted(candidate_replicas, key=lambda r: hashlib.blake2b(
             f"{job.route_key}/{r.replica_id.unique_id}".encode(), digest_size=8).digest(), reverse=True)
+        lens = await self._queue_lens(ranked)
+        if lens[0] is not None and any(n is not None and lens[0] - n >= getattr(self, "imbalance", 4)
+                                       for n in lens[1:]):
+            return [ranked[1:], ranked[:1]]
         return [ranked[:1], ranked[1:]]
+
+    async def _queue_lens(self, replicas) -> list[int | None]:
+        """Each replica's requests in flight: Ray Serve's cache, else a probe (None: unknown). These
+        are the request router's own helpers (its alpha API): without them, no imbalance rule."""
+        try:
+            cache = self._replica_queue_len_cache if self._use_replica_queue_len_cache else None
+            lens = {r.replica_id: cache.get(r.replica_id) if cache else None for r in replicas}
+            missing = [r for r in replicas if lens[r.replica_id] is None]
+            if missing:
+                for r, n in await self._probe_queue_lens(missing, 0):
+                    lens[r.replica_id] = n
+            return [lens[r.replica_id] for r in replicas]
+        except AttributeError:
+            return [None] * len(replicas)
 
 
 class HeteroReplica:
@@ -182,6 +205,9 @@ class HeteroReplica:
                 stream.abort()
         keep = job.sampling.logprobs is not None
         yield {"finish_reason": stream.finish_reason, "replica": self.name, "pid": os.getpid(), "source": source,
+               # tokens found computed: not the document this request had prefilled just before it
+               "cached_tokens": stream.cached_tokens - (job.doc_len // BLOCK_SIZE * BLOCK_SIZE
+                                                        if source == "prefill" else 0),
                "scores": [s.float() for s in stream.scores] if keep and stream.scores else None}
 
     def __del__(self):
@@ -208,6 +234,7 @@ class RemoteStream:
         self.scores = None
         self.finished = False
         self.num_prompt_tokens = prompt_len
+        self.cached_tokens = 0
 
     async def __aiter__(self):
         try:
@@ -220,6 +247,7 @@ class RemoteStream:
                         yield t
                 else:
                     self.finish_reason, self.scores = msg["finish_reason"], msg["scores"]
+                    self.cached_tokens = msg["cached_tokens"]
                     self.front.record(msg["replica"], msg["pid"], msg["source"])
         except APIError:
             raise
@@ -408,19 +436,28 @@ class Ingress:
 
 def build(*, replicas: int = 2, model: str | None = None, dtype: str = "fp32", engine: dict | None = None,
           store: str, adapters: dict | None = None, api_key: str | None = None, cores_per_replica: int | None = None,
-          max_ongoing_requests: int = 32, max_queued_requests: int = 256, autoscaling_config: dict | None = None):
+          max_ongoing_requests: int = 32, max_queued_requests: int = 256, autoscaling_config: dict | None = None,
+          routing: str = "document", imbalance: int = 4):
     """A Ray Serve application: the ingress over `replicas` HeteroReplica deployments (or Ray
     Serve's autoscaling_config instead of a fixed count), document-aware routing, the store at
     `store`. Run it with serve.run(build(...)). cores_per_replica: each replica's num_cpus and the
-    host cores its process (and its engine's workers) is pinned to, by its local rank."""
+    host cores its process (and its engine's workers) is pinned to, by its local rank. routing:
+    "document" (DocumentRouter; imbalance: the requests in flight by which a document's replica may
+    lead the least loaded one before the others come first) or "pow2" (Ray Serve's default: the
+    less loaded of two replicas)."""
+    if routing not in ("document", "pow2"):
+        raise ValueError(f"routing must be 'document' or 'pow2', got {routing!r}")
     engine = dict(engine or {})
+    router = {"request_router_config": RequestRouterConfig(request_router_class=f"{__name__}:DocumentRouter",
+                                                           request_router_kwargs={"imbalance": imbalance})} \
+        if routing == "document" else {}
     scaling = {"autoscaling_config": autoscaling_config} if autoscaling_config else {"num_replicas": replicas}
     replica = serve.deployment(
         HeteroReplica, name="HeteroReplica", max_ongoing_requests=max_ongoing_requests,
         max_queued_requests=max_queued_requests, health_check_period_s=5, health_check_timeout_s=60,
         graceful_shutdown_timeout_s=30,
         ray_actor_options={"num_cpus": cores_per_replica or 1},
-        request_router_config=RequestRouterConfig(request_router_class=f"{__name__}:DocumentRouter"), **scaling,
+        **router, **scaling,
     ).bind(model, dtype, engine, store, adapters or {}, cores_per_replica)
     ingress = serve.deployment(serve.ingress()(Ingress), name="HeteroIngress", num_replicas=1,
                                max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
