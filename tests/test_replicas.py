@@ -90,6 +90,15 @@ def test_two_replicas_route_by_document_share_the_store_and_survive_a_kill(tmp_p
         assert s.get("prefill") == len(where) and s.get("hit") == 2 * len(where), s   # each document prefilled once
         assert len(os.listdir(tmp_path / "kv")) >= 1                                   # and saved to the store
 
+        # bad requests get OpenAI's errors from the ingress, as from hetero serve
+        with pytest.raises(openai.BadRequestError, match="maximum context length"):
+            c.chat.completions.create(model=NAME, messages=q, max_tokens=10**6)
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            c.chat.completions.create(model="nope", messages=q, max_tokens=4)
+        r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"},
+                       headers={"Authorization": "Bearer test-key"})
+        assert r.status_code == 400 and "fixed at start" in r.json()["error"]["message"]
+
         # a stream over the last document; its replica is killed mid-stream
         victim_doc = max(where)
         victim_pid = int(where[victim_doc][0])

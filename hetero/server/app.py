@@ -284,6 +284,9 @@ async def _sse(request, state, metrics, stream, ids, s, rid, model, chat):
     except EngineError as e:
         yield _event(APIError(500, str(e), type="server_error").body())
         yield "data: [DONE]\n\n"
+    except APIError as e:                        # a replica refused it (hetero serve --replicas): its error
+        yield _event(e.body())
+        yield "data: [DONE]\n\n"
     finally:
         if not finished and not stream.finished:
             stream.abort()                       # the client went away (or the server stops)

@@ -38,7 +38,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from hetero.engine.kv_pool import BLOCK_SIZE, block_hash
-from hetero.errors import ContextFileError, EngineError
+from hetero.errors import CapacityError, ContextFileError, EngineError
 from hetero.server.protocol import APIError, bad
 from hetero.server.state import check_context_name
 from hetero.server.store import ContextStore
@@ -83,25 +83,27 @@ class DocumentRouter(RequestRouter):
             return [candidate_replicas]
         ranked = sorted(candidate_replicas, key=lambda r: hashlib.blake2b(
             f"{job.route_key}/{r.replica_id.unique_id}".encode(), digest_size=8).digest(), reverse=True)
-        lens = await self._queue_lens(ranked)
-        if lens[0] is not None and any(n is not None and lens[0] - n >= getattr(self, "imbalance", 4)
-                                       for n in lens[1:]):
+        if await self._imbalanced(ranked):
             return [ranked[1:], ranked[:1]]
         return [ranked[:1], ranked[1:]]
 
-    async def _queue_lens(self, replicas) -> list[int | None]:
-        """Each replica's requests in flight: Ray Serve's cache, else a probe (None: unknown). These
-        are the request router's own helpers (its alpha API): without them, no imbalance rule."""
+    async def _imbalanced(self, ranked) -> bool:
+        """Whether the document's replica (ranked[0]) leads the least loaded other by `imbalance`
+        requests in flight. Ray Serve's queue-length cache (no RPC) only raises the question: it
+        counts requests sent and goes stale as they finish, so a fresh probe answers it. These
+        are the request router's own helpers (an alpha API): without them, no imbalance rule."""
+        limit = getattr(self, "imbalance", 4)
         try:
-            cache = self._replica_queue_len_cache if self._use_replica_queue_len_cache else None
-            lens = {r.replica_id: cache.get(r.replica_id) if cache else None for r in replicas}
-            missing = [r for r in replicas if lens[r.replica_id] is None]
-            if missing:
-                for r, n in await self._probe_queue_lens(missing, 0):
-                    lens[r.replica_id] = n
-            return [lens[r.replica_id] for r in replicas]
+            if self._use_replica_queue_len_cache:
+                cached = [self._replica_queue_len_cache.get(r.replica_id) for r in ranked]
+                if cached[0] is not None and all(n is not None and cached[0] - n < limit for n in cached[1:]):
+                    return False
+            lens = dict((r.replica_id, n) for r, n in await self._probe_queue_lens(ranked, 0))
         except AttributeError:
-            return [None] * len(replicas)
+            return False
+        first = lens.get(ranked[0].replica_id)
+        return first is not None and any(lens.get(r.replica_id) is not None and first - lens[r.replica_id] >= limit
+                                         for r in ranked[1:])
 
 
 class HeteroReplica:
@@ -195,7 +197,10 @@ class HeteroReplica:
     async def generate(self, job: Job):
         """Stream the job's tokens ([ids] per step), then {"finish_reason", "replica", "source", "scores"}.
         Cancelled (the client went away): its request is aborted, its blocks free at the next step."""
-        source = await self.document(job)
+        try:
+            source = await self.document(job)
+        except CapacityError:                   # the document alone does not fit the pool: the request says so
+            source = None
         stream = self.state.submit(job.ids, job.sampling, job.adapter, job.max_tokens)
         try:
             async for t in stream:
