@@ -254,6 +254,9 @@ class RemoteStream:
                     self.finish_reason, self.scores = msg["finish_reason"], msg["scores"]
                     self.cached_tokens = msg["cached_tokens"]
                     self.front.record(msg["replica"], msg["pid"], msg["source"])
+            if self.finish_reason is None:       # the stream ended without the replica's last word: it died
+                raise EngineError("the replica serving this request ended its stream unfinished (it died or was "
+                                  "stopped)")
         except APIError:
             raise
         except Exception as e:
