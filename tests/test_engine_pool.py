@@ -96,6 +96,10 @@ def test_different_adapters_never_share():
     assert x.num_cached_tokens == y.num_cached_tokens == 0
     assert admit(kv, "x2", doc, adapter="x").block_table[:2] == x.block_table[:2]
     assert admit(kv, "base2", doc).num_cached_tokens == 2 * BS
+    # what a request starting with these tokens would find, without admitting one
+    assert kv.num_cached_blocks(doc) == kv.num_cached_blocks(doc, "x") == 2
+    assert kv.num_cached_blocks(doc, "z") == 0 and kv.num_cached_blocks(doc[:BS - 1]) == 0
+    assert kv.num_cached_blocks([7] + doc[1:]) == 0 and kv.num_cached_blocks(doc + list(range(200))) == 2
 
 
 def test_freed_blocks_stay_cached_and_are_evicted_lru_tail_first():

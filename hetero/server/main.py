@@ -73,19 +73,15 @@ def serve(args) -> int:
         import uvicorn
     except ImportError as e:
         raise MissingDependencyError(f"hetero serve needs the serve extra ({e}): pip install 'hetero[serve]'") from e
-    import torch
 
     from hetero.engine.config import EngineConfig
     from hetero.server.app import build_app
     from hetero.server.state import ServerState
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    model, tok, name = load(args.model, dtype)
-    cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                       long_prefill_chunk=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                       kv_memory=args.context_memory, cpu_workers=args.cpu_workers)
-    state = ServerState(model, tok, model_name=args.served_model_name or name, engine_config=cfg,
+    model, tok, name = load(args.model, args.dtype)
+    state = ServerState(model, tok, model_name=args.served_model_name or name,
+                        engine_config=EngineConfig(**engine_options(args)),
                         adapters=dict(args.adapters), api_key=args.api_key, max_queue=args.max_queue,
                         saved_contexts=args.saved_contexts)
     try:
@@ -121,9 +117,7 @@ def serve_replicas(args) -> int:
     cores = len(os.sched_getaffinity(0))
     per = max(1, cores // args.replicas)
     store = os.path.abspath(args.saved_contexts) if args.saved_contexts else tempfile.mkdtemp(prefix="hetero-store-")
-    engine = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  long_prefill_chunk=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                  kv_memory=args.context_memory, cpu_workers=args.cpu_workers)
+    engine = engine_options(args)
     adapters = {name: os.path.abspath(path) for name, path in args.adapters}
     model = os.path.abspath(args.model) if args.model and os.path.isdir(args.model) else args.model
     ray.init(num_cpus=max(cores, per * args.replicas), include_dashboard=False, log_to_driver=args.log_level ==
@@ -136,7 +130,7 @@ def serve_replicas(args) -> int:
         ray_serve.run(build(replicas=args.replicas, model=model, dtype=args.dtype, engine=engine, store=store,
                             adapters=adapters, api_key=args.api_key, cores_per_replica=per,
                             max_ongoing_requests=args.max_num_seqs, max_queued_requests=args.max_queue,
-                            routing=args.routing),
+                            routing=args.routing, served_model_name=args.served_model_name),
                       name="hetero", route_prefix="/")
         print(f"hetero serve: {args.replicas} replicas on {per} core(s) each at http://{args.host}:{args.port} "
               f"(context store {store})", flush=True)
@@ -162,8 +156,18 @@ class _Server:
         return Server(config)
 
 
-def load(path: str | None, dtype):
-    """(model, tokenizer, served name): the embedded SmolLM2 by default."""
+def engine_options(args) -> dict:
+    """EngineConfig's fields from the command's arguments (one engine, or each replica's)."""
+    return dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                long_prefill_chunk=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                kv_memory=args.context_memory, cpu_workers=args.cpu_workers)
+
+
+def load(path: str | None, dtype: str):
+    """(model, tokenizer, served name) in dtype "fp32", "bf16" or "fp16": the embedded SmolLM2 by default."""
+    import torch
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     if path is None:
         from hetero.models import load_smollm2
 

@@ -37,10 +37,10 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from hetero.engine.kv_pool import BLOCK_SIZE, block_hash
+from hetero.engine.kv_pool import BLOCK_SIZE
 from hetero.errors import CapacityError, ContextFileError, EngineError
 from hetero.server.protocol import APIError, bad
-from hetero.server.state import check_context_name
+from hetero.server.state import Front, check_context_name, check_length
 from hetero.server.store import ContextStore
 
 log = logging.getLogger("hetero")
@@ -110,7 +110,7 @@ class HeteroReplica:
     """One engine on its share of the cores (Ray Serve deployment class)."""
 
     def __init__(self, model: str | None, dtype: str, engine: dict, store: str, adapters: dict | None = None,
-                 cores_per_replica: int | None = None):
+                 cores_per_replica: int | None = None, served_model_name: str | None = None):
         import torch
 
         from hetero.engine.config import EngineConfig
@@ -125,9 +125,8 @@ class HeteroReplica:
             share = [usable[(rank * cores_per_replica + i) % len(usable)] for i in range(cores_per_replica)]
             os.sched_setaffinity(0, share)
             torch.set_num_threads(len(share))
-        dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-        m, tok, served = load(model, dt)
-        self.state = ServerState(m, tok, model_name=served, engine_config=EngineConfig(**engine),
+        m, tok, served = load(model, dtype)
+        self.state = ServerState(m, tok, model_name=served_model_name or served, engine_config=EngineConfig(**engine),
                                  adapters=adapters, max_queue=1 << 30)
         self.state.status = "ready"
         self.store = ContextStore(store)
@@ -144,12 +143,6 @@ class HeteroReplica:
         return {"tokenizer": s.tokenizer, "model_name": s.model_name, "vocab_size": s.vocab_size,
                 "max_model_len": s.engine.max_model_len, "adapters": dict(s.adapter_models())}
 
-    def info(self) -> dict:
-        e = self.state.engine
-        return {"replica": self.name, "pid": os.getpid(), "cores": sorted(os.sched_getaffinity(0)),
-                "max_model_len": e.max_model_len, "prefix_hits": e.kv_manager.prefix_hits,
-                "prefix_queries": e.kv_manager.prefix_queries}
-
     async def document(self, job: Job) -> str | None:
         """Make sure the job's document is in this replica's pool: "hit", "load", "prefill" or None."""
         n = job.doc_len // BLOCK_SIZE
@@ -157,7 +150,7 @@ class HeteroReplica:
             return None
         engine = self.state.live_engine()
         doc = job.ids[:job.doc_len]
-        if self._cached(engine, doc, n, job.adapter):
+        if engine.kv_manager.num_cached_blocks(doc, job.adapter) == n:
             return "hit"
         fp = self._fingerprints.get(job.adapter)
         if fp is None:
@@ -167,7 +160,7 @@ class HeteroReplica:
                 fingerprint, engine.model, engine.spec, engine.adapter_digest(job.adapter))
         key = self.store.key(fp, doc)
         async with self._locks[key]:
-            if self._cached(engine, doc, n, job.adapter):
+            if engine.kv_manager.num_cached_blocks(doc, job.adapter) == n:
                 return "hit"
             if self.store.has(key):
                 try:
@@ -184,15 +177,6 @@ class HeteroReplica:
             finally:
                 engine.unpin(pin)
             return "prefill"
-
-    @staticmethod
-    def _cached(engine, doc, n, adapter) -> bool:
-        cached, h = engine.kv_manager.pool.cached, None
-        for i in range(n):
-            h = block_hash(h, doc[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE], adapter)
-            if h not in cached:
-                return False
-        return True
 
     async def generate(self, job: Job):
         """Stream the job's tokens ([ids] per step), then {"finish_reason", "replica", "source", "scores"}.
@@ -230,7 +214,7 @@ class HeteroReplica:
 class RemoteStream:
     """A replica's streamed answer, read as the app reads an engine's RequestStream."""
 
-    def __init__(self, front, gen, prompt_len):
+    def __init__(self, front, gen):
         self.front, self.gen = front, gen
         self.arrival = time.monotonic()
         self.token_ids: list[int] = []
@@ -238,8 +222,8 @@ class RemoteStream:
         self.finish_reason = None
         self.scores = None
         self.finished = False
-        self.num_prompt_tokens = prompt_len
         self.cached_tokens = 0
+        front.in_flight += 1                     # until finished (iteration's end, or abort)
 
     async def __aiter__(self):
         try:
@@ -267,12 +251,18 @@ class RemoteStream:
                 raise EngineError(str(cause)) from None
             raise EngineError(f"the replica serving this request failed: {type(e).__name__}: {e}") from None
         finally:
-            self.finished = True
+            self._finish()
 
     def abort(self):
         if not self.finished:
             self.gen.cancel()
-            self.finish_reason, self.finished = "abort", True
+            self.finish_reason = "abort"
+            self._finish()
+
+    def _finish(self):
+        if not self.finished:
+            self.finished = True
+            self.front.in_flight -= 1
 
 
 @dataclass
@@ -284,7 +274,7 @@ class StoredContext:
     path: str | None
 
 
-class ReplicatedState:
+class ReplicatedState(Front):
     """ServerState's face for the app (hetero.server.app) in the ingress: requests go to replicas."""
 
     def __init__(self, replicas, tokenizer, *, model_name: str, vocab_size: int, max_model_len: int,
@@ -317,29 +307,15 @@ class ReplicatedState:
     def check_health(self):
         pass                                   # Ray Serve checks the replicas (HeteroReplica.check_health)
 
-    def check_ready(self):
-        if self.status != "ready":
-            raise APIError(503, f"the server is {self.status}", type="service_unavailable")
-
     def close(self):
         self.status = "stopped"
 
     # ---- models
-    def model_ids(self) -> list[str]:
-        return [self.model_name] + list(self.adapter_dirs)
+    def adapter_names(self) -> list[str]:
+        return list(self.adapter_dirs)
 
     def adapter_models(self):
         return list(self.adapter_dirs.items())
-
-    def adapter_for(self, model):
-        if model is None or model == self.model_name:
-            return None
-        if not isinstance(model, str):
-            raise bad(f"model must be a string, got {model!r}", "model")
-        if model in self.adapter_dirs:
-            return model
-        raise APIError(404, f"the model {model!r} does not exist (served: {self.model_ids()})",
-                       type="not_found_error", param="model", code="model_not_found")
 
     def load_adapter(self, name, path):
         raise bad("with replicas, adapters are fixed at start (--adapters): restart with the new set")
@@ -349,14 +325,11 @@ class ReplicatedState:
     # ---- requests
     def submit(self, ids, sampling, adapter, max_tokens, doc_len=None):
         self.check_ready()
-        room = self.max_model_len - len(ids)
-        if room < 1 or (max_tokens is not None and max_tokens > room):
-            raise bad(f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                      f"{len(ids)} and {max_tokens or 1} more were asked", "max_tokens" if room >= 1 else "messages")
+        check_length(ids, max_tokens, self.max_model_len)
         n = doc_len() if callable(doc_len) else (doc_len or 0)
         job = Job(list(ids), sampling, adapter, max_tokens, n, route_key(ids, n))
         gen = self.replicas.options(stream=True).generate.remote(job)
-        return _Counted(self, RemoteStream(self, gen, len(ids)))
+        return RemoteStream(self, gen)
 
     # ---- named contexts: in the store, loaded by whichever replica a request reaches
     @property
@@ -398,34 +371,6 @@ class ReplicatedState:
         return ctx
 
 
-class _Counted:
-    """A RemoteStream that keeps the ingress's in-flight count."""
-
-    def __init__(self, front, stream):
-        self._front, self._stream = front, stream
-        front.in_flight += 1
-        self._done = False
-
-    def __getattr__(self, name):
-        return getattr(self._stream, name)
-
-    async def __aiter__(self):
-        try:
-            async for t in self._stream:
-                yield t
-        finally:
-            self._release()
-
-    def abort(self):
-        self._stream.abort()
-        self._release()
-
-    def _release(self):
-        if not self._done:
-            self._done = True
-            self._front.in_flight -= 1
-
-
 class Ingress:
     """The OpenAI API (hetero.server.app) as a Ray Serve ingress over the replicas' handle."""
 
@@ -445,7 +390,7 @@ class Ingress:
 def build(*, replicas: int = 2, model: str | None = None, dtype: str = "fp32", engine: dict | None = None,
           store: str, adapters: dict | None = None, api_key: str | None = None, cores_per_replica: int | None = None,
           max_ongoing_requests: int = 32, max_queued_requests: int = 256, autoscaling_config: dict | None = None,
-          routing: str = "document", imbalance: int = 4):
+          routing: str = "document", imbalance: int = 4, served_model_name: str | None = None):
     """A Ray Serve application: the ingress over `replicas` HeteroReplica deployments (or Ray
     Serve's autoscaling_config instead of a fixed count), document-aware routing, the store at
     `store`. Run it with serve.run(build(...)). cores_per_replica: each replica's num_cpus and the
@@ -466,7 +411,7 @@ def build(*, replicas: int = 2, model: str | None = None, dtype: str = "fp32", e
         graceful_shutdown_timeout_s=30,
         ray_actor_options={"num_cpus": cores_per_replica or 1},
         **router, **scaling,
-    ).bind(model, dtype, engine, store, adapters or {}, cores_per_replica)
+    ).bind(model, dtype, engine, store, adapters or {}, cores_per_replica, served_model_name)
     ingress = serve.deployment(serve.ingress()(Ingress), name="HeteroIngress", num_replicas=1,
                                max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
     return ingress.bind(replica, store, api_key)

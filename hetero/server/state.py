@@ -36,13 +36,50 @@ class NamedContext:
     path: str | None = None          # its saved file (--saved-contexts)
 
 
+def check_length(ids: list[int], max_tokens: int | None, max_model_len: int) -> int:
+    """The room left after the prompt (400 when the prompt and max_tokens do not fit the model)."""
+    room = max_model_len - len(ids)
+    if room < 1 or (max_tokens is not None and max_tokens > room):
+        raise bad(f"this model's maximum context length is {max_model_len} tokens; the prompt has "
+                  f"{len(ids)} and {max_tokens or 1} more were asked", "max_tokens" if room >= 1 else "messages")
+    return room
+
+
+class Front:
+    """What the app asks of any state (one engine here, replicas in hetero.server.replicas):
+    status, the model's name and its adapters' names (adapter_names())."""
+    status: str
+    model_name: str
+
+    def adapter_names(self) -> list[str]:
+        raise NotImplementedError
+
+    def check_ready(self):
+        if self.status != "ready":
+            raise APIError(503, f"the server is {self.status}", type="service_unavailable")
+
+    def model_ids(self) -> list[str]:
+        return [self.model_name] + list(self.adapter_names())
+
+    def adapter_for(self, model: str | None) -> str | None:
+        """A request's `model`: the base model (None / its name) or a loaded adapter's name."""
+        if model is None or model == self.model_name:
+            return None
+        if not isinstance(model, str):
+            raise bad(f"model must be a string, got {model!r}", "model")
+        if model in self.adapter_names():
+            return model
+        raise APIError(404, f"the model {model!r} does not exist (served: {self.model_ids()})",
+                       type="not_found_error", param="model", code="model_not_found")
+
+
 def check_context_name(name):
     if not isinstance(name, str) or not name or len(name) > 128 or "/" in name or name.startswith("."):
         raise bad(f"a context's name must be 1-128 characters without '/' and not starting with '.', got {name!r}",
                   "name")
 
 
-class ServerState:
+class ServerState(Front):
     def __init__(self, model, tokenizer, *, model_name: str, engine_config: EngineConfig,
                  adapters: dict | None = None, api_key: str | None = None, max_queue: int = 256,
                  saved_contexts: str | None = None):
@@ -112,28 +149,13 @@ class ServerState:
             "hetero_engine_restarts": ("engines replaced after a failure (a dead worker)", self.restarts),
         }
 
-    def check_ready(self):
-        if self.status != "ready":
-            raise APIError(503, f"the server is {self.status}", type="service_unavailable")
-
     def queue_depth(self) -> int:
         s = self.engine.scheduler
         return len(self.engine._inbox) + len(s.waiting)
 
     # ---- models and adapters
-    def model_ids(self) -> list[str]:
-        return [self.model_name] + self.engine.adapters
-
-    def adapter_for(self, model: str | None) -> str | None:
-        """A request's `model`: the base model (None / its name) or a loaded adapter's name."""
-        if model is None or model == self.model_name:
-            return None
-        if not isinstance(model, str):
-            raise bad(f"model must be a string, got {model!r}", "model")
-        if model in self.engine.adapters:
-            return model
-        raise APIError(404, f"the model {model!r} does not exist (served: {self.model_ids()})",
-                       type="not_found_error", param="model", code="model_not_found")
+    def adapter_names(self) -> list[str]:
+        return self.engine.adapters
 
     def load_adapter(self, name: str, path: str):
         if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
@@ -164,10 +186,7 @@ class ServerState:
         if self.queue_depth() >= self.max_queue:
             raise APIError(429, f"the server's queue is full ({self.max_queue} requests waiting); retry later",
                            type="rate_limit_error")
-        room = engine.max_model_len - len(ids)
-        if room < 1 or (max_tokens is not None and max_tokens > room):
-            raise bad(f"this model's maximum context length is {engine.max_model_len} tokens; the prompt has "
-                      f"{len(ids)} and {max_tokens or 1} more were asked", "max_tokens" if room >= 1 else "messages")
+        room = check_length(ids, max_tokens, engine.max_model_len)
         kw = dict(sampling.kwargs)
         if sampling.stop:
             kw.update(stop_strings=sampling.stop, tokenizer=self.tokenizer)
