@@ -6,7 +6,7 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl posix_ipc==1.3.2
 # Then with the device tool: run(command="bash bench/device.sh", carry=[".whl"]).
-# STEPS picks the parts (default all): STEPS="gpu gpu_decode gpu_prefill probe kernel attention ipc contexts" bash bench/device.sh.
+# STEPS picks the parts (default all): STEPS="gpu gpu_decode gpu_prefill gpu_engine probe kernel attention ipc contexts" bash bench/device.sh.
 # A device call is limited to 10 minutes: run one step per call (STEPS=gpu, then STEPS=gpu_decode, ...);
 # gpu_decode writes its JSON after every row, so a run cut by the limit still returns what it measured
 # (GPU_DECODE_ARGS="--contexts 8192 65536" narrows it; "--systems hetero hetero_all" A/Bs the planner against
@@ -45,7 +45,7 @@ for step in ${STEPS:-gpu gpu_decode gpu_prefill probe kernel attention ipc conte
     echo "== $step"
     case $step in
         gpu)
-            python3 -m pytest -q -rs tests/test_gpu.py 2>&1 | tee "$OUT/test_gpu.log" || rc=1 ;;
+            timeout ${GPU_TEST_TIMEOUT:-900} python3 -m pytest -q -rs --durations=8 tests/test_gpu.py 2>&1 | tee "$OUT/test_gpu.log" || rc=1 ;;
         gpu_decode)  # Llama-3-8B shape, 8K-128K: hetero (CUDA transport, host copies) vs HF GPU / offloaded / static
             python3 bench/gpu_decode.py --copy-to "$OUT" ${GPU_DECODE_ARGS:-} 2>&1 | tee "$OUT/gpu_decode.log" || rc=1 ;;
         attention)   # 16 workers x 5 split counts per row: the long contexts only
@@ -60,6 +60,8 @@ for step in ${STEPS:-gpu gpu_decode gpu_prefill probe kernel attention ipc conte
             python3 bench/ipc.py --iters 5000 --out "$OUT/ipc_gpu_host.json" 2>&1 | tee "$OUT/ipc.log" || rc=1 ;;
         gpu_prefill)  # Llama-3-8B shape: hetero one-pass / chunked+prefetch vs HF GPU / offloaded; 512 over 64K
             python3 bench/gpu_prefill.py --copy-to "$OUT" ${GPU_PREFILL_ARGS:-} 2>&1 | tee "$OUT/gpu_prefill.log" || rc=1 ;;
+        gpu_engine)   # the engine (KV and decode attention on the host) vs transformers' continuous batching on the GPU
+            python3 bench/gpu_engine.py --copy-to "$OUT" ${GPU_ENGINE_ARGS:-} 2>&1 | tee "$OUT/gpu_engine.log" || rc=1 ;;
         probe)        # the host: cudaHostRegister cost and adjacent slices; the strided host copy's GB/s (#14)
             python3 bench/host_probe.py --copy-to "$OUT" 2>&1 | tee "$OUT/host_probe.log" || rc=1 ;;
         contexts)     # CPU only, on the host's 16 cores: 8 questions sharing a 16K context vs private copies
@@ -69,7 +71,7 @@ for step in ${STEPS:-gpu gpu_decode gpu_prefill probe kernel attention ipc conte
                 rc=1
             fi ;;
         *)
-            echo "unknown step $step (gpu, gpu_decode, gpu_prefill, probe, kernel, attention, ipc, contexts)"; rc=1 ;;
+            echo "unknown step $step (gpu, gpu_decode, gpu_prefill, gpu_engine, probe, kernel, attention, ipc, contexts)"; rc=1 ;;
     esac
 done
 exit $rc

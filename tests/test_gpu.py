@@ -309,3 +309,64 @@ def test_cuda_auto_chunk_on_little_free_memory_matches_hf(monkeypatch):
             assert chunk == policy.prefill_chunk(model.config, gen.spec, 1, S, free, False) and 256 <= chunk < S
             out = gen.generate(ids, max_new_tokens=4, **KW)
         assert torch.equal(out.sequences, ref.sequences), mode
+
+
+@pytest.mark.parametrize("model_type,dtype", [("llama", torch.float32), ("qwen2", torch.float32)])
+def test_cuda_engine_matches_hf(model_type, dtype):
+    engine_matches_hf(model_type, dtype, "cuda")
+
+
+def engine_matches_hf(model_type, dtype, device):
+    """The engine on a CUDA model: requests joining while others decode, a shared document found
+    in the pool, and preemption under a small pool each give HF generate's tokens on the GPU for
+    that request alone; every block comes back."""
+    from hetero import Engine, EngineConfig
+    from tests.test_engine import prompts
+
+    model = build_model(model_type, dtype=dtype)[0].to(device)
+    doc = prompts([70], seed=3)[0]
+    mixed = prompts([1, 33, 64, 12], seed=1) + [doc + q for q in prompts([7, 3, 12], seed=4)]
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    for ps, new, cfg in ((mixed, 8, dict(kv_blocks=64, long_prefill_chunk=16, max_num_batched_tokens=48)),
+                         (prompts([60, 50, 70, 40], seed=5), 24,             # 9 blocks: preemption
+                          dict(kv_blocks=9, long_prefill_chunk=None, max_num_batched_tokens=64))):
+        with Engine(model, EngineConfig(background=False, cpu_workers=2, max_model_len=256, **cfg)) as eng:
+            streams = [eng.add_request(p, new, output_scores=True) for p in ps[:3]]
+            for _ in range(3):
+                eng.step()
+            streams += [eng.add_request(p, new, output_scores=True) for p in ps[3:]]
+            while not all(s.finished for s in streams):
+                eng.step()
+            assert eng.kv_manager.num_used_blocks == 0
+            if cfg["kv_blocks"] == 9:
+                assert eng.scheduler.num_preemptions > 0
+            else:
+                assert eng.kv_manager.prefix_hits > 0
+        for s, p in zip(streams, ps):
+            ref = model.generate(torch.tensor([p], device=device), max_new_tokens=new, pad_token_id=0,
+                                 do_sample=False, output_scores=True, return_dict_in_generate=True)
+            assert s.token_ids == ref.sequences[0, len(p):].tolist(), (model_type, cfg, s.request_id)
+            torch.testing.assert_close(torch.stack(s.scores).float().cpu(), torch.cat(ref.scores).float().cpu(),
+                                       atol=tol, rtol=tol)
+
+
+def test_cuda_overlapping_generate_calls_join_the_engine_and_match_hf():
+    """generate() from several threads on a CUDA model's generator: the calls join the engine's
+    batch and return HF generate's sequences, on the GPU."""
+    import threading
+
+    model = build_model("llama")[0].cuda()
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randint(3, 100, (1, n), generator=g).cuda() for n in (30, 5, 44, 17)]
+    out = {}
+    with HeteroGenerator(model, cpu_workers=2) as gen:
+        ths = [threading.Thread(target=lambda i=i, x=x: out.setdefault(i, gen.generate(
+            x, max_new_tokens=6 + i, pad_token_id=0))) for i, x in enumerate(xs)]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join(120)
+    for i, x in enumerate(xs):
+        assert out[i].device == x.device
+        ref = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=6 + i, pad_token_id=0)
+        assert torch.equal(out[i], ref), i
