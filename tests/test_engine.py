@@ -104,8 +104,12 @@ def test_shared_prefix_is_cached_and_read_once(llama, engine):
     assert_idle(engine)
 
 
-def test_preempted_requests_resume_exactly(llama):
-    with make(llama, kv_blocks=9, max_num_batched_tokens=64, long_prefill_chunk=None) as eng:
+@pytest.mark.parametrize("stage", [0, 1 << 30])
+def test_preempted_requests_resume_exactly(llama, stage):
+    """Also with prefill chunks staged on the device (stage: its budget): a preempted request's
+    staged rows are dropped and it resumes exactly."""
+    with make(llama, kv_blocks=9, max_num_batched_tokens=64, long_prefill_chunk=None if not stage else 16,
+              prefill_stage_memory=stage) as eng:
         ps = prompts([60, 50, 70, 40], seed=5)
         streams = [eng.add_request(p, 24, output_scores=True) for p in ps]
         run(eng, streams)
@@ -113,6 +117,71 @@ def test_preempted_requests_resume_exactly(llama):
         for s, p in zip(streams, ps):
             assert_exact(llama, s, p, 24)
         assert_idle(eng)
+        assert not eng.runner.stage.entries and eng.runner.stage.used == 0
+
+
+def counting_reads(eng):
+    """The rows each read_rows call of the engine's pool reads back (a list that grows)."""
+    reads, read = [], eng.kv.read_rows
+    eng.kv.read_rows = lambda layer, table, n: (reads.append(n), read(layer, table, n))[1]
+    return reads
+
+
+def test_prefill_stage_keeps_chunked_prompts_rows_between_chunks(llama):
+    """With a stage budget (a GPU's default), a prompt's later chunks attend over rows kept from
+    its earlier chunks instead of reading them back from the pool; a prefix found in the pool is
+    read once; exact either way, and with a budget too small to stage (preemption: the test below)."""
+    layers = llama.config.num_hidden_layers
+    ps = prompts([77, 100, 45], seed=8)
+    with make(llama, prefill_stage_memory=1 << 30) as eng:
+        reads = counting_reads(eng)
+        streams = [eng.add_request(p, NEW, output_scores=True) for p in ps]
+        run(eng, streams)
+        assert reads == []                               # 15 later chunks, none read back
+        for s, p in zip(streams, ps):
+            assert_exact(llama, s, p)
+        cont = ps[1] + prompts([50], seed=9)[0]          # 96 rows found in the pool, then 54 in 4 chunks
+        s = eng.add_request(cont, NEW, output_scores=True)
+        run(eng, [s])
+        assert reads == [96] * layers                    # read once, at the first chunk
+        assert_exact(llama, s, cont)
+        assert not eng.runner.stage.entries and eng.runner.stage.used == 0
+        assert_idle(eng)
+    with make(llama, prefill_stage_memory=1) as eng:     # nothing fits: every later chunk reads back
+        reads = counting_reads(eng)
+        s = eng.add_request(ps[0], NEW, output_scores=True)
+        run(eng, [s])
+        assert len(reads) == layers * (-(-77 // 16) - 1)
+        assert_exact(llama, s, ps[0])
+
+
+def test_prefill_stage_budget_and_drops():
+    """PrefillStage's bookkeeping: an entry only while more chunks follow and within the budget,
+    reused only for the chunk right after its rows, dropped (its bytes back) when the request stops
+    running or is preempted."""
+    from types import SimpleNamespace
+
+    from hetero.engine.request import Request, RequestStatus
+    from hetero.engine.runner import PrefillStage
+
+    st = PrefillStage(SimpleNamespace(layers=2, kv_heads=2, head_dim=4, dtype=torch.float32), 100 * 128)
+    a, b, c = (Request(x, list(range(3, 3 + n)), 4, status=RequestStatus.RUNNING) for x, n in
+               (("a", 60), ("b", 50), ("c", 10)))
+    assert st.row_bytes == 2 * 2 * 2 * 4 * 4         # K and V, 2 layers, 2 heads of 4 fp32
+    e, held = st.chunk(a, 0, 16)
+    assert e is not None and not held and st.used == 60 * 128
+    assert st.chunk(b, 0, 16) == (None, False)          # 50 more rows are over the budget of 100
+    assert st.chunk(c, 0, 10) == (None, False)          # one chunk: nothing to keep
+    e.rows = 16
+    assert st.chunk(a, 16, 16) == (e, True)
+    assert st.chunk(a, 20, 8)[1] is False and st.used == 60 * 128  # not the next rows: a fresh entry
+    a.num_preemptions += 1
+    st.prune()
+    assert not st.entries and st.used == 0
+    st.chunk(b, 0, 16)
+    b.status = RequestStatus.FINISHED_ABORTED
+    st.prune()
+    assert not st.entries and st.used == 0
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -268,6 +337,9 @@ def test_bad_input_raises_clear_errors(llama, engine):
             small.add_request(ok, 200)
     with pytest.raises(ValueError, match="EngineConfig.max_num_seqs"):
         EngineConfig(max_num_seqs=0)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="EngineConfig.prefill_stage_memory must be an int >= 0"):
+            EngineConfig(prefill_stage_memory=bad)
     dynamic = build_model("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})[0]
     with pytest.raises(ValueError, match="past 256 tokens, where the model's positions end"):
         make(dynamic, max_model_len=5000)

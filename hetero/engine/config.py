@@ -29,12 +29,20 @@ class EngineConfig:
     background: bool = True                   # add_request starts the step loop's thread (False: call step())
     cpu_workers: int | None = None            # worker processes (None: usable cores - 1, at least 1)
     worker_timeout: float = 5.0               # seconds a job may go without progress before WorkerError
+    prefill_stage_memory: int | None = None   # bytes of the model's device that keep a chunked prompt's rows
+                                              # between its chunks (runner.PrefillStage); None: on a GPU a
+                                              # quarter of its free memory at start, on the CPU 0 (off)
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             _positive(name, getattr(self, name), allow_none=False)
         for name in ("long_prefill_chunk", "max_model_len", "kv_blocks", "kv_memory", "cpu_workers"):
             _positive(name, getattr(self, name))
+        if self.prefill_stage_memory is not None and (isinstance(self.prefill_stage_memory, bool) or
+                                                      not isinstance(self.prefill_stage_memory, int) or
+                                                      self.prefill_stage_memory < 0):
+            raise ValueError(f"EngineConfig.prefill_stage_memory must be an int >= 0 or None, "
+                             f"got {self.prefill_stage_memory!r}")
         if isinstance(self.ram_fraction, bool) or not isinstance(self.ram_fraction, (int, float)) or \
                 not 0 < self.ram_fraction <= 1:
             raise ValueError(f"EngineConfig.ram_fraction must be in (0, 1], got {self.ram_fraction!r}")

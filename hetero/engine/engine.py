@@ -122,7 +122,7 @@ class Engine:
                 policy.rank_of = self.adapter_rank
             self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                        config.long_prefill_chunk, policy), self.kv_manager)
-            self.runner = ModelRunner(model, spec, self.kv, lora=lora)
+            self.runner = ModelRunner(model, spec, self.kv, lora=lora, stage_memory=config.prefill_stage_memory)
         except BaseException:
             self._release(guard=False)        # the caller holds the pool (a generator's lock) while it builds one
             raise

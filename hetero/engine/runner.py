@@ -15,9 +15,18 @@ attention is hetero's (hetero.attention routes it here while the forward runs). 
 
 Logits are computed only for the rows that sample (logits_to_keep as a tensor of indices).
 
+A prompt longer than one chunk would read its earlier chunks' rows back from the pool at every
+later chunk and layer: on a GPU a gather on the host and a copy over PCIe, quadratic in the
+prompt. PrefillStage keeps them on the model's device instead, between the request's chunks,
+within a memory budget (EngineConfig.prefill_stage_memory); a request that does not fit reads
+back as before. The pool stays the only home of the KV: the stage is a copy, dropped once the
+prompt is done (or the request preempted or gone).
+
   object        written by                          read by
   StepAttention  ModelRunner.execute (per step)      hetero.attention (per layer of the forward)
   its _new      HeteroCache.update (stage_kv)        attend (the same layer, next)
+  PrefillStage   attend (a chunk's rows, per layer)  attend (the request's next chunk);
+                 entries: ModelRunner.execute        entries dropped by execute
 """
 from __future__ import annotations
 
@@ -30,6 +39,7 @@ from hetero import attention
 from hetero.adapters.hooks import LoraBatch, active_batch
 from hetero.compat import forward_cache_kwarg
 from hetero.engine.paged import PagedKV
+from hetero.engine.request import RequestStatus
 from hetero.engine.scheduler import SchedulerOutput
 from hetero.offload.cache import HeteroCache, UpdateOrder
 
@@ -40,6 +50,53 @@ class _Chunk:
     start: int            # the request's first new row (its cached rows before it)
     n: int
     table: torch.Tensor   # int64 block table (CPU)
+    stage: _Staged | None = None   # the request's rows kept on the device (PrefillStage)
+    staged: bool = False           # stage holds rows 0..start-1 already (else: read them from the pool)
+
+
+class _Staged:
+    """One request's rows on the device: per layer (K, V) [Hkv, size, D], allocated at first use."""
+
+    def __init__(self, size: int, preemptions: int):
+        self.size = size                  # the rows its prompt (and, resumed, its outputs) will have
+        self.rows = 0                     # rows 0..rows-1 are written (every layer, after a step)
+        self.preemptions = preemptions    # the request's count when staged: a preemption drops its rows
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+class PrefillStage:
+    """Chunked prompts' rows kept on the model's device between their chunks (a bytes budget)."""
+
+    def __init__(self, spec, budget: int):
+        self.budget, self.used = budget, 0
+        self.row_bytes = 2 * spec.layers * spec.kv_heads * spec.head_dim * torch.finfo(spec.dtype).bits // 8
+        self.entries: dict = {}           # Request -> _Staged
+
+    def prune(self) -> None:
+        """Drop the entries of requests no longer running, or preempted since they were staged."""
+        for r in [r for r, e in self.entries.items()
+                  if r.status is not RequestStatus.RUNNING or r.num_preemptions != e.preemptions]:
+            self.drop(r)
+
+    def chunk(self, request, start: int, n: int) -> tuple[_Staged | None, bool]:
+        """(entry, whether it holds rows 0..start-1 already) for the chunk of `request` at rows
+        start..start+n-1: its entry when it holds exactly the rows before; a new one when more
+        chunks follow and it fits the budget; else None (attend over rows read from the pool)."""
+        e = self.entries.get(request)
+        if e is not None and e.rows == start and start + n <= e.size:
+            return e, True
+        self.drop(request)
+        size = request.num_tokens
+        if start + n >= size or self.used + size * self.row_bytes > self.budget:
+            return None, False
+        self.used += size * self.row_bytes
+        e = self.entries[request] = _Staged(size, request.num_preemptions)
+        return e, False
+
+    def drop(self, request) -> None:
+        e = self.entries.pop(request, None)
+        if e is not None:
+            self.used -= e.size * self.row_bytes
 
 
 class StepAttention(UpdateOrder):
@@ -73,7 +130,9 @@ class StepAttention(UpdateOrder):
         for c in self.chunks:
             rows = slice(c.offset, c.offset + c.n)
             kc, vc = k[:, rows], v[:, rows]
-            if c.start:
+            if c.stage is not None:
+                kc, vc = self._staged(layer, c, kc, vc)
+            elif c.start:
                 ck, cv = self.kv.read_rows(layer, c.table, c.start)
                 kc = torch.cat([ck.to(kc.device, kc.dtype), kc], 1)
                 vc = torch.cat([cv.to(vc.device, vc.dtype), vc], 1)
@@ -82,6 +141,24 @@ class StepAttention(UpdateOrder):
         if d is not None:
             out[d] = self.kv.finish_decode(sinks).to(out.device, out.dtype)
         return out.unsqueeze(0)
+
+    def _staged(self, layer, c: _Chunk, kc, vc):
+        """The chunk's keys/values over rows 0..start+n-1 from its stage, its new rows added (the
+        earlier rows read from the pool once, when the stage is new). Rows pass through the pool's
+        dtype, as rows read back from it would."""
+        st = c.stage.layers.get(layer)
+        if st is None:
+            Hkv, _, D = kc.shape
+            st = c.stage.layers[layer] = (kc.new_empty(Hkv, c.stage.size, D), vc.new_empty(Hkv, c.stage.size, D))
+        K, V = st
+        end = c.start + c.n
+        if c.start and not c.staged:
+            ck, cv = self.kv.read_rows(layer, c.table, c.start)
+            K[:, :c.start], V[:, :c.start] = ck, cv
+        pool = self.kv.kv[layer][0].dtype
+        K[:, c.start:end] = kc if kc.dtype == pool else kc.to(pool).to(kc.dtype)
+        V[:, c.start:end] = vc if vc.dtype == pool else vc.to(pool).to(vc.dtype)
+        return K[:, :end], V[:, :end]
 
 
 def chunk_attention(q, k, v, start, window, scale, softcap=None, sinks=None):
@@ -108,11 +185,15 @@ def chunk_attention(q, k, v, start, window, scale, softcap=None, sinks=None):
 class ModelRunner:
     """Runs a SchedulerOutput through the model: one forward, logits of the sampling rows."""
 
-    def __init__(self, model, spec, kv: PagedKV, lora=None):
+    def __init__(self, model, spec, kv: PagedKV, lora=None, stage_memory: int | None = None):
         """lora: a callable giving (AdapterStore, LoraHooks) or (None, None): the adapters
-        requests name (hetero.engine.adapters)."""
+        requests name (hetero.engine.adapters). stage_memory: PrefillStage's budget in bytes
+        (None: a quarter of a GPU's free memory, 0 on the CPU)."""
         self.model, self.spec, self.kv, self.lora = model, spec, kv, lora
         self.device = model.device
+        if stage_memory is None:
+            stage_memory = torch.cuda.mem_get_info(self.device)[0] // 4 if self.device.type == "cuda" else 0
+        self.stage = PrefillStage(spec, stage_memory)
         self.keeps_logits = model._supports_logits_to_keep()
         self.cache_kwarg = forward_cache_kwarg(model.forward)
 
@@ -122,6 +203,7 @@ class ModelRunner:
         tokens, positions, decode, chunks, sample = [], [], [], [], []
         lengths, tables = [], []
         off = 0
+        self.stage.prune()
         for s in plan.scheduled:
             r, n = s.request, s.num_new_tokens
             tokens += r.tokens(s.start, s.start + n)
@@ -131,7 +213,9 @@ class ModelRunner:
                 lengths.append(s.start)
                 tables.append(r.block_table)
             else:
-                chunks.append(_Chunk(off, s.start, n, torch.tensor(r.block_table, dtype=torch.int64)))
+                c = _Chunk(off, s.start, n, torch.tensor(r.block_table, dtype=torch.int64))
+                c.stage, c.staged = self.stage.chunk(r, s.start, n)
+                chunks.append((r, c))
             if s.samples:
                 sample.append(off + n - 1)
             off += n
@@ -139,7 +223,7 @@ class ModelRunner:
         self.kv.begin_decode(lengths, tables)
         dev = self.device
         rows = torch.tensor(decode, device=dev) if decode else None
-        step = StepAttention(self.kv, self.spec, rows, chunks)
+        step = StepAttention(self.kv, self.spec, rows, [c for _, c in chunks])
         keep = torch.tensor(sample or [off - 1], device=dev)
         kwargs = {"logits_to_keep": keep} if self.keeps_logits else {}
         token = attention.active_session.set(step)
@@ -151,6 +235,11 @@ class ModelRunner:
         finally:
             active_batch.reset(lora)
             attention.active_session.reset(token)
+        for r, c in chunks:                  # the stage holds the chunk's rows now; a finished prompt's go
+            if c.stage is not None:
+                c.stage.rows = c.start + c.n
+                if c.stage.rows >= c.stage.size:
+                    self.stage.drop(r)
         logits = out.logits[0] if self.keeps_logits else out.logits[0, keep]
         return logits[:len(sample)].float()
 
