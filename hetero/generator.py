@@ -290,9 +290,11 @@ class HeteroGenerator(PrefillMixin, ContextsMixin, WorkersMixin):
             default = self._default_adapter(layers)
             adapter_names = None if default is None else [default] * input_ids.shape[0]
         lora = self._lora_batch(adapter_names, input_ids.shape[0], layers)
-        if context is None and (lora is None or self._peft_model is None) and not self._calls.busy_here and \
-                (self._calls.busy_elsewhere or self._engine.busy):
-            out = self._engine.generate(input_ids, attention_mask, max_new_tokens, settings, call, lora)
+        read = list(context) if many else [context] * input_ids.shape[0] if extend_context is False else None
+        if (context is None or read is not None) and (lora is None or self._peft_model is None) and \
+                not self._calls.busy_here and (self._calls.busy_elsewhere or self._engine.busy) and \
+                (read is None or self._contexts.valid(self, read)):
+            out = self._engine.generate(input_ids, attention_mask, max_new_tokens, settings, call, lora, read)
             if out is not None:                 # another call runs: this one joined the engine's batch
                 return out
         if context is not None:

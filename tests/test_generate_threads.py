@@ -138,6 +138,50 @@ def test_settings_the_engine_does_not_batch_wait_their_turn(llama):
         assert gen._engine.engine is None            # nothing joined an engine
 
 
+def test_calls_reading_contexts_join_the_engine_over_their_pinned_copies(llama):
+    """Overlapping calls that read contexts (context=[...], extend_context=False) join the engine:
+    each context's whole blocks are copied into its pool once and pinned (not computed again),
+    the calls return what HF generate returns over [context, new tokens], and a closed context's
+    copy is released."""
+    from tests.test_contexts import left_pad
+
+    doc_a, doc_b, doc_c = (r[0] for r in rows(7, 70, 45, 20))
+    qs = [r[0] for r in rows(8, 6, 11, 4, 9, 5)]
+    with HeteroGenerator(llama, cpu_workers=1) as gen:
+        ctx_a, ctx_b, ctx_c = (gen.prefill(d[None]) for d in (doc_a, doc_b, doc_c))   # c: no whole block
+        gate = Gate()
+        first, = rows(9, 12)
+        t = threading.Thread(target=lambda: gen.generate(first, max_new_tokens=6, pad_token_id=0, streamer=gate))
+        t.start()
+        assert gate.started.wait(30)
+        ids, mask = left_pad(qs[:3] + qs[4:])
+        out = {}
+        ths = [threading.Thread(target=lambda: out.update(batch=gen.generate(
+                   ids, attention_mask=mask, context=[ctx_a, ctx_b, ctx_a, ctx_c], max_new_tokens=7, pad_token_id=0))),
+               threading.Thread(target=lambda: out.update(one=gen.generate(
+                   qs[3][None], context=ctx_b, extend_context=False, max_new_tokens=5, pad_token_id=0)))]
+        for th in ths:
+            th.start()
+        engine = wait_for_engine(gen, 1)                  # a context copy queued: taken between calls
+        gate.release.set()
+        t.join(60)
+        for th in ths:
+            th.join(60)
+        assert engine.steps > 0
+        pins = engine.kv_manager.pool.num_pinned_blocks
+        assert pins == 70 // 32 + 45 // 32                # each context's whole blocks, pinned once
+        assert engine.kv_manager.prefix_hits >= 2 * 64 + 32 + 32
+        full_ids, full_mask = left_pad([torch.cat([doc_a, qs[0]]), torch.cat([doc_b, qs[1]]),
+                                        torch.cat([doc_a, qs[2]]), torch.cat([doc_c, qs[4]])])
+        assert torch.equal(out["batch"], llama.generate(full_ids, attention_mask=full_mask, max_new_tokens=7,
+                                                        pad_token_id=0))
+        assert torch.equal(out["one"], hf(llama, torch.cat([doc_b, qs[3]])[None], max_new_tokens=5))
+        assert ctx_a.length == 70 and ctx_b.length == 45  # read, not changed
+        ctx_a.close()
+        engine.step()                                     # the unpin is taken at the next step
+        assert engine.kv_manager.pool.num_pinned_blocks == 45 // 32
+
+
 def test_a_call_from_inside_a_call_still_raises(llama):
     x, = rows(5, 10)
     with HeteroGenerator(llama, cpu_workers=1) as gen:

@@ -4,9 +4,11 @@ application's threads sharing one HeteroGenerator).
 A call runs through HF's generation loop, alone, as always when nothing else runs. A call made
 while another runs (the generator's call lock is busy) or while the engine has requests in flight
 is given to the engine instead when the engine batches its settings (adapters loaded in the
-generator included; a PeftModel's calls run HF's loop): each row of its batch
-becomes a request (its real tokens, without the left padding) with HF's processors and stopping
-criteria for that row alone; the call returns generate's tensor, left padding kept and finished
+generator included; a PeftModel's calls run HF's loop), also a call that reads contexts
+(context=[...], extend_context=False: each context's whole blocks are copied into the engine's
+pool once and pinned there until the context closes): each row of its batch becomes a request
+(its real tokens, without the left padding) with HF's processors and stopping criteria for that
+row alone; the call returns generate's tensor, left padding kept and finished
 rows padded with pad_token_id, as HF returns it. Other calls wait their turn for the lock. The
 engine shares the generator's worker pool and model: each engine step holds the call lock (an
 HF-loop call runs between two steps), and the pool maps the engine's KV pool or a call's arena as
@@ -14,6 +16,7 @@ each needs it.
 
   state           written by                              read by
   _engine         the calling threads (under _make_lock)  the calling threads
+  _pins           the calling threads (under _pin_lock)   the calling threads; Context close (forget)
 """
 from __future__ import annotations
 
@@ -23,7 +26,9 @@ import weakref
 import torch
 
 from hetero.engine.config import EngineConfig
+from hetero.engine.kv_pool import BLOCK_SIZE
 from hetero.errors import CapacityError, HeteroError, UnsupportedModelError
+from hetero.settings import pad_id
 
 # why a call's settings are not batched by the engine (None: they are)
 PER_ROW_OBJECTS = ("logits_processor", "stopping_criteria", "streamer")   # called per request, not per batch
@@ -50,6 +55,8 @@ class GeneratorEngine:
         self.engine = None
         self.refused: str | None = None          # the model is not one the engine serves: why
         self._make_lock = threading.Lock()
+        self._pins: dict[int, tuple] = {}         # id(Context) -> (engine, its pin stream, blocks pinned)
+        self._pin_lock = threading.Lock()         # one pin at a time: two calls over a context pin it once
 
     @property
     def busy(self) -> bool:
@@ -81,17 +88,30 @@ class GeneratorEngine:
             return self.engine
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, settings,
-                 call: dict, lora=None) -> torch.Tensor | None:
+                 call: dict, lora=None, contexts=None) -> torch.Tensor | None:
         """The call through the engine: generate's tensor, or None where the engine does not take it
-        (the caller then runs HF's loop). lora: the call's LoraBatch (its adapters by request)."""
+        (the caller then runs HF's loop). lora: the call's LoraBatch (its adapters by request).
+        contexts: one Context per row, read and not changed (generate(context=[...]) or
+        extend_context=False): each row's request is its context's tokens then its own, and the
+        tensor returned is theirs, left-padded, as HF's loop over the contexts returns it."""
         B = input_ids.shape[0]
         names = [None] * B if lora is None else [None if a is None else a.name for a in lora.adapters]
         if why_not_batched(settings, call, B) is not None:
             return None
+        if contexts is not None and any(c.closed or c.session.layout.ring_layers for c in contexts):
+            return None                           # HF's loop names a closed one; rings keep too few rows
         engine = self._ensure()
         if engine is None:
             return None
         rows = [input_ids[b][attention_mask[b].bool()].tolist() for b in range(B)]
+        if contexts is not None:
+            try:
+                for c in {id(c): c for c in contexts}.values():
+                    self._pin(engine, c)
+            except (CapacityError, HeteroError, ValueError):
+                return None
+            rows = [c.tokens.tolist() + r for c, r in zip(contexts, rows)]
+            input_ids = left_padded(rows, pad_id(settings), input_ids)
         if any(len(r) + max_new_tokens > engine.max_model_len for r in rows):
             return None
         streamer = call.get("streamer")
@@ -118,8 +138,41 @@ class GeneratorEngine:
         tail = torch.tensor([o + [pad] * (width - len(o)) for o in outs], dtype=input_ids.dtype)
         return torch.cat([input_ids, tail.to(input_ids.device)], 1)
 
+    def _pin(self, engine, ctx) -> None:
+        """The context's whole blocks pinned in the engine's pool (copied from its arena, at the
+        engine's next step: no call changes the context then); again once it has grown by a block."""
+        with self._pin_lock:
+            entry = self._pins.get(id(ctx))
+            blocks = ctx.length // BLOCK_SIZE
+            if blocks == 0 or (entry is not None and entry[0] is engine and entry[2] >= blocks):
+                return                            # shorter than a block: its requests compute it
+            adapter = None if ctx.adapter is None else ctx.adapter.name
+
+            def snapshot():
+                n = ctx.length // BLOCK_SIZE * BLOCK_SIZE         # ctx.length raises on a closed context
+                return ctx.token_ids[:n].tolist(), ctx.session
+
+            stream = engine.pin_kv(snapshot, adapter)
+            stream.result()
+            if entry is not None and entry[0] is engine:
+                engine.unpin(entry[1])
+            self._pins[id(ctx)] = (engine, stream, len(stream.pinned_blocks))
+
+    def forget(self, ctx) -> None:
+        """A closed Context's pinned copy released."""
+        entry = self._pins.pop(id(ctx), None)
+        if entry is not None and entry[0] is self.engine:
+            entry[0].unpin(entry[1])
+
     def close(self):
         with self._make_lock:
             e, self.engine = self.engine, None
+            self._pins.clear()
         if e is not None:
             e.close()
+
+
+def left_padded(rows: list[list[int]], pad: int, like: torch.Tensor) -> torch.Tensor:
+    """[B, S] of the rows, left-padded with `pad`, on like's device and dtype."""
+    S = max(len(r) for r in rows)
+    return torch.tensor([[pad] * (S - len(r)) + r for r in rows], dtype=like.dtype, device=like.device)

@@ -270,13 +270,7 @@ class Engine:
         rid = f"load-{next(self._ids)}"
         stream = RequestStream(self, rid, header["length"])
         stream.prompt_ids, stream.adapter = header["tokens"] + header["pending"], adapter
-        with self._lock:
-            self._inbox.append(("load", header, adapter, str(path), stream))
-            self._lock.notify_all()
-        if self.config.background:
-            self.start()
-        else:
-            self._drain_inbox()
+        self._post(("load", header, adapter, str(path), stream))
         stream.result()
         return stream, header.get("extra") or {}
 
@@ -286,6 +280,29 @@ class Engine:
         if name is None or store is None or name not in store.adapters:
             return None
         return store.digest(store.adapters[name])
+
+    def pin_kv(self, snapshot, adapter: str | None = None) -> RequestStream:
+        """Pin a document whose KV another holder has, copied into the pool without computing it.
+        snapshot() runs in the engine thread between two steps and gives (the token ids of whole
+        blocks, a source whose read_rows(layer, 0, n) gives their key and value rows [Hkv, n, D]):
+        a HeteroGenerator Context's tokens and session. Returns its stream, finished once pinned
+        (its pinned_blocks); unpin() releases them."""
+        if adapter is not None and adapter not in self.adapters:
+            raise AdapterError(f"no adapter named {adapter!r} is loaded (loaded: {self.adapters})")
+        stream = RequestStream(self, f"copy-{next(self._ids)}", 0)
+        stream.adapter = adapter
+        self._post(("copy", snapshot, adapter, stream))
+        return stream
+
+    def _post(self, item) -> None:
+        """An item for the engine thread's inbox (drained at the next step)."""
+        with self._lock:
+            self._inbox.append(item)
+            self._lock.notify_all()
+        if self.config.background:
+            self.start()
+        else:
+            self._drain_inbox()
 
     def unpin(self, stream: RequestStream) -> None:
         """Release a pin()'s blocks (at the next step): cached, evicted when the room is needed."""
@@ -417,10 +434,18 @@ class Engine:
                 self._samplers[req.request_id], self._streams[req.request_id] = s, stream
             elif item[0] == "unpin":
                 self._unpin(item[1])
-            elif item[0] == "load":
-                _, header, adapter, path, stream = item
+            elif item[0] in ("load", "copy"):
+                stream = item[-1]
                 try:
-                    stream.pinned_blocks = engine_saved.load_into(self, header, adapter, path, stream.request_id)
+                    if item[0] == "load":
+                        _, header, adapter, path, _ = item
+                        stream.pinned_blocks = engine_saved.load_into(self, header, adapter, path, stream.request_id)
+                    else:
+                        _, snapshot, adapter, _ = item
+                        tokens, source = snapshot()
+                        stream.prompt_ids = tokens
+                        stream.pinned_blocks = engine_saved.copy_into(self, tokens, source, adapter,
+                                                                      stream.request_id)
                 except Exception as e:
                     stream._push([], error=e)
                 else:

@@ -1,7 +1,8 @@
 """A pinned document's KV in a file and back (Engine.save_pin, Engine.load_pin): hetero's saved
 context format (hetero.offload.saved: fingerprint of the model and adapter, tokens, CRC-checked
 rows), written from the pool's pinned blocks and read into new blocks of a pool, where they are
-registered in the prefix cache and pinned as if the document had been computed there.
+registered in the prefix cache and pinned as if the document had been computed there; and
+(Engine.pin_kv) a HeteroGenerator Context's whole blocks copied in the same way.
 
 The file holds the document's whole blocks as its cached "tokens" and the rest of its prompt as
 "pending" (computed again by the first request that reads it); its header's "extra" keeps what
@@ -13,7 +14,7 @@ import torch
 
 from hetero.engine.kv_pool import BLOCK_SIZE
 from hetero.engine.request import Request, RequestStatus
-from hetero.errors import ContextFileError
+from hetero.errors import CapacityError, ContextFileError
 from hetero.offload import saved
 
 
@@ -62,14 +63,39 @@ def read(engine, path):
 def load_into(engine, header, adapter, path, rid) -> list[int]:
     """The engine thread: new blocks filled from the file, cached under the tokens' hashes and
     pinned. Returns the pinned blocks."""
-    n, kvm = header["length"], engine.kv_manager
-    req = Request(rid, header["tokens"], 0, adapter=adapter)
+    blocks = pin_filled(engine, header["tokens"], adapter, rid, lambda rows: saved.fill(rows, header, path))
+    if blocks is None:
+        raise ContextFileError(f"{path}: the pool has no room for its {header['length'] // BLOCK_SIZE} blocks")
+    return blocks
+
+
+def copy_into(engine, tokens, source, adapter, rid) -> list[int]:
+    """The engine thread: new blocks filled with rows 0..len(tokens)-1 of `source` (a KVSession: a
+    HeteroGenerator Context's), cached under the tokens' hashes and pinned. Returns the blocks."""
+    n = len(tokens)
+
+    def fill(rows):
+        for layer in range(engine.spec.layers):
+            k, v = source.read_rows(layer, 0, n)
+            rows.write_rows(layer, 0, k, v)
+
+    blocks = pin_filled(engine, tokens, adapter, rid, fill)
+    if blocks is None:
+        raise CapacityError(f"the pool has no room for the context's {n // BLOCK_SIZE} blocks")
+    return blocks
+
+
+def pin_filled(engine, tokens, adapter, rid, fill) -> list[int] | None:
+    """New blocks for `tokens` (whole blocks) filled by fill(PoolRows), cached and pinned (None:
+    no room in the pool)."""
+    n, kvm = len(tokens), engine.kv_manager
+    req = Request(rid, tokens, 0, adapter=adapter)
     queries, hits = kvm.prefix_queries, kvm.prefix_hits
     if not kvm.allocate_slots(req, n):
-        raise ContextFileError(f"{path}: the pool has no room for its {n // BLOCK_SIZE} blocks")
+        return None
     kvm.prefix_queries, kvm.prefix_hits = queries, hits         # a load is no prompt looked up
     try:
-        saved.fill(PoolRows(engine.kv, req.block_table), header, path)
+        fill(PoolRows(engine.kv, req.block_table))
         req.num_computed_tokens = n
         kvm.cache_full_blocks(req)
         return kvm.pin_prefix(req, n // BLOCK_SIZE)

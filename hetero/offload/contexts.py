@@ -85,8 +85,9 @@ class ContextsMixin:
                 raise
 
     def _forget(self, ctx):
-        """A closed Context's registry entry dropped (Context._close)."""
+        """A closed Context's registry entry and its copy in the engine's pool dropped (Context._close)."""
         self._contexts.forget(ctx.session)
+        self._engine.forget(ctx)
 
     def load_context(self, path, reserve=None):
         """A Context saved by Context.save, copied into a new arena (no prefill). The file must

@@ -107,6 +107,14 @@ class ContextRegistry:
             if self.stale(c.session, now):
                 raise ValueError(STALE)
 
+    def valid(self, owner, contexts) -> bool:
+        """Whether check_contexts passes (a call that would fail it runs where it raises)."""
+        try:
+            self.check_contexts(owner, contexts)
+        except ValueError:
+            return False
+        return True
+
     def reusable(self, owner, input_ids, attention_mask, max_new_tokens, cached, fits):
         """Automatic prefix reuse: when every request's prompt starts with the tokens of a live
         Context of `owner` (its cached and pending ones; `cached`: unreferenced ones too, kept as
