@@ -3,6 +3,7 @@ core each): requests over one document land on one replica; a replica killed mid
 its in-flight request, the other replica, asked about its document, loads the document's KV from
 the shared context store instead of prefilling it, Ray starts a new replica, later requests
 succeed, and no shared-memory name of any replica is left; results equal HF generate."""
+import asyncio
 import os
 import re
 import signal
@@ -62,7 +63,7 @@ def test_store_keys_and_names(tmp_path):
 
 
 def test_two_replicas_route_by_document_share_the_store_and_survive_a_kill(tmp_path, smol):
-    server = Server("--replicas", "2", "--saved-contexts", str(tmp_path), "--max-num-seqs", "8")
+    server = Server("--replicas", "2", "--saved-contexts", str(tmp_path), "--max-num-seqs", "2", "--max-queue", "2")
     pids = set()
     try:
         c = server.client()
@@ -98,6 +99,21 @@ def test_two_replicas_route_by_document_share_the_store_and_survive_a_kill(tmp_p
         r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"},
                        headers={"Authorization": "Bearer test-key"})
         assert r.status_code == 400 and "fixed at start" in r.json()["error"]["message"]
+
+        # past the replicas' room (2 running on each, 2 waiting) a request gets 429, as from hetero serve
+        body = {"model": NAME, "messages": q, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+
+        async def flood():
+            async with httpx.AsyncClient(timeout=120, headers={"Authorization": "Bearer test-key"}) as h:
+                return await asyncio.gather(*(h.post(server.url + "/v1/chat/completions", json=body)
+                                              for _ in range(10)))
+
+        responses = asyncio.run(flood())
+        codes = sorted(r.status_code for r in responses)
+        # the ingress admits 6 (2 x 2 + 2); Ray's own queue of 2 may refuse one of them: also 429
+        assert codes.count(200) >= 4 and 429 in codes and set(codes) == {200, 429}, codes
+        r = next(r for r in responses if r.status_code == 429)
+        assert r.json()["error"]["type"] == "rate_limit_error" and "retry later" in r.json()["error"]["message"]
 
         # a stream over the last document; its replica is killed mid-stream
         victim_doc = max(where)

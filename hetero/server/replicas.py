@@ -244,6 +244,8 @@ class RemoteStream:
         except APIError:
             raise
         except Exception as e:
+            if type(e).__name__ == "BackPressureError":     # Ray's queue in front of the replicas is full
+                raise queue_full(None) from None
             cause = getattr(e, "cause", None)
             if isinstance(cause, APIError):
                 raise cause from None
@@ -278,8 +280,9 @@ class ReplicatedState(Front):
     """ServerState's face for the app (hetero.server.app) in the ingress: requests go to replicas."""
 
     def __init__(self, replicas, tokenizer, *, model_name: str, vocab_size: int, max_model_len: int,
-                 adapters: dict, store: str, api_key: str | None):
+                 adapters: dict, store: str, api_key: str | None, capacity: int = 1 << 30):
         self.replicas, self.tokenizer, self.model_name = replicas, tokenizer, model_name
+        self.capacity = capacity               # requests in flight beyond which a new one gets 429
         self.vocab_size, self.max_model_len, self.adapter_dirs = vocab_size, max_model_len, dict(adapters)
         self.api_key, self.store = api_key, ContextStore(store)
         self.status = "starting"
@@ -326,6 +329,8 @@ class ReplicatedState(Front):
     def submit(self, ids, sampling, adapter, max_tokens, doc_len=None):
         self.check_ready()
         check_length(ids, max_tokens, self.max_model_len)
+        if self.in_flight >= self.capacity:
+            raise queue_full(self.capacity)
         n = doc_len() if callable(doc_len) else (doc_len or 0)
         job = Job(list(ids), sampling, adapter, max_tokens, n, route_key(ids, n))
         gen = self.replicas.options(stream=True).generate.remote(job)
@@ -371,11 +376,19 @@ class ReplicatedState(Front):
         return ctx
 
 
-class Ingress:
-    """The OpenAI API (hetero.server.app) as a Ray Serve ingress over the replicas' handle."""
+def queue_full(capacity: int | None) -> APIError:
+    what = f"{capacity} requests in flight" if capacity is not None else "Ray Serve's queue"
+    return APIError(429, f"the replicas are full ({what}: max_num_seqs per replica and --max-queue waiting); "
+                         "retry later", type="rate_limit_error")
 
-    def __init__(self, replicas, store: str, api_key: str | None):
-        self.replicas, self.store, self.api_key = replicas, store, api_key
+
+class Ingress:
+    """The OpenAI API (hetero.server.app) as a Ray Serve ingress over the replicas' handle.
+    capacity: the requests it sends on at once (each replica's max_ongoing_requests, times the
+    replicas or the autoscaler's maximum, plus max_queued_requests); one more gets 429."""
+
+    def __init__(self, replicas, store: str, api_key: str | None, capacity: int = 1 << 30):
+        self.replicas, self.store, self.api_key, self.capacity = replicas, store, api_key, capacity
 
     async def __serve_build_asgi_app__(self):
         from hetero.server.app import build_app
@@ -383,7 +396,8 @@ class Ingress:
         info = await self.replicas.front.remote()            # the model's tokenizer, name and limits
         self.state = ReplicatedState(self.replicas, info["tokenizer"], model_name=info["model_name"],
                                      vocab_size=info["vocab_size"], max_model_len=info["max_model_len"],
-                                     adapters=info["adapters"], store=self.store, api_key=self.api_key)
+                                     adapters=info["adapters"], store=self.store, api_key=self.api_key,
+                                     capacity=self.capacity)
         return build_app(self.state)
 
 
@@ -414,4 +428,5 @@ def build(*, replicas: int = 2, model: str | None = None, dtype: str = "fp32", e
     ).bind(model, dtype, engine, store, adapters or {}, cores_per_replica, served_model_name)
     ingress = serve.deployment(serve.ingress()(Ingress), name="HeteroIngress", num_replicas=1,
                                max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
-    return ingress.bind(replica, store, api_key)
+    most = (autoscaling_config or {}).get("max_replicas", replicas) if autoscaling_config else replicas
+    return ingress.bind(replica, store, api_key, most * max_ongoing_requests + max_queued_requests)
