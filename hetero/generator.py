@@ -290,7 +290,8 @@ class HeteroGenerator(PrefillMixin, ContextsMixin, WorkersMixin):
             default = self._default_adapter(layers)
             adapter_names = None if default is None else [default] * input_ids.shape[0]
         lora = self._lora_batch(adapter_names, input_ids.shape[0], layers)
-        read = list(context) if many else [context] * input_ids.shape[0] if extend_context is False else None
+        read = list(context) if many else [context] if extend_context is False and input_ids.shape[0] == 1 and \
+            bool(attention_mask.all()) else None       # a single context continues one unpadded request
         if (context is None or read is not None) and (lora is None or self._peft_model is None) and \
                 not self._calls.busy_here and (self._calls.busy_elsewhere or self._engine.busy) and \
                 (read is None or self._contexts.valid(self, read)):

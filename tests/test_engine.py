@@ -184,6 +184,28 @@ def test_prefill_stage_budget_and_drops():
     assert not st.entries and st.used == 0
 
 
+def test_a_failed_step_and_close_drop_the_staged_rows(llama, monkeypatch):
+    from hetero.engine import runner
+
+    eng = make(llama, prefill_stage_memory=1 << 30)
+    s = eng.add_request(prompts([100])[0], 4)
+    eng.step()                                        # the first chunk: staged
+    assert eng.runner.stage.used > 0
+    attend, calls = runner.StepAttention.attend, []
+
+    def failing(self, *a, **k):                       # the next forward fails in its second layer
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("mid-forward failure")
+        return attend(self, *a, **k)
+
+    monkeypatch.setattr(runner.StepAttention, "attend", failing)
+    with pytest.raises(RuntimeError, match="mid-forward"):
+        eng.step()
+    assert s.finished and not eng.runner.stage.entries and eng.runner.stage.used == 0
+    eng.close()
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_families_exact(family):
     model, _ = build_model(family)

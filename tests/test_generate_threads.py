@@ -182,6 +182,97 @@ def test_calls_reading_contexts_join_the_engine_over_their_pinned_copies(llama):
         assert engine.kv_manager.pool.num_pinned_blocks == 45 // 32
 
 
+@pytest.fixture
+def engine_always(monkeypatch):
+    """Every generate() call joins the engine, as if another call ran."""
+    from hetero.routing import CallLock
+
+    monkeypatch.setattr(CallLock, "busy_elsewhere", property(lambda self: True))
+
+
+def test_new_weights_never_read_kv_the_engine_cached_under_the_old(engine_always):
+    """Weights changed in place (a training step) between two contexts over one document: the
+    second call gets HF's tokens under the new weights, not the first context's pinned blocks."""
+    from tests.conftest import build_model
+
+    model = build_model("llama")[0]
+    doc, q = rows(10, 70, 6)
+    full = torch.cat([doc, q], 1)
+    with HeteroGenerator(model, cpu_workers=1) as gen:
+        ctx1 = gen.prefill(doc)
+        out = gen.generate(q, context=ctx1, extend_context=False, max_new_tokens=6, pad_token_id=0)
+        first = gen._engine.engine
+        assert first.steps > 0 and torch.equal(out, hf(model, full, max_new_tokens=6))
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.k_proj.weight.mul_(3.0)
+        ctx2 = gen.prefill(doc)
+        out = gen.generate(q, context=ctx2, extend_context=False, max_new_tokens=6, pad_token_id=0)
+        assert torch.equal(out, hf(model, full, max_new_tokens=6))
+        assert gen._engine.engine is not first            # a new engine: the old one's cache was stale
+
+
+def test_a_context_copy_queued_when_a_step_fails_or_closed_meanwhile_leaves_nothing_waiting(llama, engine_always,
+                                                                                           monkeypatch):
+    """A context's copy queued in the engine when its step fails is refused (the call then runs
+    HF's loop), and a context closed while its copy is made leaves no block pinned."""
+    from hetero import EngineError
+    from hetero.engine import engine as E, runner
+
+    doc, q = rows(11, 70, 6)
+    full = torch.cat([doc, q], 1)
+    with HeteroGenerator(llama, cpu_workers=1) as gen:
+        ctx = gen.prefill(doc)
+        inside = threading.Event()
+
+        def failing(self, plan):
+            inside.set()
+            time.sleep(1)
+            raise RuntimeError("simulated failure mid-forward")
+
+        monkeypatch.setattr(runner.ModelRunner, "execute", failing)
+        res = {}
+
+        def plain_call():                                 # joins the engine, whose step fails under it
+            try:
+                gen.generate(q, max_new_tokens=4, pad_token_id=0)
+            except EngineError as e:
+                res["plain"] = e
+
+        plain = threading.Thread(target=plain_call)
+        plain.start()
+        assert inside.wait(30)
+        reader = threading.Thread(target=lambda: res.setdefault("ctx", gen.generate(
+            q, context=ctx, extend_context=False, max_new_tokens=4, pad_token_id=0)))
+        reader.start()
+        plain.join(30)
+        reader.join(30)
+        assert not reader.is_alive() and "simulated failure" in str(res["plain"])   # the copy refused, not lost
+        assert torch.equal(res["ctx"], hf(llama, full, max_new_tokens=4))    # HF's loop ran it
+        monkeypatch.undo()
+        monkeypatch.setattr(type(gen._calls), "busy_elsewhere", property(lambda self: True))
+        pin_kv = E.Engine.pin_kv
+
+        def closing(self, snapshot, adapter=None):       # the context closes while its copy is made
+            stream = pin_kv(self, snapshot, adapter)
+            result = stream.result
+
+            def then_close(*a):
+                out = result(*a)
+                t = threading.Thread(target=ctx.close)
+                t.start()
+                t.join()
+                return out
+            stream.result = then_close
+            return stream
+
+        monkeypatch.setattr(E.Engine, "pin_kv", closing)
+        gen.generate(q, context=ctx, extend_context=False, max_new_tokens=4, pad_token_id=0)
+        engine = gen._engine.engine
+        engine.step()
+        assert ctx.closed and engine.kv_manager.pool.num_pinned_blocks == 0 and not len(gen._engine._pins)
+
+
 def test_a_call_from_inside_a_call_still_raises(llama):
     x, = rows(5, 10)
     with HeteroGenerator(llama, cpu_workers=1) as gen:

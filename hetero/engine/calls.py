@@ -17,6 +17,7 @@ each needs it.
   state           written by                              read by
   _engine         the calling threads (under _make_lock)  the calling threads
   _pins           the calling threads (under _pin_lock)   the calling threads; Context close (forget)
+  _built_for      the calling threads (under _make_lock)  _ensure
 """
 from __future__ import annotations
 
@@ -55,8 +56,9 @@ class GeneratorEngine:
         self.engine = None
         self.refused: str | None = None          # the model is not one the engine serves: why
         self._make_lock = threading.Lock()
-        self._pins: dict[int, tuple] = {}         # id(Context) -> (engine, its pin stream, blocks pinned)
+        self._pins = weakref.WeakKeyDictionary()  # Context -> (engine, its pin stream, blocks pinned)
         self._pin_lock = threading.Lock()         # one pin at a time: two calls over a context pin it once
+        self._built_for = None                    # the weights and adapters the engine's KV was computed with
 
     @property
     def busy(self) -> bool:
@@ -64,14 +66,27 @@ class GeneratorEngine:
         return e is not None and e.failure is None and e.has_unfinished
 
     def _ensure(self):
+        """The engine, built for the model's weights and adapters as they are now; None where the
+        model is not one the engine serves, or it has requests computed with other weights (the
+        call then runs HF's loop: its prefix cache and pins would be stale)."""
         from hetero.engine.engine import Engine
 
         gen = self._gen()
+        state = model_state(gen)
         with self._make_lock:
+            e = self.engine
+            if e is not None and not same_state(state, self._built_for):
+                if e.has_unfinished:
+                    return None
+                self.engine = None
+                e.close()
             e = self.engine
             if e is not None and (e.failure is not None or e.pool is not gen._pool or not e.pool.alive):
                 self.engine = None
                 e.close()
+            if self.engine is None:
+                self._pins.clear()                # they were the old engine's
+                self._built_for = state
             if self.engine is None and self.refused is None:
                 calls, model, pool = gen._calls, gen.model, gen._ensure_pool()
                 try:             # the pool is used at the first step only, under the lock (step_guard)
@@ -142,7 +157,7 @@ class GeneratorEngine:
         """The context's whole blocks pinned in the engine's pool (copied from its arena, at the
         engine's next step: no call changes the context then); again once it has grown by a block."""
         with self._pin_lock:
-            entry = self._pins.get(id(ctx))
+            entry = self._pins.get(ctx)
             blocks = ctx.length // BLOCK_SIZE
             if blocks == 0 or (entry is not None and entry[0] is engine and entry[2] >= blocks):
                 return                            # shorter than a block: its requests compute it
@@ -156,11 +171,13 @@ class GeneratorEngine:
             stream.result()
             if entry is not None and entry[0] is engine:
                 engine.unpin(entry[1])
-            self._pins[id(ctx)] = (engine, stream, len(stream.pinned_blocks))
+            self._pins[ctx] = (engine, stream, len(stream.pinned_blocks))
+            if ctx.closed:                        # closed meanwhile: its forget() may have found nothing
+                self.forget(ctx)
 
     def forget(self, ctx) -> None:
         """A closed Context's pinned copy released."""
-        entry = self._pins.pop(id(ctx), None)
+        entry = self._pins.pop(ctx, None)
         if entry is not None and entry[0] is self.engine:
             entry[0].unpin(entry[1])
 
@@ -176,3 +193,17 @@ def left_padded(rows: list[list[int]], pad: int, like: torch.Tensor) -> torch.Te
     """[B, S] of the rows, left-padded with `pad`, on like's device and dtype."""
     S = max(len(r) for r in rows)
     return torch.tensor([[pad] * (S - len(r)) + r for r in rows], dtype=like.dtype, device=like.device)
+
+
+def model_state(gen):
+    """What the engine's cached KV depends on besides the tokens: the base weights (weights_key)
+    and the generator's adapter objects by name (a reload under a name is a new object)."""
+    from hetero.offload.registry import weights_key
+
+    store = gen._store
+    return weights_key(gen.model), tuple(sorted(store.adapters.items())) if store is not None else ()
+
+
+def same_state(a, b) -> bool:
+    return b is not None and a[0] == b[0] and len(a[1]) == len(b[1]) and \
+        all(n == m and x is y for (n, x), (m, y) in zip(a[1], b[1]))

@@ -474,6 +474,7 @@ class Engine:
 
     def _fail_all(self, e: BaseException):
         """A step raised: every live request fails with it (their blocks freed)."""
+        self.runner.stage.clear()
         for rid in list(self.scheduler.requests):
             self.scheduler.abort(rid)
             self._samplers.pop(rid, None)
@@ -500,9 +501,7 @@ class Engine:
                 log.error("hetero: the engine's step failed: %s", e)
                 with self._lock:
                     items, self._inbox = list(self._inbox), deque()
-                for item in items:
-                    if item[0] == "add":
-                        item[3]._push([], error=e)
+                _refuse(items, e)
                 return
 
     def close(self):
@@ -524,9 +523,7 @@ class Engine:
     def _drain_inbox_on_close(self):
         with self._lock:
             items, self._inbox = list(self._inbox), deque()
-        for item in items:
-            if item[0] == "add":
-                item[3]._push([], "abort")
+        _refuse(items, None)
         for rid in list(self.scheduler.requests):
             r = self.scheduler.abort(rid)
             self._end(r, [])
@@ -540,6 +537,8 @@ class Engine:
                     self.kv.close()
         finally:
             self.kv = None
+            if getattr(self, "runner", None) is not None:
+                self.runner.stage.clear()
             if self._own_pool:
                 self.pool.close()
 
@@ -548,6 +547,18 @@ class Engine:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _refuse(items, error: BaseException | None) -> None:
+    """Inbox items the engine will not take (it failed: error; it closes: None): each one's
+    stream ends (an added request aborted or failed; a pin, load or copy failed), none waits on."""
+    for item in items:
+        if item[0] in ("add", "load", "copy"):
+            stream = item[3] if item[0] == "add" else item[-1]
+            if error is None and item[0] == "add":
+                stream._push([], "abort")
+            else:
+                stream._push([], error=error or EngineError("the engine closed before it took this"))
 
 
 def _token_list(prompt) -> list[int]:

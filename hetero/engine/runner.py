@@ -98,6 +98,11 @@ class PrefillStage:
         if e is not None:
             self.used -= e.size * self.row_bytes
 
+    def clear(self) -> None:
+        """Every entry dropped (a failed step, the engine closing)."""
+        self.entries.clear()
+        self.used = 0
+
 
 class StepAttention(UpdateOrder):
     """What hetero_attention calls during an engine step's forward (a KVSession's interface:

@@ -31,6 +31,7 @@ import hashlib
 import logging
 import os
 import time
+import weakref
 from dataclasses import dataclass
 
 from ray import serve
@@ -223,7 +224,9 @@ class RemoteStream:
         self.scores = None
         self.finished = False
         self.cached_tokens = 0
-        front.in_flight += 1                     # until finished (iteration's end, or abort)
+        front.in_flight += 1                     # until finished (iteration's end, or abort), or dropped
+        self._live = [True]                      # (a streamed response whose body never started: its client
+        weakref.finalize(self, _dropped, front, gen, self._live)   # left first) unread, its request cancelled
 
     async def __aiter__(self):
         try:
@@ -264,7 +267,16 @@ class RemoteStream:
     def _finish(self):
         if not self.finished:
             self.finished = True
+            self._live[0] = False
             self.front.in_flight -= 1
+
+
+def _dropped(front, gen, live):
+    """A RemoteStream dropped unfinished: no longer in flight, its replica's request cancelled."""
+    if live[0]:
+        live[0] = False
+        front.in_flight -= 1
+        gen.cancel()
 
 
 @dataclass
@@ -428,5 +440,6 @@ def build(*, replicas: int = 2, model: str | None = None, dtype: str = "fp32", e
     ).bind(model, dtype, engine, store, adapters or {}, cores_per_replica, served_model_name)
     ingress = serve.deployment(serve.ingress()(Ingress), name="HeteroIngress", num_replicas=1,
                                max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
-    most = (autoscaling_config or {}).get("max_replicas", replicas) if autoscaling_config else replicas
-    return ingress.bind(replica, store, api_key, most * max_ongoing_requests + max_queued_requests)
+    most = autoscaling_config.get("max_replicas", 1) if autoscaling_config else replicas     # Ray's default: 1
+    capacity = 1 << 30 if max_queued_requests < 0 else most * max_ongoing_requests + max_queued_requests
+    return ingress.bind(replica, store, api_key, capacity)
