@@ -81,7 +81,19 @@ def test_a_peft_model_and_adapters_loaded_at_run_time(tmp_path):
         assert eng.kv_manager.num_used_blocks == 0
         with pytest.raises(AdapterError, match="no adapter named 'legal'"):
             eng.unload_adapter("legal")
+        # a document's blocks cached under "legal", then other weights loaded as "legal": never found
+        doc = list(range(3, 3 + 70))
+        eng.load_adapter("legal", tmp_path / "legal")
+        before = eng.add_request(doc, NEW, adapter="legal", output_scores=True)
+        run(eng, [before])
+        eng.unload_adapter("legal")
+        eng.load_adapter("legal", tmp_path / "code")
+        hits = eng.kv_manager.prefix_hits
+        after = eng.add_request(doc, NEW, adapter="legal", output_scores=True)
+        run(eng, [after])
+        assert eng.kv_manager.prefix_hits == hits
     assert_peft(pm, [s], rows[:1], ["legal"])
+    assert_peft(pm, [before, after], [doc, doc], ["legal", "code"])
 
 
 def test_a_generator_s_overlapping_calls_keep_their_adapters(tmp_path):

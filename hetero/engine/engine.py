@@ -136,6 +136,7 @@ class Engine:
         self._inbox: deque = deque()
         self._lock = threading.Condition()
         self._ids = itertools.count()
+        self._unloads: dict[str, int] = {}   # name -> times unloaded: a later load's KV hashes apart
         self._thread: threading.Thread | None = None
         self._closed = False
         self.failure: BaseException | None = None
@@ -206,7 +207,7 @@ class Engine:
         s.keep_scores = keep_scores
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = Request(rid, ids, max_new_tokens, eos_token_ids=set() if ignore_eos else s.eos, params=settings,
-                      adapter=adapter)
+                      adapter=adapter, adapter_key=self.adapter_key(adapter))
         need = self.kv_manager.blocks_for(req.max_rows)
         if need > self.kv.num_blocks:
             raise CapacityError(f"request {rid!r} needs {need} KV blocks of {BLOCK_SIZE} rows; the pool has "
@@ -251,7 +252,7 @@ class Engine:
         if len(ids) > self.max_model_len:
             raise CapacityError(f"a prompt of {len(ids)} tokens is past the engine's max_model_len={self.max_model_len}")
         rid = request_id if request_id is not None else f"pin-{next(self._ids)}"
-        req = Request(rid, ids, 0, adapter=adapter, pin_prompt=True)
+        req = Request(rid, ids, 0, adapter=adapter, adapter_key=self.adapter_key(adapter), pin_prompt=True)
         stream = RequestStream(self, rid, len(ids))
         stream.prompt_ids, stream.adapter = ids, adapter
         return self._queue(req, None, stream)
@@ -329,8 +330,16 @@ class Engine:
         self._own_adapters("load_adapter").load_in_turn(name, path, self._in_turn)
 
     def unload_adapter(self, name: str) -> None:
-        """Stop serving `name`: requests still naming it fail (AdapterError) at the next step."""
+        """Stop serving `name`: requests still naming it fail (AdapterError) at the next step. The
+        KV computed under it is never found by requests naming an adapter loaded later as `name`."""
         self._own_adapters("unload_adapter").remove_in_turn(name, self._in_turn)
+        self._unloads[name] = self._unloads.get(name, 0) + 1
+
+    def adapter_key(self, name: str | None) -> str | None:
+        """What the prefix cache's block hashes take for adapter `name`: the name, marked with each
+        load of it after the first (an adapter reloaded under a name has other weights)."""
+        n = self._unloads.get(name, 0) if name is not None else 0
+        return name if n == 0 else f"{name}\x00{n}"
 
     def _own_adapters(self, what):
         if self._adapters is None:

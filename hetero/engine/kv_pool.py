@@ -226,7 +226,8 @@ class KVCacheManager:
         hs, bs = request.block_hashes, self.block_size
         while len(hs) < n:
             i = len(hs)
-            hs.append(block_hash(hs[-1] if hs else None, request.tokens(i * bs, (i + 1) * bs), request.adapter))
+            key = request.adapter if request.adapter_key is None else request.adapter_key
+            hs.append(block_hash(hs[-1] if hs else None, request.tokens(i * bs, (i + 1) * bs), key))
         return hs[:n]
 
     def num_cached_blocks(self, tokens: Sequence[int], adapter: str | None = None) -> int:

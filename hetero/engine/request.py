@@ -54,7 +54,9 @@ class Request:
     max_new_tokens: int
     eos_token_ids: set[int] = field(default_factory=set)
     params: Any = None                     # the runner's (a GenerationConfig, a seed): opaque here
-    adapter: str | None = None             # LoRA adapter name; part of every block hash
+    adapter: str | None = None             # LoRA adapter name
+    adapter_key: str | None = None         # what block hashes take for it (None: the name): the engine
+                                           # marks each load of a name apart (Engine.adapter_key)
     pin_prompt: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
 

@@ -89,7 +89,7 @@ def pin_filled(engine, tokens, adapter, rid, fill) -> list[int] | None:
     """New blocks for `tokens` (whole blocks) filled by fill(PoolRows), cached and pinned (None:
     no room in the pool)."""
     n, kvm = len(tokens), engine.kv_manager
-    req = Request(rid, tokens, 0, adapter=adapter)
+    req = Request(rid, tokens, 0, adapter=adapter, adapter_key=engine.adapter_key(adapter))
     queries, hits = kvm.prefix_queries, kvm.prefix_hits
     if not kvm.allocate_slots(req, n):
         return None

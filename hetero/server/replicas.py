@@ -151,7 +151,7 @@ class HeteroReplica:
             return None
         engine = self.state.live_engine()
         doc = job.ids[:job.doc_len]
-        if engine.kv_manager.num_cached_blocks(doc, job.adapter) == n:
+        if engine.kv_manager.num_cached_blocks(doc, engine.adapter_key(job.adapter)) == n:
             return "hit"
         fp = self._fingerprints.get(job.adapter)
         if fp is None:
@@ -161,7 +161,7 @@ class HeteroReplica:
                 fingerprint, engine.model, engine.spec, engine.adapter_digest(job.adapter))
         key = self.store.key(fp, doc)
         async with self._locks[key]:
-            if engine.kv_manager.num_cached_blocks(doc, job.adapter) == n:
+            if engine.kv_manager.num_cached_blocks(doc, engine.adapter_key(job.adapter)) == n:
                 return "hit"
             if self.store.has(key):
                 try:
