@@ -184,6 +184,24 @@ def test_prefill_stage_budget_and_drops():
     assert not st.entries and st.used == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_written_by_whole_blocks_equal_the_row_scatter(dtype):
+    """PagedKV.write_rows copies whole blocks in the pool's layout (and the partial blocks at either
+    end row by row): the same rows as writing each row, for any start and length."""
+    model = build_model("llama", dtype=dtype)[0]
+    with make(model) as eng:
+        kv, g = eng.kv, torch.Generator().manual_seed(0)
+        Hkv, D = eng.spec.kv_heads, eng.spec.head_dim
+        for start, n in [(0, 64), (5, 100), (32, 31), (40, 7), (0, 1), (63, 34), (31, 2)]:
+            k, v = (torch.randn(Hkv, n, D, generator=g).to(dtype) for _ in range(2))
+            fast, each = torch.arange(0, 8), torch.arange(8, 16)
+            kv.write_rows(1, fast, start, k, v)
+            kv._write_each(1, each, start, k, v)
+            for table in (fast, each):
+                got_k, got_v = kv.read_rows(1, table, start + n)
+                assert torch.equal(got_k[:, start:], k) and torch.equal(got_v[:, start:], v), (start, n)
+
+
 def test_a_failed_step_and_close_drop_the_staged_rows(llama, monkeypatch):
     from hetero.engine import runner
 
