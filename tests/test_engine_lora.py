@@ -92,6 +92,17 @@ def test_a_peft_model_and_adapters_loaded_at_run_time(tmp_path):
         after = eng.add_request(doc, NEW, adapter="legal", output_scores=True)
         run(eng, [after])
         assert eng.kv_manager.prefix_hits == hits
+        # a request queued, or a document pinned, before a reload: refused, never mixing the two
+        pin = eng.pin(doc, adapter="legal")
+        pin.result()
+        queued = eng.add_request(doc + [5, 6], NEW, adapter="legal")
+        eng.unload_adapter("legal")
+        eng.load_adapter("legal", tmp_path / "legal")
+        eng.step()
+        assert isinstance(queued.error, AdapterError) and "reloaded" in str(queued.error)
+        with pytest.raises(AdapterError, match="reloaded since this document was pinned"):
+            eng.save_pin(pin, tmp_path / "doc.ctx")
+        eng.unpin(pin)
     assert_peft(pm, [s], rows[:1], ["legal"])
     assert_peft(pm, [before, after], [doc, doc], ["legal", "code"])
 

@@ -136,7 +136,6 @@ class Engine:
         self._inbox: deque = deque()
         self._lock = threading.Condition()
         self._ids = itertools.count()
-        self._unloads: dict[str, int] = {}   # name -> times unloaded: a later load's KV hashes apart
         self._thread: threading.Thread | None = None
         self._closed = False
         self.failure: BaseException | None = None
@@ -254,7 +253,7 @@ class Engine:
         rid = request_id if request_id is not None else f"pin-{next(self._ids)}"
         req = Request(rid, ids, 0, adapter=adapter, adapter_key=self.adapter_key(adapter), pin_prompt=True)
         stream = RequestStream(self, rid, len(ids))
-        stream.prompt_ids, stream.adapter = ids, adapter
+        stream.prompt_ids, stream.adapter, stream.adapter_key = ids, adapter, req.adapter_key
         return self._queue(req, None, stream)
 
     def save_pin(self, stream: RequestStream, path, extra: dict | None = None) -> None:
@@ -267,10 +266,11 @@ class Engine:
         """A document saved by save_pin, loaded into the pool and pinned without computing it: (its
         stream, finished once loaded; unpin() releases it, and the extra the file keeps). A file
         from another model or adapter, or corrupted, raises ContextFileError naming the difference."""
-        header, adapter = engine_saved.read(self, path)
+        header, adapter = engine_saved.read(self, path)         # the file's adapter is the one loaded now
         rid = f"load-{next(self._ids)}"
         stream = RequestStream(self, rid, header["length"])
         stream.prompt_ids, stream.adapter = header["tokens"] + header["pending"], adapter
+        stream.adapter_key = self.adapter_key(adapter)             # still that one when the engine loads it
         self._post(("load", header, adapter, str(path), stream))
         stream.result()
         return stream, header.get("extra") or {}
@@ -291,7 +291,7 @@ class Engine:
         if adapter is not None and adapter not in self.adapters:
             raise AdapterError(f"no adapter named {adapter!r} is loaded (loaded: {self.adapters})")
         stream = RequestStream(self, f"copy-{next(self._ids)}", 0)
-        stream.adapter = adapter
+        stream.adapter, stream.adapter_key = adapter, self.adapter_key(adapter)
         self._post(("copy", snapshot, adapter, stream))
         return stream
 
@@ -333,13 +333,14 @@ class Engine:
         """Stop serving `name`: requests still naming it fail (AdapterError) at the next step. The
         KV computed under it is never found by requests naming an adapter loaded later as `name`."""
         self._own_adapters("unload_adapter").remove_in_turn(name, self._in_turn)
-        self._unloads[name] = self._unloads.get(name, 0) + 1
 
     def adapter_key(self, name: str | None) -> str | None:
-        """What the prefix cache's block hashes take for adapter `name`: the name, marked with each
-        load of it after the first (an adapter reloaded under a name has other weights)."""
-        n = self._unloads.get(name, 0) if name is not None else 0
-        return name if n == 0 else f"{name}\x00{n}"
+        """What the prefix cache's block hashes take for adapter `name`: the name and the slot of
+        the adapter loaded under it now (each load takes a new slot, never reused: an adapter
+        reloaded under a name, with other weights, hashes apart)."""
+        store, _ = self._lora()
+        a = store.adapters.get(name) if name is not None and store is not None else None
+        return name if a is None else f"{name}\x00{a.slot}"
 
     def _own_adapters(self, what):
         if self._adapters is None:
@@ -401,10 +402,11 @@ class Engine:
         self._drain_inbox()
         store, _ = self._lora()
         for r in [r for r in self.scheduler.requests.values() if r.adapter is not None]:
-            if store is None or r.adapter not in store.adapters:        # unloaded since it was added
-                self.scheduler.abort(r.request_id)
+            if store is None or r.adapter not in store.adapters or self.adapter_key(r.adapter) != r.adapter_key:
+                self.scheduler.abort(r.request_id)              # unloaded (or reloaded) since it was added
                 self._samplers.pop(r.request_id, None)
-                self._streams.pop(r.request_id)._push([], error=AdapterError(f"adapter {r.adapter!r} was unloaded"))
+                self._streams.pop(r.request_id)._push([], error=AdapterError(
+                    f"adapter {r.adapter!r} was unloaded (or reloaded with other weights) while the request ran"))
         plan = self.scheduler.schedule()
         if plan.empty:
             return 0
@@ -448,13 +450,14 @@ class Engine:
                 try:
                     if item[0] == "load":
                         _, header, adapter, path, _ = item
-                        stream.pinned_blocks = engine_saved.load_into(self, header, adapter, path, stream.request_id)
+                        stream.pinned_blocks = engine_saved.load_into(self, header, adapter, stream.adapter_key,
+                                                                      path, stream.request_id)
                     else:
                         _, snapshot, adapter, _ = item
                         tokens, source = snapshot()
                         stream.prompt_ids = tokens
                         stream.pinned_blocks = engine_saved.copy_into(self, tokens, source, adapter,
-                                                                      stream.request_id)
+                                                                      stream.adapter_key, stream.request_id)
                 except Exception as e:
                     stream._push([], error=e)
                 else:

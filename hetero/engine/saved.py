@@ -14,7 +14,7 @@ import torch
 
 from hetero.engine.kv_pool import BLOCK_SIZE
 from hetero.engine.request import Request, RequestStatus
-from hetero.errors import CapacityError, ContextFileError
+from hetero.errors import AdapterError, CapacityError, ContextFileError
 from hetero.offload import saved
 
 
@@ -38,6 +38,9 @@ class PoolRows:
 def save_pin(engine, stream, path, extra=None):
     """Write a pin()'s blocks (computed, pinned) to `path` atomically."""
     blocks = stream.pinned_blocks
+    if stream.adapter_key != engine.adapter_key(stream.adapter):
+        raise AdapterError(f"adapter {stream.adapter!r} was reloaded since this document was pinned: its KV is the "
+                           "earlier weights'; pin it again")
     if not blocks:
         raise ValueError("that pin holds no whole block (shorter than 32 tokens, unpinned, or not computed yet)")
     n = len(blocks) * BLOCK_SIZE
@@ -60,16 +63,16 @@ def read(engine, path):
     return header, name
 
 
-def load_into(engine, header, adapter, path, rid) -> list[int]:
+def load_into(engine, header, adapter, key, path, rid) -> list[int]:
     """The engine thread: new blocks filled from the file, cached under the tokens' hashes and
     pinned. Returns the pinned blocks."""
-    blocks = pin_filled(engine, header["tokens"], adapter, rid, lambda rows: saved.fill(rows, header, path))
+    blocks = pin_filled(engine, header["tokens"], adapter, key, rid, lambda rows: saved.fill(rows, header, path))
     if blocks is None:
         raise ContextFileError(f"{path}: the pool has no room for its {header['length'] // BLOCK_SIZE} blocks")
     return blocks
 
 
-def copy_into(engine, tokens, source, adapter, rid) -> list[int]:
+def copy_into(engine, tokens, source, adapter, key, rid) -> list[int]:
     """The engine thread: new blocks filled with rows 0..len(tokens)-1 of `source` (a KVSession: a
     HeteroGenerator Context's), cached under the tokens' hashes and pinned. Returns the blocks."""
     n = len(tokens)
@@ -79,17 +82,20 @@ def copy_into(engine, tokens, source, adapter, rid) -> list[int]:
             k, v = source.read_rows(layer, 0, n)
             rows.write_rows(layer, 0, k, v)
 
-    blocks = pin_filled(engine, tokens, adapter, rid, fill)
+    blocks = pin_filled(engine, tokens, adapter, key, rid, fill)
     if blocks is None:
         raise CapacityError(f"the pool has no room for the context's {n // BLOCK_SIZE} blocks")
     return blocks
 
 
-def pin_filled(engine, tokens, adapter, rid, fill) -> list[int] | None:
-    """New blocks for `tokens` (whole blocks) filled by fill(PoolRows), cached and pinned (None:
-    no room in the pool)."""
+def pin_filled(engine, tokens, adapter, key, rid, fill) -> list[int] | None:
+    """New blocks for `tokens` (whole blocks) filled by fill(PoolRows), cached under adapter key
+    `key` (taken when the caller checked the source: the adapter must still be that one) and pinned
+    (None: no room in the pool)."""
+    if key != engine.adapter_key(adapter):
+        raise AdapterError(f"adapter {adapter!r} was unloaded or reloaded before its document could be pinned")
     n, kvm = len(tokens), engine.kv_manager
-    req = Request(rid, tokens, 0, adapter=adapter, adapter_key=engine.adapter_key(adapter))
+    req = Request(rid, tokens, 0, adapter=adapter, adapter_key=key)
     queries, hits = kvm.prefix_queries, kvm.prefix_hits
     if not kvm.allocate_slots(req, n):
         return None

@@ -35,6 +35,7 @@ class RequestStream:
         self.pad_token_id: int | None = None              # what generate pads a finished sequence with
         self.pinned_blocks: list[int] | None = None       # a pin()'s blocks, once computed (unpin releases)
         self.prompt_ids: list[int] | None = None          # a pin()'s document and adapter
+        self.adapter_key: str | None = None               # a pin()'s adapter as its blocks were hashed
         self.adapter: str | None = None
         self.unpinned = False
         self.cached_tokens = 0                      # prompt tokens found in the prefix cache (at its admission)
