@@ -20,6 +20,8 @@
 # top ops in the JSON (e.g. "--contexts 131072 --systems hetero_chunked --chunk 32768 --continue-context 0 --profile":
 # "auto" runs 128K in one pass, no tiles). The 768K prompt (a 96 GiB arena): add "--ram-fraction 0.95 --timeout 540";
 # every cell's log goes to $OUT/<out>_cells.log as it runs.
+# gpu_engine (the engine vs transformers' continuous batching, bench/gpu_engine.py): one load per call, each
+# cell a fresh 8B model, e.g. GPU_ENGINE_ARGS="--loads 8x32768 --timeout 200" (8x8K took ~90 s for both systems).
 # At most 8 files come back from $OUT: one log per step and one JSON per benchmark.
 set -uo pipefail
 OUT=${OUT:-/tmp/hetero_device}
