@@ -17,7 +17,7 @@ each needs it.
   state           written by                              read by
   _engine         the calling threads (under _make_lock)  the calling threads
   _pins           the calling threads (under _pin_lock)   the calling threads; Context close (forget)
-  _built_for      the calling threads (under _make_lock)  _ensure
+  _built_for      the calling threads (under _make_lock)  _ensure (the weights_key the engine's KV was computed with)
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ class GeneratorEngine:
         self._make_lock = threading.Lock()
         self._pins = weakref.WeakKeyDictionary()  # Context -> (engine, its pin stream, blocks pinned)
         self._pin_lock = threading.Lock()         # one pin at a time: two calls over a context pin it once
-        self._built_for = None                    # the weights and adapters the engine's KV was computed with
+        self._built_for = None                    # the weights the engine's KV was computed with
 
     @property
     def busy(self) -> bool:
@@ -66,27 +66,26 @@ class GeneratorEngine:
         return e is not None and e.failure is None and e.has_unfinished
 
     def _ensure(self):
-        """The engine, built for the model's weights and adapters as they are now; None where the
-        model is not one the engine serves, or it has requests computed with other weights (the
-        call then runs HF's loop: its prefix cache and pins would be stale)."""
+        """The engine, built for the model's weights as they are now; None where the model is not
+        one the engine serves, or the weights changed under requests still running (the call then
+        runs HF's loop: the engine's prefix cache and pins hold KV of the old weights). Adapters
+        need no such check: each load hashes apart (Engine.adapter_key)."""
         from hetero.engine.engine import Engine
+        from hetero.offload.registry import weights_key
 
         gen = self._gen()
-        state = model_state(gen)
+        weights = weights_key(gen.model)
         with self._make_lock:
             e = self.engine
-            if e is not None and not same_state(state, self._built_for):
-                if e.has_unfinished:
-                    return None
-                self.engine = None
-                e.close()
-            e = self.engine
-            if e is not None and (e.failure is not None or e.pool is not gen._pool or not e.pool.alive):
+            if e is not None and weights != self._built_for and e.has_unfinished:
+                return None
+            if e is not None and (weights != self._built_for or e.failure is not None or e.pool is not gen._pool
+                                  or not e.pool.alive):
                 self.engine = None
                 e.close()
             if self.engine is None:
                 self._pins.clear()                # they were the old engine's
-                self._built_for = state
+                self._built_for = weights
             if self.engine is None and self.refused is None:
                 calls, model, pool = gen._calls, gen.model, gen._ensure_pool()
                 try:             # the pool is used at the first step only, under the lock (step_guard)
@@ -194,16 +193,3 @@ def left_padded(rows: list[list[int]], pad: int, like: torch.Tensor) -> torch.Te
     S = max(len(r) for r in rows)
     return torch.tensor([[pad] * (S - len(r)) + r for r in rows], dtype=like.dtype, device=like.device)
 
-
-def model_state(gen):
-    """What the engine's cached KV depends on besides the tokens: the base weights (weights_key)
-    and the generator's adapter objects by name (a reload under a name is a new object)."""
-    from hetero.offload.registry import weights_key
-
-    store = gen._store
-    return weights_key(gen.model), tuple(sorted(store.adapters.items())) if store is not None else ()
-
-
-def same_state(a, b) -> bool:
-    return b is not None and a[0] == b[0] and len(a[1]) == len(b[1]) and \
-        all(n == m and x is y for (n, x), (m, y) in zip(a[1], b[1]))

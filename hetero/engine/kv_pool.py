@@ -230,12 +230,13 @@ class KVCacheManager:
             hs.append(block_hash(hs[-1] if hs else None, request.tokens(i * bs, (i + 1) * bs), key))
         return hs[:n]
 
-    def num_cached_blocks(self, tokens: Sequence[int], adapter: str | None = None) -> int:
-        """How many of the leading whole blocks of `tokens` (under `adapter`) the cache holds: what a
-        request starting with them would find (hetero serve --replicas asks before routing a document)."""
+    def num_cached_blocks(self, tokens: Sequence[int], adapter_key: str | None = None) -> int:
+        """How many of the leading whole blocks of `tokens` (under the adapter of Engine.adapter_key)
+        the cache holds: what a request starting with them would find (hetero serve --replicas asks
+        before routing a document)."""
         h, n = None, 0
         for i in range(len(tokens) // self.block_size):
-            h = block_hash(h, tokens[i * self.block_size:(i + 1) * self.block_size], adapter)
+            h = block_hash(h, tokens[i * self.block_size:(i + 1) * self.block_size], adapter_key)
             if h not in self.pool.cached:
                 break
             n += 1

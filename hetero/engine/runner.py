@@ -149,8 +149,8 @@ class StepAttention(UpdateOrder):
 
     def _staged(self, layer, c: _Chunk, kc, vc):
         """The chunk's keys/values over rows 0..start+n-1 from its stage, its new rows added (the
-        earlier rows read from the pool once, when the stage is new). Rows pass through the pool's
-        dtype, as rows read back from it would."""
+        earlier rows read from the pool once, when the stage is new). The pool keeps the model's
+        dtype (STORAGE_CODES), so staged rows equal rows read back."""
         st = c.stage.layers.get(layer)
         if st is None:
             Hkv, _, D = kc.shape
@@ -160,9 +160,7 @@ class StepAttention(UpdateOrder):
         if c.start and not c.staged:
             ck, cv = self.kv.read_rows(layer, c.table, c.start)
             K[:, :c.start], V[:, :c.start] = ck, cv
-        pool = self.kv.kv[layer][0].dtype
-        K[:, c.start:end] = kc if kc.dtype == pool else kc.to(pool).to(kc.dtype)
-        V[:, c.start:end] = vc if vc.dtype == pool else vc.to(pool).to(vc.dtype)
+        K[:, c.start:end], V[:, c.start:end] = kc, vc
         return K[:, :end], V[:, :end]
 
 

@@ -196,3 +196,8 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def queue_full(what: str) -> APIError:
+    """429, OpenAI's rate_limit_error: `what` is full."""
+    return APIError(429, f"{what} is full; retry later", type="rate_limit_error")

@@ -40,7 +40,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from hetero.engine.kv_pool import BLOCK_SIZE
 from hetero.errors import CapacityError, ContextFileError, EngineError
-from hetero.server.protocol import APIError, bad
+from hetero.server.protocol import APIError, bad, queue_full
 from hetero.server.state import Front, check_context_name, check_length
 from hetero.server.store import ContextStore
 
@@ -248,7 +248,7 @@ class RemoteStream:
             raise
         except Exception as e:
             if type(e).__name__ == "BackPressureError":     # Ray's queue in front of the replicas is full
-                raise queue_full(None) from None
+                raise queue_full("Ray Serve's queue in front of the replicas") from None
             cause = getattr(e, "cause", None)
             if isinstance(cause, APIError):
                 raise cause from None
@@ -342,7 +342,8 @@ class ReplicatedState(Front):
         self.check_ready()
         check_length(ids, max_tokens, self.max_model_len)
         if self.in_flight >= self.capacity:
-            raise queue_full(self.capacity)
+            raise queue_full(f"the replicas' room ({self.capacity} requests in flight: --max-num-seqs on each "
+                             "and --max-queue waiting)")
         n = doc_len() if callable(doc_len) else (doc_len or 0)
         job = Job(list(ids), sampling, adapter, max_tokens, n, route_key(ids, n))
         gen = self.replicas.options(stream=True).generate.remote(job)
@@ -386,12 +387,6 @@ class ReplicatedState(Front):
             raise APIError(404, f"no context named {name!r} (created: {self.store.names()})",
                            type="not_found_error", param="context")
         return ctx
-
-
-def queue_full(capacity: int | None) -> APIError:
-    what = f"{capacity} requests in flight" if capacity is not None else "Ray Serve's queue"
-    return APIError(429, f"the replicas are full ({what}: max_num_seqs per replica and --max-queue waiting); "
-                         "retry later", type="rate_limit_error")
 
 
 class Ingress:

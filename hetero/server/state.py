@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from hetero.engine.config import EngineConfig
 from hetero.errors import AdapterError, CapacityError, EngineError
-from hetero.server.protocol import APIError, bad
+from hetero.server.protocol import APIError, bad, queue_full
 
 log = logging.getLogger("hetero")
 
@@ -184,8 +184,7 @@ class ServerState(Front):
         self.check_ready()
         engine = self.live_engine()
         if self.queue_depth() >= self.max_queue:
-            raise APIError(429, f"the server's queue is full ({self.max_queue} requests waiting); retry later",
-                           type="rate_limit_error")
+            raise queue_full(f"the server's queue ({self.max_queue} requests waiting)")
         room = check_length(ids, max_tokens, engine.max_model_len)
         kw = dict(sampling.kwargs)
         if sampling.stop:
