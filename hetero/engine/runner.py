@@ -181,10 +181,10 @@ def chunk_attention(q, k, v, start, window, scale, softcap=None, sinks=None):
     G = q.shape[0] // k.shape[0]
     gqa = G > 1 and q.device.type == "cpu"
     if G > 1 and not gqa:
-        # CUDA: sdpa's grouped-query path (enable_gqa) has no kernel taking a mask but the math
-        # one, which would hold [Hq, n, start+n] scores; the memory-efficient kernel takes the
-        # keys repeated instead. The CPU's flash kernel reads each key head once for its G query
-        # heads (a 4K-key chunk's attention 3x faster than over repeated keys; equal bits)
+        # CUDA: keys repeated, the path measured on the GPU (with a mask and enable_gqa, sdpa may
+        # fall back to its math kernel, which holds [Hq, n, start+n] scores). The CPU's flash
+        # kernel takes enable_gqa and reads each key head once for its G query heads (a 4K-key
+        # chunk's attention 3x faster than over repeated keys; equal bits)
         k, v = k.repeat_interleave(G, 0), v.repeat_interleave(G, 0)
     o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None and n > 1,
                                        scale=scale, enable_gqa=gqa)
