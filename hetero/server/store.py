@@ -6,6 +6,9 @@ replica can read (a directory: local disk for replicas on one host, a shared mou
                            fingerprint-checked by Engine.load_pin, which names any mismatch)
   names/<name>.json        a named context (POST /v1/contexts): its token ids, its messages (a chat
                            context) and adapter, written atomically
+  adapters.json            the adapters served by name: {name: directory} (--adapters at start, then
+                           POST /v1/load_lora_adapter / unload), written atomically; adapter
+                           directories must be readable by every replica, as the store is
 
 key = sha256 over the model's fingerprint (its weights' digest and the KV's shape:
 hetero.offload.saved.fingerprint), the adapter's digest and the token ids: two replicas of one
@@ -14,6 +17,7 @@ model find each other's documents; another model, dtype or adapter never matches
   who writes                       who reads
   the replica that prefilled it    any replica missing the document (load instead of prefill)
   the ingress (names)              every ingress replica (a request naming a context)
+  the ingress (adapters.json)      every replica, before each request (loads and unloads to match)
 """
 from __future__ import annotations
 
@@ -62,15 +66,7 @@ class ContextStore:
         return os.path.join(self.root, "names", f"{name}.json")
 
     def put_name(self, name: str, record: dict) -> None:
-        fd, tmp = tempfile.mkstemp(dir=os.path.join(self.root, "names"), prefix=".tmp-")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(record, f)
-            os.replace(tmp, self._name_path(name))
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        _write_json(self._name_path(name), record)
 
     def get_name(self, name: str) -> dict | None:
         try:
@@ -89,3 +85,28 @@ class ContextStore:
     def names(self) -> list[str]:
         return sorted(f[:-5] for f in os.listdir(os.path.join(self.root, "names")) if f.endswith(".json")
                       and not f.startswith("."))
+
+    # ---- adapters served by name
+    def adapters(self) -> dict[str, str]:
+        """{name: directory} of the adapters requests may name ({} before any was set)."""
+        try:
+            with open(os.path.join(self.root, "adapters.json")) as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return {}
+
+    def set_adapters(self, adapters: dict[str, str]) -> None:
+        _write_json(os.path.join(self.root, "adapters.json"), dict(adapters))
+
+
+def _write_json(path: str, record) -> None:
+    """record as JSON at path, atomically: a temporary name beside it, then rename."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
