@@ -199,3 +199,53 @@ def test_two_replicas_route_by_document_share_the_store_and_survive_a_kill(tmp_p
         assert server.stop() == 0
     left = [n for n in os.listdir(shm.SHM_DIR) if any(f"_{p}_" in n for p in pids)]
     assert not left, left
+
+
+def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(tmp_path, smol):
+    """--autoscaling: Ray Serve's autoscaler starts a second replica while requests outnumber its
+    target, routes to it, and removes one when the load is gone: its process exits and leaves no
+    shared-memory name; the answers equal HF generate throughout."""
+    import json
+
+    cfg = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1, "upscale_delay_s": 0,
+           "downscale_delay_s": 1, "look_back_period_s": 1}
+    q = [{"role": "user", "content": "Name three colours of the rainbow."}]
+    want = hf_text(smol, chat_ids(smol[1], q), 8, do_sample=False)[0]
+    server = Server("--autoscaling", json.dumps(cfg), "--saved-contexts", str(tmp_path), "--max-num-seqs", "4")
+    pids = set()
+    try:
+        async def wave(n):
+            async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="test-key", max_retries=0) as c:
+                rs = await asyncio.gather(*(c.chat.completions.create(model=NAME, messages=q, max_tokens=8,
+                                                                      temperature=0) for _ in range(n)))
+            return {r.choices[0].message.content for r in rs}
+
+        deadline = time.monotonic() + 150
+        while len(replica_counts(server)) < 2:                 # 6 requests in flight against a target of 1
+            assert time.monotonic() < deadline, "the autoscaler started no second replica"
+            assert asyncio.run(wave(6)) == {want}
+        pids = {int(pid) for pid, _ in replica_counts(server)}
+        assert len(pids) == 2
+
+        def alive(pid):
+            try:
+                os.kill(pid, 0)
+                return True
+            except ProcessLookupError:
+                return False
+
+        deadline = time.monotonic() + 120                      # no load: back to min_replicas
+        while all(alive(p) for p in pids):
+            assert time.monotonic() < deadline, "the autoscaler removed no replica"
+            time.sleep(0.5)
+        gone = [p for p in pids if not alive(p)]
+        assert len(gone) == 1
+        deadline = time.monotonic() + 20
+        while [n for n in os.listdir(shm.SHM_DIR) if f"_{gone[0]}_" in n]:
+            assert time.monotonic() < deadline, "the removed replica's shared memory was not removed"
+            time.sleep(0.5)
+        assert asyncio.run(wave(2)) == {want}                  # the remaining replica serves
+    finally:
+        assert server.stop() == 0
+    left = [n for n in os.listdir(shm.SHM_DIR) if any(f"_{p}_" in n for p in pids)]
+    assert not left, left

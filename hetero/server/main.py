@@ -36,6 +36,34 @@ def adapter_pair(text: str) -> tuple[str, str]:
     return name, path
 
 
+def autoscaling(text: str) -> dict:
+    """argparse type: Ray Serve's autoscaling_config as a JSON object, checked by Ray's own class."""
+    import json
+
+    try:
+        cfg = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(cfg, dict) or "max_replicas" not in cfg:
+        raise argparse.ArgumentTypeError(f"a JSON object with max_replicas (Ray Serve's autoscaling_config), "
+                                         f"got {text!r}")
+    try:
+        from ray.serve.config import AutoscalingConfig
+    except ImportError:
+        return cfg                          # serve_replicas names the missing extra
+    unknown = sorted(set(cfg) - set(AutoscalingConfig.model_fields))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown autoscaling_config fields {unknown} (Ray Serve's: "
+                                         f"{sorted(AutoscalingConfig.model_fields)})")
+    try:
+        checked = AutoscalingConfig(**cfg)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).replace("\n", " ")) from None
+    if checked.min_replicas < 1:              # the ingress asks a replica for the tokenizer as it starts
+        raise argparse.ArgumentTypeError(f"min_replicas must be at least 1, got {checked.min_replicas}")
+    return cfg
+
+
 def add_arguments(p: argparse.ArgumentParser, positive):
     p.add_argument("--model", default=None, help="a transformers causal LM directory or hub id "
                                                 "(default: the embedded SmolLM2-135M-Instruct)")
@@ -62,12 +90,16 @@ def add_arguments(p: argparse.ArgumentParser, positive):
     p.add_argument("--replicas", type=positive, default=None, help="N engines on Ray Serve (the ray extra), each on "
                    "its share of the cores, requests routed by document; --saved-contexts is their shared context "
                    "store (default: a temporary directory)")
+    p.add_argument("--autoscaling", type=autoscaling, default=None, metavar="JSON", help="replicas as with "
+                   "--replicas, their number set by Ray Serve's autoscaler: its autoscaling_config as JSON, e.g. "
+                   "'{\"min_replicas\": 1, \"max_replicas\": 4, \"target_ongoing_requests\": 8}'; each replica gets "
+                   "the cores / max_replicas")
     p.add_argument("--routing", choices=["document", "pow2"], default="document", help="with --replicas: by the "
                    "prompt's document (default), or Ray Serve's default power-of-two-choices (load only)")
 
 
 def serve(args) -> int:
-    if args.replicas:
+    if args.replicas or args.autoscaling:
         return serve_replicas(args)
     try:
         import uvicorn
@@ -101,7 +133,7 @@ def serve(args) -> int:
 
 
 def serve_replicas(args) -> int:
-    """`hetero serve --replicas N`: a local Ray instance, the replicas' application (hetero.server.replicas)
+    """`hetero serve --replicas N` (or --autoscaling): a local Ray instance, the replicas' application (hetero.server.replicas)
     on its HTTP proxy, until SIGTERM/Ctrl-C; then Serve and Ray shut down (the replicas close their engines)."""
     import tempfile
 
@@ -115,24 +147,27 @@ def serve_replicas(args) -> int:
             from e
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     cores = len(os.sched_getaffinity(0))
-    per = max(1, cores // args.replicas)
+    most = args.autoscaling["max_replicas"] if args.autoscaling else args.replicas
+    per = max(1, cores // most)
     store = os.path.abspath(args.saved_contexts) if args.saved_contexts else tempfile.mkdtemp(prefix="hetero-store-")
     engine = engine_options(args)
     adapters = {name: os.path.abspath(path) for name, path in args.adapters}
     model = os.path.abspath(args.model) if args.model and os.path.isdir(args.model) else args.model
-    ray.init(num_cpus=max(cores, per * args.replicas), include_dashboard=False, log_to_driver=args.log_level ==
+    ray.init(num_cpus=max(cores, per * most), include_dashboard=False, log_to_driver=args.log_level ==
              "debug", logging_level=args.log_level.upper())
     stop = []
     for sig in (signal.SIGTERM, signal.SIGINT):     # after ray.init, which installs its own
         signal.signal(sig, lambda s, f: stop.append(s))
     try:
         ray_serve.start(http_options={"host": args.host, "port": args.port})
-        ray_serve.run(build(replicas=args.replicas, model=model, dtype=args.dtype, engine=engine, store=store,
-                            adapters=adapters, api_key=args.api_key, cores_per_replica=per,
-                            max_ongoing_requests=args.max_num_seqs, max_queued_requests=args.max_queue,
-                            routing=args.routing, served_model_name=args.served_model_name),
+        ray_serve.run(build(replicas=args.replicas or 1, autoscaling_config=args.autoscaling, model=model,
+                            dtype=args.dtype, engine=engine, store=store, adapters=adapters, api_key=args.api_key,
+                            cores_per_replica=per, max_ongoing_requests=args.max_num_seqs,
+                            max_queued_requests=args.max_queue, routing=args.routing,
+                            served_model_name=args.served_model_name),
                       name="hetero", route_prefix="/")
-        print(f"hetero serve: {args.replicas} replicas on {per} core(s) each at http://{args.host}:{args.port} "
+        count = (f"{args.autoscaling.get('min_replicas', 1)}-{most}" if args.autoscaling else args.replicas)
+        print(f"hetero serve: {count} replicas on {per} core(s) each at http://{args.host}:{args.port} "
               f"(context store {store})", flush=True)
         while not stop:
             signal.pause()
