@@ -249,3 +249,15 @@ def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(tmp_path, sm
         assert server.stop() == 0
     left = [n for n in os.listdir(shm.SHM_DIR) if any(f"_{p}_" in n for p in pids)]
     assert not left, left
+
+
+@pytest.mark.parametrize("text, msg", [('[1', "not JSON"), ('{"min_replicas": 1}', "max_replicas"),
+                                       ('{"max_replicas": 2, "max_replica": 3}', r"unknown .*max_replica"),
+                                       ('{"min_replicas": 0, "max_replicas": 2}', "at least 1"),
+                                       ('{"min_replicas": 3, "max_replicas": 2}', "greater than or equal")])
+def test_bad_autoscaling_configs_are_named_at_the_command_line(text, msg, capsys):
+    from hetero.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--autoscaling", text])
+    assert e.value.code == 2 and re.search(msg, capsys.readouterr().err)
