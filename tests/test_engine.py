@@ -105,6 +105,51 @@ def test_shared_prefix_is_cached_and_read_once(llama, engine):
 
 
 @pytest.mark.parametrize("stage", [0, 1 << 30])
+def test_a_sliding_window_keeps_a_ring_of_blocks(stage):
+    """Every layer of Mistral attends through one window (20 keys here): a request holds only the
+    blocks its window still sees, so requests of ~7 blocks each run in a pool of 6 (without the
+    ring, refused); a later request over a cached prefix takes only the prefix's blocks in its
+    window; a pinned document keeps every block. Exact vs HF throughout (also with staged chunks)."""
+    model, _ = build_model("mistral", sliding_window=20)
+    with make(model, kv_blocks=6, prefill_stage_memory=stage) as eng:
+        assert eng.kv_manager.window == 20
+        ps = prompts([200, 150, 170], seed=12)
+        streams = [eng.add_request(p, NEW, output_scores=True) for p in ps]
+        peak = 0
+        while not all(s.finished for s in streams):
+            eng.step()
+            eng.kv_manager.check_invariants()
+            for r in eng.kv_manager.holders.values():
+                peak = max(peak, sum(b >= 0 for b in r.block_table))
+        assert 0 < peak <= 3                              # blocks_for(20 - 1 + 16) + 1
+        for s, p in zip(streams, ps):
+            assert_exact(model, s, p)
+        assert_idle(eng)
+    with make(model, kv_blocks=12, prefill_stage_memory=stage) as eng:
+        a = eng.add_request(ps[0], NEW)
+        run(eng, [a])
+        cont = ps[0] + prompts([20], seed=13)[0]          # 6 whole blocks cached; the window sees the last
+        s = eng.add_request(cont, NEW, output_scores=True)
+        eng.step()
+        r = eng.scheduler.requests[s.request_id]
+        assert r.num_cached_tokens == 192 and r.ring_start == 5 and r.block_table[:5] == [-1] * 5
+        run(eng, [s])
+        assert_exact(model, s, cont)
+        doc = eng.pin(prompts([100], seed=14)[0])
+        run(eng, [doc])
+        assert eng.kv_manager.pool.num_pinned_blocks == 3      # the document's whole blocks, all kept
+        q = doc.prompt_ids + prompts([40], seed=15)[0]
+        s = eng.add_request(q, NEW, output_scores=True)
+        run(eng, [s])
+        assert_exact(model, s, q)
+        eng.unpin(doc)
+        eng.step()
+        assert_idle(eng)
+    with make(model, kv_blocks=2) as eng, pytest.raises(CapacityError, match="at once"):
+        eng.add_request(ps[0], NEW)                       # 3 blocks at once: past a pool of 2
+
+
+@pytest.mark.parametrize("stage", [0, 1 << 30])
 def test_preempted_requests_resume_exactly(llama, stage):
     """Also with prefill chunks staged on the device (stage: its budget): a preempted request's
     staged rows are dropped and it resumes exactly."""
@@ -123,7 +168,7 @@ def test_preempted_requests_resume_exactly(llama, stage):
 def counting_reads(eng):
     """The rows each read_rows call of the engine's pool reads back (a list that grows)."""
     reads, read = [], eng.kv.read_rows
-    eng.kv.read_rows = lambda layer, table, n: (reads.append(n), read(layer, table, n))[1]
+    eng.kv.read_rows = lambda layer, table, n, first=0: (reads.append(n - first), read(layer, table, n, first))[1]
     return reads
 
 
@@ -372,7 +417,7 @@ def test_bad_input_raises_clear_errors(llama, engine):
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request(ok, 2, request_id="same")
     run(engine, [s])
-    with pytest.raises(CapacityError, match="needs 7 KV blocks of 32 rows; the pool has 4"):
+    with pytest.raises(CapacityError, match="needs 7 KV blocks of 32 rows at once; the pool has 4"):
         with make(llama, kv_blocks=4) as small:
             small.add_request(ok, 200)
     with pytest.raises(ValueError, match="EngineConfig.max_num_seqs"):

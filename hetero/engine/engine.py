@@ -106,9 +106,12 @@ class Engine:
         self._step_guard = step_guard or contextlib.nullcontext
         self._step_lock = threading.Lock()    # held through a step; adapter loads wait for it
         try:
-            self.kv = PagedKV(pool, spec, num_blocks, -(-self.max_model_len // BLOCK_SIZE), config.max_num_seqs,
+            w = spec.windows
+            ring = w[0] if w and w[0] and all(x == w[0] for x in w) else 0   # every layer's window: a ring
+            table = -(-self.max_model_len // BLOCK_SIZE)     # a table's entries (under a ring, the -1s too)
+            self.kv = PagedKV(pool, spec, num_blocks, table if ring else min(table, num_blocks), config.max_num_seqs,
                               planner=planner or StaticPlanner(pool.n))
-            self.kv_manager = KVCacheManager(BlockPool(num_blocks))
+            self.kv_manager = KVCacheManager(BlockPool(num_blocks), window=ring)
             if lora is None:
                 self._adapters = EngineAdapters(model, pool)
                 if peft_model is not None:
@@ -207,9 +210,9 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = Request(rid, ids, max_new_tokens, eos_token_ids=set() if ignore_eos else s.eos, params=settings,
                       adapter=adapter, adapter_key=self.adapter_key(adapter))
-        need = self.kv_manager.blocks_for(req.max_rows)
+        need = self.scheduler.peak_blocks(req)
         if need > self.kv.num_blocks:
-            raise CapacityError(f"request {rid!r} needs {need} KV blocks of {BLOCK_SIZE} rows; the pool has "
+            raise CapacityError(f"request {rid!r} needs {need} KV blocks of {BLOCK_SIZE} rows at once; the pool has "
                                 f"{self.kv.num_blocks} (EngineConfig.kv_blocks / kv_memory)")
         stream = RequestStream(self, rid, len(ids))
         stream.pad_token_id = s.pad

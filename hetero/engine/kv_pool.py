@@ -22,6 +22,13 @@ LRU `evictable`). A new block comes from `free` first, then by evicting the leas
 released cached block (its hash forgotten). A block's hash is chained over all whole token
 blocks up to it and the adapter name, so equal hashes mean equal KV; only whole blocks whose
 rows are all computed are hashed, so the partial last block of a request is never shared.
+
+A model whose every layer attends through the same sliding window of W keys keeps a ring per
+request (KVCacheManager(window=W)): once no later token can see a block (its last row before the
+window of the next row to compute), drop_out_of_window gives it back (to the prefix cache, as any
+released block) and its table entry becomes -1, so a request holds at most the window's blocks
+and a chunk's (peak_blocks), however long it runs. A Context's prompt (pin_prompt) keeps every
+block: later requests start from it.
 """
 from __future__ import annotations
 
@@ -188,8 +195,9 @@ class KVCacheManager:
     """Request-level view of a BlockPool (vLLM v1's split): prefix lookups, slot allocation,
     caching of completed blocks, freeing. The scheduler calls it; only it writes block tables."""
 
-    def __init__(self, pool: BlockPool):
+    def __init__(self, pool: BlockPool, window: int = 0):
         self.pool, self.block_size = pool, pool.block_size
+        self.window = window                    # the sliding window every layer shares (0: none, no ring)
         self.holders: dict[str, Request] = {}   # requests whose block_table holds blocks
         # whole prompt blocks a holder is computing and has not cached yet: hash -> its id (a request
         # whose prefix continues into one waits for it rather than computing it again: pending_prefix)
@@ -220,6 +228,28 @@ class KVCacheManager:
 
     def blocks_for(self, rows: int) -> int:
         return -(-rows // self.block_size)
+
+    def peak_blocks(self, request: Request, chunk: int) -> int:
+        """The most blocks the request holds at once when it computes at most `chunk` tokens a step:
+        all of its rows' blocks, or under a ring the window's and a chunk's (and one more where
+        they straddle block edges)."""
+        n = self.blocks_for(request.max_rows)
+        if not self.window or request.pin_prompt:
+            return n
+        return min(n, self.blocks_for(self.window - 1 + chunk) + 1)
+
+    def drop_out_of_window(self, request: Request) -> None:
+        """Under a ring: give back the request's blocks that no token from num_computed_tokens on can
+        see (every row before the window of that token's row), leaving -1 in their table entries."""
+        if not self.window or request.pin_prompt:
+            return
+        first = max(request.num_computed_tokens - self.window + 1, 0) // self.block_size
+        first = min(first, request.num_registered_blocks)      # only blocks offered to the cache go
+        t = request.block_table
+        if first > request.ring_start:
+            self.pool.release(t[request.ring_start:first])
+            t[request.ring_start:first] = [-1] * (first - request.ring_start)
+            request.ring_start = first
 
     def hashes(self, request: Request, n: int) -> list[bytes]:
         """The chained hashes of the request's first n whole token blocks (memoized on it)."""
@@ -276,11 +306,15 @@ class KVCacheManager:
             raise ValueError(f"{request.request_id!r}: cached blocks for a request already holding blocks")
         rows = request.num_computed_tokens + len(computed) * bs + num_new_tokens
         need = max(self.blocks_for(rows) - len(request.block_table) - len(computed), 0)
-        reviving = sum(1 for b in set(computed) if self.pool.refcount[b] == 0)
+        skip = 0                                # under a ring: cached blocks the window no longer sees
+        if computed and self.window and not request.pin_prompt:
+            skip = max(len(computed) * bs - self.window + 1, 0) // bs
+        reviving = sum(1 for b in set(computed[skip:]) if self.pool.refcount[b] == 0)
         if need > self.pool.num_available_blocks - reviving:
             return False
-        self.pool.touch(computed)
-        request.block_table.extend(computed + self.pool.take(need))
+        self.pool.touch(computed[skip:])
+        request.block_table.extend([-1] * skip + computed[skip:] + self.pool.take(need))
+        request.ring_start = max(request.ring_start, skip)
         if admitting:
             self.prefix_queries += request.num_tokens
             self.prefix_hits += len(computed) * bs
@@ -308,13 +342,13 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Drop the request's references, its last block first (so the tail is evicted first)."""
-        self.pool.release(reversed(request.block_table))
+        self.pool.release(reversed(request.block_table[request.ring_start:]))
         bs, rid = self.block_size, request.request_id
         for h in request.block_hashes[:request.num_prompt_tokens // bs]:
             if self.promised.get(h) == rid:
                 del self.promised[h]
         request.block_table.clear()
-        request.num_registered_blocks = 0
+        request.num_registered_blocks = request.ring_start = 0
         self.holders.pop(request.request_id, None)
 
     def pin(self, blocks: Sequence[int]) -> None:
@@ -331,6 +365,8 @@ class KVCacheManager:
             raise ValueError(f"{request.request_id!r}: {num_blocks} blocks are not all computed")
         hs = self.hashes(request, num_blocks)
         blocks = [self.pool.cached.get(h, request.block_table[i]) for i, h in enumerate(hs)]
+        if -1 in blocks:
+            raise ValueError(f"{request.request_id!r}: blocks its ring gave back cannot be pinned")
         self.pool.pin(blocks)
         return blocks
 
@@ -349,7 +385,7 @@ class KVCacheManager:
         holders: dict[int, list[str]] = defaultdict(list)
         rc = self.pool.refcount
         for r in requests:
-            for b in r.block_table:
+            for b in r.block_table[r.ring_start:]:
                 if rc[b] > 1:
                     holders[b].append(r.request_id)
         return {b: ids for b, ids in holders.items() if len(ids) > 1}
@@ -359,11 +395,15 @@ class KVCacheManager:
         pool and the holders' tables are consistent (the tests call it after every operation)."""
         expected = self.pool.pins.astype(np.int32)
         for rid, r in self.holders.items():
-            t = r.block_table
+            _check(all(b == -1 for b in r.block_table[:r.ring_start]), f"{rid}: ring entries {r}")
+            t = r.block_table[r.ring_start:]
             _check(rid == r.request_id and not r.is_finished, f"holder {rid}: {r}")
+            _check(r.ring_start == 0 or (self.window and r.num_computed_tokens - self.window + 1 >=
+                                         r.ring_start * self.block_size), f"{rid}: a block dropped in its window")
             _check(len(set(t)) == len(t), f"{rid} holds a block twice: {t}")
-            _check(r.num_computed_tokens <= len(t) * self.block_size, f"{rid}: computed rows outside its table")
-            _check(r.num_registered_blocks <= len(t), f"{rid}: registered blocks outside its table")
+            _check(r.num_computed_tokens <= len(r.block_table) * self.block_size,
+                   f"{rid}: computed rows outside its table")
+            _check(r.num_registered_blocks <= len(r.block_table), f"{rid}: registered blocks outside its table")
             np.add.at(expected, np.asarray(t, np.int64), 1)
         for rid in set(self.promised.values()):
             _check(rid in self.holders, f"prompt blocks promised by {rid}, which holds no blocks")

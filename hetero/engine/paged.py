@@ -44,7 +44,6 @@ class PagedKV:
     def __init__(self, pool, spec, num_blocks: int, max_blocks_per_seq: int, max_seqs: int,
                  max_groups: int | None = None, planner=None):
         self.pool, self.spec = pool, spec
-        max_blocks_per_seq = min(max_blocks_per_seq, num_blocks)
         groups = max(max_seqs // 2, 1) if max_groups is None else max_groups
         self.layout = SessionLayout(batch=max_seqs, q_heads=spec.q_heads, kv_heads=spec.kv_heads,
                                     head_dim=spec.head_dim, cap=BK, layers=spec.layers,
@@ -151,17 +150,18 @@ class PagedKV:
         Kl.view(Hkv, -1, Dp // P, BK, P)[:, blk, :, col] = key.transpose(0, 1).reshape(n, Hkv, Dp // P, P)
         Vl[:, blk, :, col] = value.transpose(0, 1).reshape(n, Hkv, Dp // W, W)
 
-    def read_rows(self, layer: int, table: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A request's rows 0..n-1 through its block table: ([Hkv, n, D], [Hkv, n, D]) copies."""
-        nb = -(-n // BK)
+    def read_rows(self, layer: int, table: torch.Tensor, n: int, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """A request's rows first..n-1 (first: a multiple of BK) through its block table:
+        ([Hkv, n - first, D], [Hkv, n - first, D]) copies."""
+        b0, nb = first // BK, -(-n // BK) - first // BK
         Kl, Vl = self.kv[layer]
-        K, V = Kl[:, table[:nb]], Vl[:, table[:nb]]   # [Hkv, nb, Dp, BK], [Hkv, nb, Dp/W, BK, W]
+        K, V = Kl[:, table[b0:b0 + nb]], Vl[:, table[b0:b0 + nb]]   # [Hkv, nb, Dp, BK], [Hkv, nb, Dp/W, BK, W]
         Hkv, Dp = K.shape[0], K.shape[2]
         P = 2 if self.layout.code == BF16 else 1
         k = K.reshape(Hkv, nb, Dp // P, BK, P).transpose(2, 3).reshape(Hkv, nb * BK, Dp)
         v = V.transpose(2, 3).reshape(Hkv, nb * BK, Dp)
         D = self.spec.head_dim
-        return k[:, :n, :D], v[:, :n, :D]
+        return k[:, :n - first, :D], v[:, :n - first, :D]
 
     # ---- decode: one token per request, attended by the workers
     def begin_decode(self, lengths: list[int], tables: list[list[int]]):
@@ -203,7 +203,7 @@ class PagedKV:
         v["pstart"][:n] = 0
         by_first: dict[int, list[int]] = {}
         for i, t in enumerate(tables):
-            if L[i] >= BK:                         # a whole block read before this step's token
+            if L[i] >= BK and t[0] >= 0:           # a whole block read before this step's token (not a ring's)
                 by_first.setdefault(t[0], []).append(i)
         g = 0
         for members in by_first.values():

@@ -14,10 +14,13 @@ Who owns what (all of it lives in the engine thread; nothing here is shared with
                                  KVCacheManager (cache hit)     KVCacheManager
   num_cached_tokens              KVCacheManager (cache hit)     metrics
   pinned_blocks                  Scheduler (pin_prompt)         the Context that owns them
+  ring_start                     KVCacheManager (ring)          KVCacheManager, the runner
 
 Token i of `all_token_ids` (prompt then outputs) has its KV in row i % block_size of block
 block_table[i // block_size]. Rows [0, num_computed_tokens) are written; a running request that
-has just sampled has exactly one token (the sampled one) whose KV is not written yet.
+has just sampled has exactly one token (the sampled one) whose KV is not written yet. Under a
+sliding window every layer shares (KVCacheManager's ring), the blocks no later token can see are
+given back as the request goes: block_table[:ring_start] are -1.
 """
 from __future__ import annotations
 
@@ -69,6 +72,7 @@ class Request:
     num_registered_blocks: int = 0         # block_table[:n] were offered to the prefix cache
     pinned_blocks: list[int] | None = None
     num_preemptions: int = 0
+    ring_start: int = 0                    # block_table[:ring_start] given back (-1): out of the window
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]

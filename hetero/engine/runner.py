@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from hetero import attention
 from hetero.adapters.hooks import LoraBatch, active_batch
 from hetero.compat import forward_cache_kwarg
+from hetero.engine.kv_pool import BLOCK_SIZE
 from hetero.engine.paged import PagedKV
 from hetero.engine.request import RequestStatus
 from hetero.engine.scheduler import SchedulerOutput
@@ -50,6 +51,7 @@ class _Chunk:
     start: int            # the request's first new row (its cached rows before it)
     n: int
     table: torch.Tensor   # int64 block table (CPU)
+    first: int = 0        # the first cached row it reads (a ring's: its blocks before are given back)
     stage: _Staged | None = None   # the request's rows kept on the device (PrefillStage)
     staged: bool = False           # stage holds rows 0..start-1 already (else: read them from the pool)
 
@@ -138,40 +140,40 @@ class StepAttention(UpdateOrder):
             if c.stage is not None:
                 kc, vc = self._staged(layer, c, kc, vc)
             elif c.start:
-                ck, cv = self.kv.read_rows(layer, c.table, c.start)
+                ck, cv = self.kv.read_rows(layer, c.table, c.start, c.first)
                 kc = torch.cat([ck.to(kc.device, kc.dtype), kc], 1)
                 vc = torch.cat([cv.to(vc.device, vc.dtype), vc], 1)
             self.kv.write_rows(layer, c.table, c.start, k[:, rows], v[:, rows])
-            out[rows] = chunk_attention(q[:, rows], kc, vc, c.start, window or 0, scale, softcap, sinks)
+            out[rows] = chunk_attention(q[:, rows], kc, vc, c.start, window or 0, scale, softcap, sinks, c.first)
         if d is not None:
             out[d] = self.kv.finish_decode(sinks).to(out.device, out.dtype)
         return out.unsqueeze(0)
 
     def _staged(self, layer, c: _Chunk, kc, vc):
-        """The chunk's keys/values over rows 0..start+n-1 from its stage, its new rows added (the
-        earlier rows read from the pool once, when the stage is new). The pool keeps the model's
-        dtype (STORAGE_CODES), so staged rows equal rows read back."""
+        """The chunk's keys/values over rows first..start+n-1 from its stage, its new rows added
+        (the earlier rows read from the pool once, when the stage is new). The pool keeps the
+        model's dtype (STORAGE_CODES), so staged rows equal rows read back."""
         st = c.stage.layers.get(layer)
         if st is None:
             Hkv, _, D = kc.shape
             st = c.stage.layers[layer] = (kc.new_empty(Hkv, c.stage.size, D), vc.new_empty(Hkv, c.stage.size, D))
         K, V = st
         end = c.start + c.n
-        if c.start and not c.staged:
-            ck, cv = self.kv.read_rows(layer, c.table, c.start)
-            K[:, :c.start], V[:, :c.start] = ck, cv
+        if c.start > c.first and not c.staged:
+            ck, cv = self.kv.read_rows(layer, c.table, c.start, c.first)
+            K[:, c.first:c.start], V[:, c.first:c.start] = ck, cv
         K[:, c.start:end], V[:, c.start:end] = kc, vc
-        return K[:, :end], V[:, :end]
+        return K[:, c.first:end], V[:, c.first:end]
 
 
-def chunk_attention(q, k, v, start, window, scale, softcap=None, sinks=None):
-    """Causal attention of q [Hq, n, D] (positions start..start+n-1) over k/v [Hkv, start+n, D]
-    (rows 0..start+n-1), with a sliding window of `window` keys (0: none) -> [n, Hq, D]."""
+def chunk_attention(q, k, v, start, window, scale, softcap=None, sinks=None, first=0):
+    """Causal attention of q [Hq, n, D] (positions start..start+n-1) over k/v [Hkv, start+n-first, D]
+    (rows first..start+n-1), with a sliding window of `window` keys (0: none) -> [n, Hq, D]."""
     n, total = q.shape[1], k.shape[1]
     mask = None
     if start or window:
         i = torch.arange(start, start + n, device=q.device)[:, None]
-        j = torch.arange(total, device=q.device)[None, :]
+        j = torch.arange(first, first + total, device=q.device)[None, :]
         mask = j <= i
         if window:
             mask &= i - j < window
@@ -222,7 +224,7 @@ class ModelRunner:
                 lengths.append(s.start)
                 tables.append(r.block_table)
             else:
-                c = _Chunk(off, s.start, n, torch.tensor(r.block_table, dtype=torch.int64))
+                c = _Chunk(off, s.start, n, torch.tensor(r.block_table, dtype=torch.int64), r.ring_start * BLOCK_SIZE)
                 c.stage, c.staged = self.stage.chunk(r, s.start, n)
                 chunks.append((r, c))
             if s.samples:

@@ -129,14 +129,19 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.status is not RequestStatus.WAITING or request.block_table or request.num_computed_tokens:
             raise ValueError(f"only a new request can be added: {request}")
-        need, room = self.kv.blocks_for(request.max_rows), self.kv.room_for(request)
+        need, room = self.peak_blocks(request), self.kv.room_for(request)
         if need > room:
+            ring = f" (a ring of the {self.kv.window}-token window's blocks)" if self.kv.window else ""
             raise CapacityError(
                 f"request {request.request_id!r} needs {request.max_rows} KV rows ({request.num_prompt_tokens} "
-                f"prompt + {request.max_new_tokens} new - 1) = {need} blocks of {self.kv.block_size}; the pool has "
-                f"{self.kv.num_blocks} blocks, {self.kv.num_blocks - room} of them pinned by contexts")
+                f"prompt + {request.max_new_tokens} new - 1): {need} blocks of {self.kv.block_size} at once{ring}; "
+                f"the pool has {self.kv.num_blocks} blocks, {self.kv.num_blocks - room} of them pinned by contexts")
         self.waiting.append(request)
         self.requests[request.request_id] = request
+
+    def peak_blocks(self, request: Request) -> int:
+        """The most blocks the request holds at once (KVCacheManager.peak_blocks at this chunk size)."""
+        return self.kv.peak_blocks(request, self.config.long_prefill_chunk or self.config.max_num_batched_tokens)
 
     def abort(self, request_id: str) -> Request | None:
         """Finish the request as aborted and free its blocks now; None if it is not live."""
@@ -218,6 +223,7 @@ class Scheduler:
             elif r.num_computed_tokens == r.num_tokens and r.num_output_tokens >= r.max_new_tokens:
                 status = RequestStatus.FINISHED_LENGTH     # max_new_tokens=0: the prompt alone
             self.kv.cache_full_blocks(r)
+            self.kv.drop_out_of_window(r)
             if r.pin_prompt and r.pinned_blocks is None and r.num_computed_tokens >= r.num_prompt_tokens:
                 r.pinned_blocks = self.kv.pin_prefix(r, r.num_prompt_tokens // self.kv.block_size)
             if status is not None:

@@ -121,7 +121,8 @@ class SessionLayout:
     private: int = 0        # rows K/V hold per request (0: cap); less with shared prefixes (a multiple of BK)
     groups: int = 0         # shared-prefix groups (Contexts read in place), NG
     blocks: int = 0         # a paged pool's blocks (0: an arena of cap rows per request)
-    maxblk: int = 0         # a paged pool's block-table width: blocks one request may hold
+    maxblk: int = 0         # a paged pool's block-table width: blocks one request's rows span (more than
+                            # the pool's blocks under a sliding window's ring: the entries it gave back are -1)
 
     def __post_init__(self):
         if self.cap % BK or self.ring % BK:
@@ -132,7 +133,7 @@ class SessionLayout:
                 not 0 <= self.groups <= self.batch:
             raise ValueError(f"{self.groups} shared-prefix groups, {self.private} private rows (cap {self.cap}, "
                              f"{self.ring_layers} ring layers, batch {self.batch})")
-        if self.blocks and (self.ring_layers or self.private or not 0 < self.maxblk <= self.blocks):
+        if self.blocks and (self.ring_layers or self.private or self.maxblk <= 0):
             raise ValueError(f"a paged pool of {self.blocks} blocks: tables {self.maxblk} wide, "
                              f"{self.ring_layers} ring layers, {self.private} private rows")
 
