@@ -104,6 +104,19 @@ def test_shared_prefix_is_cached_and_read_once(llama, engine):
     assert_idle(engine)
 
 
+def test_chunks_read_cached_rows_of_padded_heads_exactly():
+    """A head_dim the pool pads (24 -> 32): prompt chunks read earlier rows back through the block
+    table (PagedKV.read_rows) and match HF."""
+    model, _ = build_model("llama", hidden_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=24)
+    with make(model) as eng:
+        ps = prompts([77, 45], seed=16)
+        streams = [eng.add_request(p, NEW, output_scores=True) for p in ps]
+        run(eng, streams)
+        for s, p in zip(streams, ps):
+            assert_exact(model, s, p)
+        assert_idle(eng)
+
+
 @pytest.mark.parametrize("stage", [0, 1 << 30])
 def test_a_sliding_window_keeps_a_ring_of_blocks(stage):
     """Every layer of Mistral attends through one window (20 keys here): a request holds only the
@@ -168,7 +181,8 @@ def test_preempted_requests_resume_exactly(llama, stage):
 def counting_reads(eng):
     """The rows each read_rows call of the engine's pool reads back (a list that grows)."""
     reads, read = [], eng.kv.read_rows
-    eng.kv.read_rows = lambda layer, table, n, first=0: (reads.append(n - first), read(layer, table, n, first))[1]
+    eng.kv.read_rows = lambda layer, table, n, first=0, new=None: (reads.append(n - first),
+                                                                     read(layer, table, n, first, new))[1]
     return reads
 
 
@@ -230,10 +244,12 @@ def test_prefill_stage_budget_and_drops():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rows_written_by_whole_blocks_equal_the_row_scatter(dtype):
+@pytest.mark.parametrize("head_dim", [16, 24])
+def test_rows_written_by_whole_blocks_equal_the_row_scatter(dtype, head_dim):
     """PagedKV.write_rows copies whole blocks in the pool's layout (and the partial blocks at either
-    end row by row): the same rows as writing each row, for any start and length."""
-    model = build_model("llama", dtype=dtype)[0]
+    end row by row): the same rows as writing each row, for any start and length; read_rows from a
+    later block (a ring's first) with new rows after gives the same rows (also with padded heads)."""
+    model = build_model("llama", dtype=dtype, hidden_size=4 * head_dim, head_dim=head_dim)[0]
     with make(model) as eng:
         kv, g = eng.kv, torch.Generator().manual_seed(0)
         Hkv, D = eng.spec.kv_heads, eng.spec.head_dim
@@ -245,6 +261,11 @@ def test_rows_written_by_whole_blocks_equal_the_row_scatter(dtype):
             for table in (fast, each):
                 got_k, got_v = kv.read_rows(1, table, start + n)
                 assert torch.equal(got_k[:, start:], k) and torch.equal(got_v[:, start:], v), (start, n)
+                first = (start + n - 1) // 32 * 32
+                a, b = (torch.randn(Hkv, 3, D, generator=g).to(dtype) for _ in range(2))
+                rk, rv = kv.read_rows(1, table, start + n, first, new=(a, b))
+                assert torch.equal(rk, torch.cat([got_k[:, first:], a], 1)), (start, n)
+                assert torch.equal(rv, torch.cat([got_v[:, first:], b], 1)), (start, n)
 
 
 def test_a_failed_step_and_close_drop_the_staged_rows(llama, monkeypatch):

@@ -150,18 +150,29 @@ class PagedKV:
         Kl.view(Hkv, -1, Dp // P, BK, P)[:, blk, :, col] = key.transpose(0, 1).reshape(n, Hkv, Dp // P, P)
         Vl[:, blk, :, col] = value.transpose(0, 1).reshape(n, Hkv, Dp // W, W)
 
-    def read_rows(self, layer: int, table: torch.Tensor, n: int, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """A request's rows first..n-1 (first: a multiple of BK) through its block table:
-        ([Hkv, n - first, D], [Hkv, n - first, D]) copies."""
+    def read_rows(self, layer: int, table: torch.Tensor, n: int, first: int = 0,
+                  new: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A request's rows first..n-1 (first: a multiple of BK) through its block table, then the
+        rows of `new` (K, V [Hkv, m, D]) when given, on new's device: ([Hkv, n - first (+ m), D]) x 2,
+        copies. One gather of whole blocks, then one copy that turns them into rows."""
         b0, nb = first // BK, -(-n // BK) - first // BK
         Kl, Vl = self.kv[layer]
-        K, V = Kl[:, table[b0:b0 + nb]], Vl[:, table[b0:b0 + nb]]   # [Hkv, nb, Dp, BK], [Hkv, nb, Dp/W, BK, W]
+        idx = table[b0:b0 + nb]
+        K, V = Kl.index_select(1, idx), Vl.index_select(1, idx)   # [Hkv, nb, Dp, BK], [Hkv, nb, Dp/W, BK, W]
         Hkv, Dp = K.shape[0], K.shape[2]
         P = 2 if self.layout.code == BF16 else 1
-        k = K.reshape(Hkv, nb, Dp // P, BK, P).transpose(2, 3).reshape(Hkv, nb * BK, Dp)
-        v = V.transpose(2, 3).reshape(Hkv, nb * BK, Dp)
+        m, extra = n - first, 0 if new is None else new[0].shape[1]
+        rows = max(nb * BK, m + extra)           # the last block's rows past n are overwritten by new's
+        k, v = K.new_empty(Hkv, rows, Dp), V.new_empty(Hkv, rows, Dp)
+        k[:, :nb * BK].view(Hkv, nb, BK, Dp // P, P).copy_(K.view(Hkv, nb, Dp // P, BK, P).transpose(2, 3))
+        v[:, :nb * BK].view(Hkv, nb, BK, Dp // W, W).copy_(V.transpose(2, 3))
         D = self.spec.head_dim
-        return k[:, :n - first, :D], v[:, :n - first, :D]
+        if new is None:
+            return k[:, :m, :D], v[:, :m, :D]
+        kn, vn = new
+        k, v = k[:, :m + extra, :D].to(kn.device, kn.dtype), v[:, :m + extra, :D].to(vn.device, vn.dtype)
+        k[:, m:], v[:, m:] = kn, vn
+        return k, v
 
     # ---- decode: one token per request, attended by the workers
     def begin_decode(self, lengths: list[int], tables: list[list[int]]):

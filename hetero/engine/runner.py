@@ -140,9 +140,7 @@ class StepAttention(UpdateOrder):
             if c.stage is not None:
                 kc, vc = self._staged(layer, c, kc, vc)
             elif c.start:
-                ck, cv = self.kv.read_rows(layer, c.table, c.start, c.first)
-                kc = torch.cat([ck.to(kc.device, kc.dtype), kc], 1)
-                vc = torch.cat([cv.to(vc.device, vc.dtype), vc], 1)
+                kc, vc = self.kv.read_rows(layer, c.table, c.start, c.first, new=(kc, vc))
             self.kv.write_rows(layer, c.table, c.start, k[:, rows], v[:, rows])
             out[rows] = chunk_attention(q[:, rows], kc, vc, c.start, window or 0, scale, softcap, sinks, c.first)
         if d is not None:
