@@ -24,7 +24,6 @@ class EngineConfig:
     kv_blocks: int | None = None              # the pool's 32-row blocks; None: from kv_memory
     kv_memory: int | None = None              # the pool's bytes; None: ram_fraction of the available RAM, at most
                                               # what max_num_seqs requests of max_model_len tokens hold
-                                              # (under a sliding window's ring: of its window and a chunk)
     ram_fraction: float = 0.5
     policy: Policy = field(default_factory=FCFSPolicy)
     background: bool = True                   # add_request starts the step loop's thread (False: call step())

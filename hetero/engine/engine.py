@@ -95,8 +95,6 @@ class Engine:
             why = "LongRoPE switches factors" if min(limits) == spec.rope_switch else "the model's positions end"
             raise ValueError(f"EngineConfig.max_model_len={self.max_model_len} is past {min(limits)} tokens, where "
                              f"{why}; the engine serves requests up to there")
-        w = spec.windows
-        self.ring = w[0] if w and w[0] and all(x == w[0] for x in w) else 0   # every layer's window: a ring
         num_blocks = self._num_blocks()
         self._own_pool = pool is None
         if pool is None:
@@ -108,10 +106,12 @@ class Engine:
         self._step_guard = step_guard or contextlib.nullcontext
         self._step_lock = threading.Lock()    # held through a step; adapter loads wait for it
         try:
+            w = spec.windows
+            ring = w[0] if w and w[0] and all(x == w[0] for x in w) else 0   # every layer's window: a ring
             table = -(-self.max_model_len // BLOCK_SIZE)     # a table's entries (under a ring, the -1s too)
-            self.kv = PagedKV(pool, spec, num_blocks, table if self.ring else min(table, num_blocks),
-                              config.max_num_seqs, planner=planner or StaticPlanner(pool.n))
-            self.kv_manager = KVCacheManager(BlockPool(num_blocks), window=self.ring)
+            self.kv = PagedKV(pool, spec, num_blocks, table if ring else min(table, num_blocks), config.max_num_seqs,
+                              planner=planner or StaticPlanner(pool.n))
+            self.kv_manager = KVCacheManager(BlockPool(num_blocks), window=ring)
             if lora is None:
                 self._adapters = EngineAdapters(model, pool)
                 if peft_model is not None:
@@ -152,11 +152,7 @@ class Engine:
         if cfg.kv_blocks is not None:
             n = cfg.kv_blocks
         else:
-            per_seq = -(-self.max_model_len // BLOCK_SIZE)
-            if self.ring:         # a request holds its window's and a chunk's blocks (KVCacheManager.peak_blocks)
-                chunk = cfg.long_prefill_chunk or cfg.max_num_batched_tokens
-                per_seq = min(per_seq, -(-(self.ring - 1 + chunk) // BLOCK_SIZE) + 1)
-            need = cfg.max_num_seqs * per_seq
+            need = cfg.max_num_seqs * -(-self.max_model_len // BLOCK_SIZE)
             if cfg.kv_memory is not None:
                 room = cfg.kv_memory
             else:                 # a default within the RAM and the shared-memory filesystem's room
