@@ -331,3 +331,45 @@ def test_pool_pressure_preempts_and_every_request_finishes():
                    (r.status is RequestStatus.FINISHED_LENGTH and len(r.output_token_ids) == 10)
         assert kv.num_used_blocks == 0
     assert preempted > 0
+
+
+def _serve(s, r):
+    """Run request r alone through scheduler s to its end (every sampled token 7)."""
+    s.add(r)
+    while not r.is_finished:
+        out = s.schedule()
+        s.update(out, {x.request.request_id: 7 for x in out.scheduled if x.samples})
+
+
+def test_a_ring_evicts_a_finished_document_from_its_tail():
+    """The blocks a ring gave back early are the LRU's oldest; when the request ends they move
+    behind its tail, so eviction takes the document's tail first and a later request finds its
+    head (the chain starts there), as without a ring."""
+    for window in (0, 6):
+        kv = KVCacheManager(BlockPool(7, 4), window=window)
+        s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=4, long_prefill_chunk=4), kv)
+        doc = [3, 4, 5, 6] * 6                                  # 6 whole blocks
+        _serve(s, Request("a", doc + [8], 1))
+        _serve(s, Request("c", [9] * 11, 1))                    # 3 blocks: evicts 2 of the document's
+        b = Request("b", doc + [8, 8], 1)
+        _serve(s, b)
+        assert b.num_cached_tokens == 16, window               # its first 4 blocks
+        kv.check_invariants()
+
+
+def test_a_ring_request_over_pinned_blocks_needs_room_of_its_own():
+    """Under a ring a request's peak is new blocks (it reads only the pinned blocks in its
+    window): pinned blocks are no room for it, so one that cannot fit beside them is refused."""
+    kv = KVCacheManager(BlockPool(7, 4), window=6)
+    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=4, long_prefill_chunk=4), kv)
+    doc = [3, 4, 5, 6] * 6
+    ctx = Request("ctx", doc, 0, pin_prompt=True)
+    _serve(s, ctx)
+    assert kv.pool.num_pinned_blocks == 6
+    with pytest.raises(CapacityError, match="1 of them|6 of them pinned"):
+        s.add(Request("q", doc + [8, 8, 8], 4))                # 3 blocks at once > the 1 unpinned
+    kv.unpin(ctx.pinned_blocks)
+    q = Request("q", doc + [8, 8, 8], 4)
+    _serve(s, q)
+    assert q.num_cached_tokens == 24                           # the pinned prefix, found again
+    kv.check_invariants()

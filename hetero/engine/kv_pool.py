@@ -341,8 +341,14 @@ class KVCacheManager:
         request.num_registered_blocks = n
 
     def free(self, request: Request) -> None:
-        """Drop the request's references, its last block first (so the tail is evicted first)."""
+        """Drop the request's references, its last block first (so the tail is evicted first; a
+        ring's blocks given back earlier, oldest in the LRU, move after them, the first block last:
+        a prefix is found from its first block, so its head must be evicted last)."""
         self.pool.release(reversed(request.block_table[request.ring_start:]))
+        for h in reversed(request.block_hashes[:request.ring_start]):
+            b = self.pool.cached.get(h)
+            if b is not None and b in self.pool.evictable:
+                self.pool.evictable.move_to_end(b)
         bs, rid = self.block_size, request.request_id
         for h in request.block_hashes[:request.num_prompt_tokens // bs]:
             if self.promised.get(h) == rid:
@@ -372,10 +378,10 @@ class KVCacheManager:
 
     def room_for(self, request: Request) -> int:
         """Blocks the request could hold alone in the pool: every block but the pinned ones, except
-        the pinned blocks its cached prefix would read."""
+        the pinned blocks its cached prefix would read (not under a ring: its peak is new blocks)."""
         pinned = self.pool.num_pinned_blocks
-        if pinned == 0:
-            return self.num_blocks
+        if pinned == 0 or (self.window and not request.pin_prompt):
+            return self.num_blocks - pinned
         blocks, _ = self.get_computed_blocks(request) if not request.block_table else ([], 0)
         return self.num_blocks - pinned + sum(1 for b in blocks if self.pool.pins[b])
 

@@ -131,7 +131,8 @@ class Scheduler:
             raise ValueError(f"only a new request can be added: {request}")
         need, room = self.peak_blocks(request), self.kv.room_for(request)
         if need > room:
-            ring = f" (a ring of the {self.kv.window}-token window's blocks)" if self.kv.window else ""
+            ring = f" (a ring of the {self.kv.window}-token window's blocks)" \
+                if self.kv.window and not request.pin_prompt else ""
             raise CapacityError(
                 f"request {request.request_id!r} needs {request.max_rows} KV rows ({request.num_prompt_tokens} "
                 f"prompt + {request.max_new_tokens} new - 1): {need} blocks of {self.kv.block_size} at once{ring}; "
