@@ -9,6 +9,7 @@ import copy
 import os
 import pickle
 import re
+import shutil
 import signal
 import time
 
@@ -81,8 +82,8 @@ def test_two_replicas_route_by_document_share_the_store_and_survive_a_kill(tmp_p
     pm = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"],
                                                          init_lora_weights=False), adapter_name="legal")
     pm.eval()
-    pm.save_pretrained(tmp_path / "lora")
-    adapter_dir = str(tmp_path / "lora" / "legal")
+    pm.save_pretrained(tmp_path / "lora")                  # served from the start (--adapters), removed later
+    pm.save_pretrained(tmp_path / "lora2")                 # the same adapter, loaded again from here
 
     def peft_text(messages):
         ids = chat_ids(tok, messages)
@@ -90,7 +91,8 @@ def test_two_replicas_route_by_document_share_the_store_and_survive_a_kill(tmp_p
                           pad_token_id=tok.eos_token_id)
         return tok.decode(out[0, len(ids):], skip_special_tokens=True)
 
-    server = Server("--replicas", "2", "--saved-contexts", str(tmp_path), "--max-num-seqs", "2", "--max-queue", "2")
+    server = Server("--replicas", "2", "--saved-contexts", str(tmp_path), "--max-num-seqs", "2", "--max-queue", "2",
+                    "--adapters", f"legal={tmp_path / 'lora' / 'legal'}")
     pids = set()
     try:
         c = server.client()
@@ -123,23 +125,30 @@ def test_two_replicas_route_by_document_share_the_store_and_survive_a_kill(tmp_p
             c.chat.completions.create(model=NAME, messages=q, max_tokens=10**6)
         with pytest.raises(openai.NotFoundError, match="does not exist"):
             c.chat.completions.create(model="nope", messages=q, max_tokens=4)
-        # adapters at run time: loaded through the ingress, served by both replicas exactly as peft
+        # adapters: served by both replicas exactly as peft; unloaded, then loaded again under its name
+        # from another directory (the first one removed) through the ingress at run time
         h = {"Authorization": "Bearer test-key"}
+
+        def legal_on_both():
+            for i in {w: i for i, w in where.items()}.values():      # a document on each replica
+                r = c.chat.completions.create(model="legal", messages=document(i) + q, max_tokens=8, temperature=0)
+                assert r.choices[0].message.content == peft_text(document(i) + q), i
+
+        assert sorted(m.id for m in c.models.list()) == sorted([NAME, "legal"])
+        legal_on_both()
         r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/nonexistent"},
                        headers=h, timeout=60)
         assert r.status_code == 400 and "cannot load adapter" in r.json()["error"]["message"], r.text
-        r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "legal", "lora_path": adapter_dir},
-                       headers=h, timeout=60)
-        assert r.status_code == 200, r.text
-        assert sorted(m.id for m in c.models.list()) == sorted([NAME, "legal"])
-        for i in {w: i for i, w in where.items()}.values():          # a document on each replica
-            r = c.chat.completions.create(model="legal", messages=document(i) + q, max_tokens=8, temperature=0)
-            assert r.choices[0].message.content == peft_text(document(i) + q), i
         assert httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "legal"},
                           headers=h).status_code == 200
         with pytest.raises(openai.NotFoundError):
             c.chat.completions.create(model="legal", messages=q, max_tokens=2)
         assert [m.id for m in c.models.list()] == [NAME]
+        shutil.rmtree(tmp_path / "lora")                   # a replica Ray starts later must not need it
+        r = httpx.post(server.url + "/v1/load_lora_adapter", headers=h, timeout=60,
+                       json={"lora_name": "legal", "lora_path": str(tmp_path / "lora2" / "legal")})
+        assert r.status_code == 200, r.text                # the replicas still holding the old one follow first
+        legal_on_both()
 
         # past the replicas' room (2 running on each, 2 waiting) a request gets 429, as from hetero serve
         body = {"model": NAME, "messages": q, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
@@ -189,8 +198,14 @@ def test_two_replicas_route_by_document_share_the_store_and_survive_a_kill(tmp_p
         deadline = time.monotonic() + 120
         while len({pid for pid, _ in replica_counts(server)} - {str(victim_pid)}) < 2:
             assert time.monotonic() < deadline, "Ray did not start a new replica"
-            ask(document(len(where) + int(time.monotonic())))
+            last = document(len(where) + int(time.monotonic()))
+            before = replica_counts(server)
+            ask(last)
         pids |= {int(pid) for pid, _ in replica_counts(server)}
+        new = {k for k, v in replica_counts(server).items() if v != before.get(k, 0)}
+        assert int(next(iter(new))[0]) not in (victim_pid, *(int(p) for p, _ in where.values()))
+        r = c.chat.completions.create(model="legal", messages=last + q, max_tokens=8, temperature=0)
+        assert r.choices[0].message.content == peft_text(last + q)       # the new replica serves the adapter
         deadline = time.monotonic() + 20
         while [n for n in os.listdir(shm.SHM_DIR) if f"_{victim_pid}_" in n]:
             assert time.monotonic() < deadline, "the killed replica's shared memory was not removed"
@@ -261,3 +276,12 @@ def test_bad_autoscaling_configs_are_named_at_the_command_line(text, msg, capsys
     with pytest.raises(SystemExit) as e:
         main(["serve", "--autoscaling", text])
     assert e.value.code == 2 and re.search(msg, capsys.readouterr().err)
+
+
+def test_autoscaling_takes_ray_s_reading_and_not_beside_replicas(capsys):
+    from hetero.cli import main
+    from hetero.server.main import autoscaling
+
+    assert autoscaling('{"max_replicas": "4", "upscale_delay_s": 0}') == {"max_replicas": 4, "upscale_delay_s": 0.0}
+    assert main(["serve", "--replicas", "2", "--autoscaling", '{"max_replicas": 2}']) == 2
+    assert "not both" in capsys.readouterr().err

@@ -61,7 +61,7 @@ def autoscaling(text: str) -> dict:
         raise argparse.ArgumentTypeError(str(e).replace("\n", " ")) from None
     if checked.min_replicas < 1:              # the ingress asks a replica for the tokenizer as it starts
         raise argparse.ArgumentTypeError(f"min_replicas must be at least 1, got {checked.min_replicas}")
-    return cfg
+    return checked.model_dump(exclude_unset=True)     # as Ray read them ("4" -> 4)
 
 
 def add_arguments(p: argparse.ArgumentParser, positive):
@@ -99,6 +99,9 @@ def add_arguments(p: argparse.ArgumentParser, positive):
 
 
 def serve(args) -> int:
+    if args.replicas and args.autoscaling:
+        print("hetero serve: error: give --replicas N or --autoscaling JSON, not both", file=sys.stderr)
+        return 2
     if args.replicas or args.autoscaling:
         return serve_replicas(args)
     try:

@@ -45,6 +45,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from hetero.engine.kv_pool import BLOCK_SIZE
 from hetero.errors import CapacityError, ContextFileError, EngineError
+from hetero.ipc import shm
 from hetero.server.protocol import APIError, bad, queue_full
 from hetero.server.state import Front, check_context_name, check_length
 from hetero.server.store import ContextStore
@@ -132,15 +133,19 @@ class HeteroReplica:
             os.sched_setaffinity(0, share)
             torch.set_num_threads(len(share))
         m, tok, served = load(model, dtype)
+        # the adapters: the store's list (`adapters`, bound at build, is its first state; a replica
+        # Ray starts later takes what the API has made of it since)
         self.state = ServerState(m, tok, model_name=served_model_name or served, engine_config=EngineConfig(**engine),
-                                 adapters=adapters, max_queue=1 << 30)
+                                 max_queue=1 << 30)
         self.state.status = "ready"
         self.store = ContextStore(store)
         self._locks: dict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
-        self._fingerprints: dict[str | None, dict] = {}     # by Engine.adapter_key: a reload hashes apart
-        self._adapters_seen: dict | None = None             # the store's adapters.json as last followed
+        self._fingerprints: dict[str | None, dict] = {}     # by Engine.adapter_key (a reload hashes apart),
+        self._fingerprints_of = None                        # for this engine (a new one numbers slots anew)
+        self._adapters_seen: dict | None = None             # the store's adapters.json as last matched
         self._adapter_failures: dict[str, str] = {}         # adapters this replica could not load: why
         self._adapter_lock = asyncio.Lock()
+        self._match_adapters()
 
     def check_health(self):
         """Ray Serve's health check: a failed engine is replaced; one that cannot be fails the replica."""
@@ -154,31 +159,40 @@ class HeteroReplica:
 
     async def load_adapter(self, name: str, path: str) -> None:
         """The ingress's check of an adapter before it enters the store's list: loaded here (a
-        bad name or directory raises hetero serve's 400); the other replicas follow the list."""
+        bad name or directory raises hetero serve's 400) after matching the list (an adapter of
+        that name unloaded there may still be loaded here); the other replicas follow the list."""
         async with self._adapter_lock:
+            await asyncio.to_thread(self._match_adapters)
             await asyncio.to_thread(self.state.load_adapter, name, path)
 
-    async def _follow_adapters(self, adapter: str | None) -> None:
-        """Load and unload adapters to match the store's list when it changed since last seen (a
-        file read per request), before a request runs; then a request naming an adapter this
-        replica could not load fails, naming why."""
+    def _match_adapters(self) -> None:
+        """Load and unload adapters to match the store's list (blocking: at start, or under
+        _adapter_lock). A load that fails is remembered for the requests naming it, and tried
+        again before the next request."""
         want = self.store.adapters()
-        if want != self._adapters_seen:
+        have = dict(self.state.adapter_models())
+        for name, path in have.items():
+            if want.get(name) != path:
+                self.state.unload_adapter(name)
+        failures = {}
+        for name, path in want.items():
+            if have.get(name) != path:
+                try:
+                    self.state.load_adapter(name, path)
+                except APIError as e:
+                    log.warning("replica %s: adapter %r does not load: %s", self.name, name, e.message)
+                    failures[name] = e.message
+        self._adapter_failures = failures
+        self._adapters_seen = None if failures else want
+
+    async def _follow_adapters(self, adapter: str | None) -> None:
+        """Before a request: match the store's adapter list when it changed since last matched (a
+        file read per request); then a request naming an adapter this replica could not load
+        fails, naming why."""
+        if self.store.adapters() != self._adapters_seen:
             async with self._adapter_lock:
-                want = self.store.adapters()
-                have = dict(self.state.adapter_models())
-                for name, path in have.items():
-                    if want.get(name) != path:
-                        await asyncio.to_thread(self.state.unload_adapter, name)
-                self._adapter_failures = {}
-                for name, path in want.items():
-                    if have.get(name) != path:
-                        try:
-                            await asyncio.to_thread(self.state.load_adapter, name, path)
-                        except APIError as e:
-                            log.warning("replica %s: adapter %r does not load: %s", self.name, name, e.message)
-                            self._adapter_failures[name] = e.message
-                self._adapters_seen = want
+                if self.store.adapters() != self._adapters_seen:
+                    await asyncio.to_thread(self._match_adapters)
         if adapter in self._adapter_failures:
             raise APIError(500, f"replica {self.name} cannot serve adapter {adapter!r}: "
                            f"{self._adapter_failures[adapter]}", type="server_error")
@@ -193,6 +207,8 @@ class HeteroReplica:
         doc = job.ids[:job.doc_len]
         if engine.kv_manager.num_cached_blocks(doc, engine.adapter_key(job.adapter)) == n:
             return "hit"
+        if self._fingerprints_of is not engine:
+            self._fingerprints, self._fingerprints_of = {}, engine
         fp = self._fingerprints.get(engine.adapter_key(job.adapter))
         if fp is None:
             from hetero.offload.saved import fingerprint
@@ -248,8 +264,6 @@ class HeteroReplica:
         if state is not None:
             state.close()
             self.state = None
-        from hetero.ipc import shm
-
         shm.release_owner_lock()
 
 
@@ -393,6 +407,7 @@ class ReplicatedState(Front):
             self.store.set_adapters(self.store.adapters() | {name: path})
 
     def unload_adapter(self, name):
+        self.check_ready()
         with self._adapter_lock:
             adapters = self.store.adapters()
             if name not in adapters:
@@ -438,7 +453,11 @@ class ReplicatedState(Front):
         except Exception as e:
             cause = getattr(e, "cause", e)
             raise APIError(500, f"the replica computing context {name!r} failed: {cause}", type="server_error") from e
-        self.store.put_name(name, {"ids": list(ids), "adapter": adapter, "messages": messages, "source": source})
+        with self._adapter_lock:                # not an adapter unloaded while the replica computed it
+            if adapter is not None and adapter not in self.store.adapters():
+                raise APIError(404, f"adapter {adapter!r} was unloaded while context {name!r} was computed",
+                               type="not_found_error", param="model")
+            self.store.put_name(name, {"ids": list(ids), "adapter": adapter, "messages": messages, "source": source})
         return self._stored(name)
 
     def delete_context(self, name):
