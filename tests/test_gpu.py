@@ -370,3 +370,26 @@ def test_cuda_overlapping_generate_calls_join_the_engine_and_match_hf():
         assert out[i].device == x.device
         ref = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=6 + i, pad_token_id=0)
         assert torch.equal(out[i], ref), i
+
+
+def test_cuda_hetero_serve_matches_hf():
+    """`hetero serve --device cuda` (the embedded SmolLM2 on the GPU, decode attention on the CPU
+    workers) answers a chat request as HF generate does on the GPU, over HTTP, and leaves no
+    shared-memory name."""
+    pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from hetero.models import load_smollm2
+    from tests.test_server import KEY, MSG, NAME, Server, chat_ids
+
+    model, tok = load_smollm2(torch.float32)
+    model = model.cuda()
+    ids = chat_ids(tok, MSG)
+    ref = model.generate(torch.tensor([ids], device="cuda"), attention_mask=torch.ones(1, len(ids), dtype=torch.long,
+                         device="cuda"), max_new_tokens=16, do_sample=False, pad_token_id=tok.eos_token_id)
+    want = tok.decode(ref[0, len(ids):], skip_special_tokens=True)
+    s = Server("--device", "cuda", key=KEY)
+    try:
+        r = s.client().chat.completions.create(model=NAME, messages=MSG, max_tokens=16, temperature=0)
+        assert r.choices[0].message.content == want
+    finally:
+        assert s.stop() == 0

@@ -309,3 +309,12 @@ def test_a_dead_worker_fails_its_requests_with_500_and_the_server_keeps_serving(
     r = httpx.post(s.url + "/v1/chat/completions", json={**body, "max_tokens": 8}, headers=h, timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
     assert s.metrics()["hetero_engine_restarts"] == 1
+
+
+def test_device_cuda_without_a_gpu_is_named(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: tests/test_gpu.py serves on it")
+    from hetero.cli import main
+
+    assert main(["serve", "--device", "cuda"]) == 1
+    assert "torch sees no CUDA device" in capsys.readouterr().err

@@ -80,6 +80,8 @@ def add_arguments(p: argparse.ArgumentParser, positive):
     p.add_argument("--saved-contexts", default=None, help="a directory where named contexts are saved and from "
                                                           "which they are loaded at start, without a prefill")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="where the dense layers and "
+                   "prompt chunks run (auto: the GPU when there is one); decode attention is on the CPU workers")
     p.add_argument("--max-num-seqs", type=positive, default=32)
     p.add_argument("--max-model-len", type=positive, default=None)
     p.add_argument("--max-num-batched-tokens", type=positive, default=512, help="tokens per engine step")
@@ -102,6 +104,7 @@ def serve(args) -> int:
     if args.replicas and args.autoscaling:
         print("hetero serve: error: give --replicas N or --autoscaling JSON, not both", file=sys.stderr)
         return 2
+    args.device = resolve_device(args.device)
     if args.replicas or args.autoscaling:
         return serve_replicas(args)
     try:
@@ -114,7 +117,7 @@ def serve(args) -> int:
     from hetero.server.state import ServerState
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    model, tok, name = load(args.model, args.dtype)
+    model, tok, name = load(args.model, args.dtype, args.device)
     state = ServerState(model, tok, model_name=args.served_model_name or name,
                         engine_config=EngineConfig(**engine_options(args)),
                         adapters=dict(args.adapters), api_key=args.api_key, max_queue=args.max_queue,
@@ -156,6 +159,12 @@ def serve_replicas(args) -> int:
     engine = engine_options(args)
     adapters = {name: os.path.abspath(path) for name, path in args.adapters}
     model = os.path.abspath(args.model) if args.model and os.path.isdir(args.model) else args.model
+    gpus = 0
+    if args.device == "cuda":          # each replica its GPU, or a share of one when there are fewer
+        import torch
+
+        n = torch.cuda.device_count()
+        gpus = 1 if n >= most else n / most
     ray.init(num_cpus=max(cores, per * most), include_dashboard=False, log_to_driver=args.log_level ==
              "debug", logging_level=args.log_level.upper())
     stop = []
@@ -165,7 +174,8 @@ def serve_replicas(args) -> int:
         ray_serve.start(http_options={"host": args.host, "port": args.port})
         ray_serve.run(build(replicas=args.replicas or 1, autoscaling_config=args.autoscaling, model=model,
                             dtype=args.dtype, engine=engine, store=store, adapters=adapters, api_key=args.api_key,
-                            cores_per_replica=per, max_ongoing_requests=args.max_num_seqs,
+                            cores_per_replica=per, gpus_per_replica=gpus, device=args.device,
+                            max_ongoing_requests=args.max_num_seqs,
                             max_queued_requests=args.max_queue, routing=args.routing,
                             served_model_name=args.served_model_name),
                       name="hetero", route_prefix="/")
@@ -201,8 +211,20 @@ def engine_options(args) -> dict:
                 kv_memory=args.context_memory, cpu_workers=args.cpu_workers)
 
 
-def load(path: str | None, dtype: str):
-    """(model, tokenizer, served name) in dtype "fp32", "bf16" or "fp16": the embedded SmolLM2 by default."""
+def resolve_device(device: str) -> str:
+    """--device: "auto" -> "cuda" when torch sees a GPU, else "cpu"; "cuda" without one raises."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)")
+    return device
+
+
+def load(path: str | None, dtype: str, device: str = "cpu"):
+    """(model, tokenizer, served name) in dtype "fp32", "bf16" or "fp16" on `device`: the embedded
+    SmolLM2 by default."""
     import torch
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
@@ -210,9 +232,9 @@ def load(path: str | None, dtype: str):
         from hetero.models import load_smollm2
 
         model, tok = load_smollm2(dtype)
-        return model, tok, "SmolLM2-135M-Instruct"
+        return model.to(device), tok, "SmolLM2-135M-Instruct"
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().to(device)
     tok = AutoTokenizer.from_pretrained(path)
     return model, tok, os.path.basename(os.path.normpath(path))

@@ -117,7 +117,7 @@ class HeteroReplica:
     """One engine on its share of the cores (Ray Serve deployment class)."""
 
     def __init__(self, model: str | None, dtype: str, engine: dict, store: str, adapters: dict | None = None,
-                 cores_per_replica: int | None = None, served_model_name: str | None = None):
+                 cores_per_replica: int | None = None, served_model_name: str | None = None, device: str = "cpu"):
         import torch
 
         from hetero.engine.config import EngineConfig
@@ -132,7 +132,7 @@ class HeteroReplica:
             share = [usable[(rank * cores_per_replica + i) % len(usable)] for i in range(cores_per_replica)]
             os.sched_setaffinity(0, share)
             torch.set_num_threads(len(share))
-        m, tok, served = load(model, dtype)
+        m, tok, served = load(model, dtype, device)         # "cuda": the GPU Ray gave this replica
         # the adapters: the store's list (`adapters`, bound at build, is its first state; a replica
         # Ray starts later takes what the API has made of it since)
         self.state = ServerState(m, tok, model_name=served_model_name or served, engine_config=EngineConfig(**engine),
@@ -494,6 +494,7 @@ class Ingress:
 
 def build(*, replicas: int = 2, model: str | None = None, dtype: str = "fp32", engine: dict | None = None,
           store: str, adapters: dict | None = None, api_key: str | None = None, cores_per_replica: int | None = None,
+          gpus_per_replica: float = 0, device: str = "cpu",
           max_ongoing_requests: int = 32, max_queued_requests: int = 256, autoscaling_config: dict | None = None,
           routing: str = "document", imbalance: int = 4, served_model_name: str | None = None):
     """A Ray Serve application: the ingress over `replicas` HeteroReplica deployments (or Ray
@@ -502,7 +503,8 @@ def build(*, replicas: int = 2, model: str | None = None, dtype: str = "fp32", e
     host cores its process (and its engine's workers) is pinned to, by its local rank. routing:
     "document" (DocumentRouter; imbalance: the requests in flight by which a document's replica may
     lead the least loaded one before the others come first) or "pow2" (Ray Serve's default: the
-    less loaded of two replicas)."""
+    less loaded of two replicas). device "cuda": each replica's model on the GPU Ray gives it
+    (num_gpus=gpus_per_replica: 1, or a share of one GPU the replicas load their copies on)."""
     if routing not in ("document", "pow2"):
         raise ValueError(f"routing must be 'document' or 'pow2', got {routing!r}")
     engine = dict(engine or {})
@@ -515,9 +517,9 @@ def build(*, replicas: int = 2, model: str | None = None, dtype: str = "fp32", e
         HeteroReplica, name="HeteroReplica", max_ongoing_requests=max_ongoing_requests,
         max_queued_requests=max_queued_requests, health_check_period_s=5, health_check_timeout_s=60,
         graceful_shutdown_timeout_s=30,
-        ray_actor_options={"num_cpus": cores_per_replica or 1},
+        ray_actor_options={"num_cpus": cores_per_replica or 1, "num_gpus": gpus_per_replica},
         **router, **scaling,
-    ).bind(model, dtype, engine, store, adapters or {}, cores_per_replica, served_model_name)
+    ).bind(model, dtype, engine, store, adapters or {}, cores_per_replica, served_model_name, device)
     ingress = serve.deployment(serve.ingress()(Ingress), name="HeteroIngress", num_replicas=1,
                                max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
     most = autoscaling_config.get("max_replicas", 1) if autoscaling_config else replicas     # Ray's default: 1
