@@ -5,7 +5,7 @@
 # Here, once per checkout (.whl is git-ignored):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl posix_ipc==1.3.2
-# and, for the GPU server test (hetero serve --device cuda; it skips without them), the same with
+# and, for the GPU server test (hetero serve --device cuda on a tiny model; it skips without them), the same with
 #   -c constraints.txt fastapi starlette uvicorn h11 anyio sniffio click pydantic pydantic-core \
 #     annotated-types typing-inspection openai httpx httpcore certifi idna distro jiter prometheus_client
 # Then with the device tool: run(command="bash bench/device.sh", carry=[".whl"]).

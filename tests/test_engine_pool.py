@@ -262,7 +262,7 @@ def test_pool_invariants_under_random_operations(seed, window):
                 s.add(r)
                 all_reqs.append(r)
             except CapacityError:
-                assert s.peak_blocks(r) > kv.room_for(r)
+                assert s.peak_blocks(r) > kv.room_for(r, s.peak_blocks(r))
         elif roll < 0.75:
             out = _step(s, kv, content, rng)
             stats["preempted"] += len(out.preempted)
@@ -358,16 +358,20 @@ def test_a_ring_evicts_a_finished_document_from_its_tail():
 
 
 def test_a_ring_request_over_pinned_blocks_needs_room_of_its_own():
-    """Under a ring a request's peak is new blocks (it reads only the pinned blocks in its
-    window): pinned blocks are no room for it, so one that cannot fit beside them is refused."""
+    """Under a ring a request reads the pinned blocks of its prefix only while they are in its
+    window: one whose new blocks cannot fit beside the pinned ones is refused (admitted, it would
+    preempt itself forever); a short question over them is served."""
     kv = KVCacheManager(BlockPool(7, 4), window=6)
     s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=4, long_prefill_chunk=4), kv)
     doc = [3, 4, 5, 6] * 6
     ctx = Request("ctx", doc, 0, pin_prompt=True)
     _serve(s, ctx)
     assert kv.pool.num_pinned_blocks == 6
-    with pytest.raises(CapacityError, match="1 of them|6 of them pinned"):
-        s.add(Request("q", doc + [8, 8, 8], 4))                # 3 blocks at once > the 1 unpinned
+    with pytest.raises(CapacityError, match="6 of them pinned"):
+        s.add(Request("q", doc + [8, 8, 8], 4))                # 2 new blocks at once > the 1 unpinned
+    short = Request("short", doc + [8], 2)                     # 1 new block: served over the pinned ones
+    _serve(s, short)
+    assert short.num_cached_tokens == 24 and s.num_preemptions == 0
     kv.unpin(ctx.pinned_blocks)
     q = Request("q", doc + [8, 8, 8], 4)
     _serve(s, q)

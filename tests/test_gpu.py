@@ -372,24 +372,21 @@ def test_cuda_overlapping_generate_calls_join_the_engine_and_match_hf():
         assert torch.equal(out[i], ref), i
 
 
-def test_cuda_hetero_serve_matches_hf():
-    """`hetero serve --device cuda` (the embedded SmolLM2 on the GPU, decode attention on the CPU
-    workers) answers a chat request as HF generate does on the GPU, over HTTP, and leaves no
-    shared-memory name."""
-    pytest.importorskip("openai")
+def test_cuda_hetero_serve_matches_hf(tmp_path):
+    """`hetero serve --device cuda` (a tiny Llama directory: no wheel needed on the GPU machine;
+    dense layers and prompt chunks on the GPU, decode attention on the CPU workers) answers a
+    completion as HF generate does on the GPU, over HTTP, and leaves no shared-memory name."""
+    openai = pytest.importorskip("openai")
     pytest.importorskip("fastapi")
-    from hetero.models import load_smollm2
-    from tests.test_server import KEY, MSG, NAME, Server, chat_ids
+    from tests.test_server import Server, tiny_model_dir
 
-    model, tok = load_smollm2(torch.float32)
-    model = model.cuda()
-    ids = chat_ids(tok, MSG)
-    ref = model.generate(torch.tensor([ids], device="cuda"), attention_mask=torch.ones(1, len(ids), dtype=torch.long,
-                         device="cuda"), max_new_tokens=16, do_sample=False, pad_token_id=tok.eos_token_id)
-    want = tok.decode(ref[0, len(ids):], skip_special_tokens=True)
-    s = Server("--device", "cuda", key=KEY)
+    path, model, tok = tiny_model_dir(tmp_path / "tiny", device="cuda")
+    ids = [5, 9, 13, 2, 40, 7]
+    out = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=8, do_sample=False, pad_token_id=0)
+    s = Server("--model", path, "--device", "cuda", key=None)
     try:
-        r = s.client().chat.completions.create(model=NAME, messages=MSG, max_tokens=16, temperature=0)
-        assert r.choices[0].message.content == want
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+        r = c.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0)
+        assert r.choices[0].text == tok.decode(out[0, len(ids):].cpu())
     finally:
         assert s.stop() == 0

@@ -34,7 +34,8 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "hetero.cli", "serve", "--port", str(self.port), "--cpu-workers", "1",
-               "--context-memory", "512M", "--log-level", "warning", *args] + (["--api-key", key] if key else [])
+               "--context-memory", "512M", "--log-level", "warning", "--device", "cpu", *args]
+        cmd += ["--api-key", key] if key else []
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             wait_healthy(self.url, self.proc, 180)
@@ -318,3 +319,37 @@ def test_device_cuda_without_a_gpu_is_named(capsys):
 
     assert main(["serve", "--device", "cuda"]) == 1
     assert "torch sees no CUDA device" in capsys.readouterr().err
+
+
+def tiny_model_dir(path, device="cpu"):
+    """A tiny random Llama and a word-level tokenizer saved as a model directory for --model:
+    (directory, the model on `device`, its tokenizer)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.conftest import VOCAB, build_model
+
+    model, _ = build_model("llama")
+    model.generation_config.eos_token_id = None             # greedy to max_tokens on both sides
+    model.save_pretrained(path)
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w1"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w1", pad_token="w0")
+    tok.save_pretrained(path)
+    return str(path), model.to(device), tok
+
+
+def test_a_model_directory_is_served_as_hf_generates(tmp_path):
+    """--model DIR: a transformers directory (here a tiny Llama with its own tokenizer) served by
+    name; a completion over token ids equals HF generate's tokens, decoded."""
+    path, model, tok = tiny_model_dir(tmp_path / "tiny")
+    ids = [5, 9, 13, 2, 40, 7]
+    out = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=0)
+    s = Server("--model", path, key=None)
+    try:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+        assert [m.id for m in c.models.list()] == ["tiny"]
+        r = c.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0)
+        assert r.choices[0].text == tok.decode(out[0, len(ids):]) and r.usage.completion_tokens == 8
+    finally:
+        assert s.stop() == 0

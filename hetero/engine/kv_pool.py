@@ -376,14 +376,19 @@ class KVCacheManager:
         self.pool.pin(blocks)
         return blocks
 
-    def room_for(self, request: Request) -> int:
-        """Blocks the request could hold alone in the pool: every block but the pinned ones, except
-        the pinned blocks its cached prefix would read (not under a ring: its peak is new blocks)."""
+    def room_for(self, request: Request, peak: int | None = None) -> int:
+        """Blocks the request could hold alone in the pool: every block but the pinned ones, and the
+        pinned blocks its cached prefix reads (its table holds them). Under a ring (given its
+        peak_blocks) it holds at most `peak` at once and reads the pinned ones only while they are in
+        its window: they count only where its new blocks alone (all but them) are fewer than peak."""
         pinned = self.pool.num_pinned_blocks
-        if pinned == 0 or (self.window and not request.pin_prompt):
-            return self.num_blocks - pinned
+        if pinned == 0:
+            return self.num_blocks
         blocks, _ = self.get_computed_blocks(request) if not request.block_table else ([], 0)
-        return self.num_blocks - pinned + sum(1 for b in blocks if self.pool.pins[b])
+        reads = sum(1 for b in blocks if self.pool.pins[b])
+        if self.window and not request.pin_prompt and peak is not None:
+            return self.num_blocks - pinned + max(0, reads - (self.blocks_for(request.max_rows) - peak))
+        return self.num_blocks - pinned + reads
 
     def blocks_shared(self, requests: Iterable[Request]) -> dict[int, list[str]]:
         """block id -> ids of the given requests holding it, for blocks held by two or more of them:

@@ -129,14 +129,15 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.status is not RequestStatus.WAITING or request.block_table or request.num_computed_tokens:
             raise ValueError(f"only a new request can be added: {request}")
-        need, room = self.peak_blocks(request), self.kv.room_for(request)
-        if need > room:
+        need = self.peak_blocks(request)
+        if need > self.kv.room_for(request, need):
             ring = f" (a ring of the {self.kv.window}-token window's blocks)" \
                 if self.kv.window and not request.pin_prompt else ""
             raise CapacityError(
                 f"request {request.request_id!r} needs {request.max_rows} KV rows ({request.num_prompt_tokens} "
                 f"prompt + {request.max_new_tokens} new - 1): {need} blocks of {self.kv.block_size} at once{ring}; "
-                f"the pool has {self.kv.num_blocks} blocks, {self.kv.num_blocks - room} of them pinned by contexts")
+                f"the pool has {self.kv.num_blocks} blocks, {self.kv.pool.num_pinned_blocks} of them pinned by "
+                "contexts")
         self.waiting.append(request)
         self.requests[request.request_id] = request
 

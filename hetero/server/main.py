@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import re
 import signal
@@ -163,8 +164,8 @@ def serve_replicas(args) -> int:
     if args.device == "cuda":          # each replica its GPU, or a share of one when there are fewer
         import torch
 
-        n = torch.cuda.device_count()
-        gpus = 1 if n >= most else n / most
+        n = torch.cuda.device_count()    # Ray fits floor(1 / share) replicas on a GPU: a share it can place
+        gpus = 1 if n >= most else math.floor(1e4 / math.ceil(most / n)) / 1e4
     ray.init(num_cpus=max(cores, per * most), include_dashboard=False, log_to_driver=args.log_level ==
              "debug", logging_level=args.log_level.upper())
     stop = []

@@ -33,6 +33,7 @@ import asyncio
 import collections
 import hashlib
 import logging
+import math
 import os
 import threading
 import time
@@ -51,6 +52,7 @@ from hetero.server.state import Front, check_context_name, check_length
 from hetero.server.store import ContextStore
 
 log = logging.getLogger("hetero")
+RETRY_S = 10.0            # seconds before a replica tries again an adapter it could not load
 ROUTE_BLOCKS = 4          # whole blocks of a prompt's start that name its document for routing
 
 
@@ -144,6 +146,7 @@ class HeteroReplica:
         self._fingerprints_of = None                        # for this engine (a new one numbers slots anew)
         self._adapters_seen: dict | None = None             # the store's adapters.json as last matched
         self._adapter_failures: dict[str, str] = {}         # adapters this replica could not load: why
+        self._retry_at = math.inf                           # when to try them again
         self._adapter_lock = asyncio.Lock()
         self._match_adapters()
 
@@ -168,7 +171,7 @@ class HeteroReplica:
     def _match_adapters(self) -> None:
         """Load and unload adapters to match the store's list (blocking: at start, or under
         _adapter_lock). A load that fails is remembered for the requests naming it, and tried
-        again before the next request."""
+        again RETRY_S later."""
         want = self.store.adapters()
         have = dict(self.state.adapter_models())
         for name, path in have.items():
@@ -183,15 +186,16 @@ class HeteroReplica:
                     log.warning("replica %s: adapter %r does not load: %s", self.name, name, e.message)
                     failures[name] = e.message
         self._adapter_failures = failures
-        self._adapters_seen = None if failures else want
+        self._adapters_seen = want
+        self._retry_at = time.monotonic() + RETRY_S if failures else math.inf
 
     async def _follow_adapters(self, adapter: str | None) -> None:
         """Before a request: match the store's adapter list when it changed since last matched (a
         file read per request); then a request naming an adapter this replica could not load
         fails, naming why."""
-        if self.store.adapters() != self._adapters_seen:
+        if self.store.adapters() != self._adapters_seen or time.monotonic() >= self._retry_at:
             async with self._adapter_lock:
-                if self.store.adapters() != self._adapters_seen:
+                if self.store.adapters() != self._adapters_seen or time.monotonic() >= self._retry_at:
                     await asyncio.to_thread(self._match_adapters)
         if adapter in self._adapter_failures:
             raise APIError(500, f"replica {self.name} cannot serve adapter {adapter!r}: "
@@ -255,7 +259,7 @@ class HeteroReplica:
                # tokens found computed: not the document this request had prefilled just before it
                "cached_tokens": stream.cached_tokens - (job.doc_len // BLOCK_SIZE * BLOCK_SIZE
                                                         if source == "prefill" else 0),
-               "scores": [s.float() for s in stream.scores] if keep and stream.scores else None}
+               "scores": [s.float().cpu() for s in stream.scores] if keep and stream.scores else None}
 
     def __del__(self):
         """Ray Serve's graceful shutdown: the engine closes (its workers exit, its segments go), then
@@ -453,12 +457,15 @@ class ReplicatedState(Front):
         except Exception as e:
             cause = getattr(e, "cause", e)
             raise APIError(500, f"the replica computing context {name!r} failed: {cause}", type="server_error") from e
+        await asyncio.to_thread(self._put_context, name, ids, adapter, messages, source)
+        return self._stored(name)
+
+    def _put_context(self, name, ids, adapter, messages, source):
         with self._adapter_lock:                # not an adapter unloaded while the replica computed it
             if adapter is not None and adapter not in self.store.adapters():
                 raise APIError(404, f"adapter {adapter!r} was unloaded while context {name!r} was computed",
                                type="not_found_error", param="model")
             self.store.put_name(name, {"ids": list(ids), "adapter": adapter, "messages": messages, "source": source})
-        return self._stored(name)
 
     def delete_context(self, name):
         if not self.store.delete_name(name):
