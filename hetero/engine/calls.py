@@ -192,4 +192,3 @@ def left_padded(rows: list[list[int]], pad: int, like: torch.Tensor) -> torch.Te
     """[B, S] of the rows, left-padded with `pad`, on like's device and dtype."""
     S = max(len(r) for r in rows)
     return torch.tensor([[pad] * (S - len(r)) + r for r in rows], dtype=like.dtype, device=like.device)
-

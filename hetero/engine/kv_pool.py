@@ -229,19 +229,23 @@ class KVCacheManager:
     def blocks_for(self, rows: int) -> int:
         return -(-rows // self.block_size)
 
+    def rings(self, request: Request) -> bool:
+        """Whether the request keeps a ring (a window every layer shares; not a Context's prompt)."""
+        return bool(self.window) and not request.pin_prompt
+
     def peak_blocks(self, request: Request, chunk: int) -> int:
         """The most blocks the request holds at once when it computes at most `chunk` tokens a step:
         all of its rows' blocks, or under a ring the window's and a chunk's (and one more where
         they straddle block edges)."""
         n = self.blocks_for(request.max_rows)
-        if not self.window or request.pin_prompt:
+        if not self.rings(request):
             return n
         return min(n, self.blocks_for(self.window - 1 + chunk) + 1)
 
     def drop_out_of_window(self, request: Request) -> None:
         """Under a ring: give back the request's blocks that no token from num_computed_tokens on can
         see (every row before the window of that token's row), leaving -1 in their table entries."""
-        if not self.window or request.pin_prompt:
+        if not self.rings(request):
             return
         first = max(request.num_computed_tokens - self.window + 1, 0) // self.block_size
         first = min(first, request.num_registered_blocks)      # only blocks offered to the cache go
@@ -307,7 +311,7 @@ class KVCacheManager:
         rows = request.num_computed_tokens + len(computed) * bs + num_new_tokens
         need = max(self.blocks_for(rows) - len(request.block_table) - len(computed), 0)
         skip = 0                                # under a ring: cached blocks the window no longer sees
-        if computed and self.window and not request.pin_prompt:
+        if computed and self.rings(request):
             skip = max(len(computed) * bs - self.window + 1, 0) // bs
         reviving = sum(1 for b in set(computed[skip:]) if self.pool.refcount[b] == 0)
         if need > self.pool.num_available_blocks - reviving:
@@ -376,7 +380,7 @@ class KVCacheManager:
         self.pool.pin(blocks)
         return blocks
 
-    def room_for(self, request: Request, peak: int | None = None) -> int:
+    def room_for(self, request: Request, peak: int) -> int:
         """Blocks the request could hold alone in the pool: every block but the pinned ones, and the
         pinned blocks its cached prefix reads (its table holds them). Under a ring (given its
         peak_blocks) it holds at most `peak` at once and reads the pinned ones only while they are in
@@ -386,7 +390,7 @@ class KVCacheManager:
             return self.num_blocks
         blocks, _ = self.get_computed_blocks(request) if not request.block_table else ([], 0)
         reads = sum(1 for b in blocks if self.pool.pins[b])
-        if self.window and not request.pin_prompt and peak is not None:
+        if self.rings(request):
             return self.num_blocks - pinned + max(0, reads - (self.blocks_for(request.max_rows) - peak))
         return self.num_blocks - pinned + reads
 

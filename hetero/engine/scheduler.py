@@ -131,8 +131,7 @@ class Scheduler:
             raise ValueError(f"only a new request can be added: {request}")
         need = self.peak_blocks(request)
         if need > self.kv.room_for(request, need):
-            ring = f" (a ring of the {self.kv.window}-token window's blocks)" \
-                if self.kv.window and not request.pin_prompt else ""
+            ring = f" (a ring of the {self.kv.window}-token window's blocks)" if self.kv.rings(request) else ""
             raise CapacityError(
                 f"request {request.request_id!r} needs {request.max_rows} KV rows ({request.num_prompt_tokens} "
                 f"prompt + {request.max_new_tokens} new - 1): {need} blocks of {self.kv.block_size} at once{ring}; "

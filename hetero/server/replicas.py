@@ -118,8 +118,8 @@ class DocumentRouter(RequestRouter):
 class HeteroReplica:
     """One engine on its share of the cores (Ray Serve deployment class)."""
 
-    def __init__(self, model: str | None, dtype: str, engine: dict, store: str, adapters: dict | None = None,
-                 cores_per_replica: int | None = None, served_model_name: str | None = None, device: str = "cpu"):
+    def __init__(self, model: str | None, dtype: str, engine: dict, store: str, cores_per_replica: int | None = None,
+                 served_model_name: str | None = None, device: str = "cpu"):
         import torch
 
         from hetero.engine.config import EngineConfig
@@ -135,8 +135,8 @@ class HeteroReplica:
             os.sched_setaffinity(0, share)
             torch.set_num_threads(len(share))
         m, tok, served = load(model, dtype, device)         # "cuda": the GPU Ray gave this replica
-        # the adapters: the store's list (`adapters`, bound at build, is its first state; a replica
-        # Ray starts later takes what the API has made of it since)
+        # the adapters: the store's list (build() writes --adapters there; a replica Ray starts later
+        # takes what the API has made of it since)
         self.state = ServerState(m, tok, model_name=served_model_name or served, engine_config=EngineConfig(**engine),
                                  max_queue=1 << 30)
         self.state.status = "ready"
@@ -189,13 +189,16 @@ class HeteroReplica:
         self._adapters_seen = want
         self._retry_at = time.monotonic() + RETRY_S if failures else math.inf
 
+    def _adapters_stale(self) -> bool:
+        return self.store.adapters() != self._adapters_seen or time.monotonic() >= self._retry_at
+
     async def _follow_adapters(self, adapter: str | None) -> None:
         """Before a request: match the store's adapter list when it changed since last matched (a
         file read per request); then a request naming an adapter this replica could not load
         fails, naming why."""
-        if self.store.adapters() != self._adapters_seen or time.monotonic() >= self._retry_at:
+        if self._adapters_stale():
             async with self._adapter_lock:
-                if self.store.adapters() != self._adapters_seen or time.monotonic() >= self._retry_at:
+                if self._adapters_stale():
                     await asyncio.to_thread(self._match_adapters)
         if adapter in self._adapter_failures:
             raise APIError(500, f"replica {self.name} cannot serve adapter {adapter!r}: "
@@ -395,11 +398,8 @@ class ReplicatedState(Front):
     def load_adapter(self, name, path):
         """Checked by loading it on one replica (its errors are hetero serve's), then listed."""
         self.check_ready()
-        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
-            raise bad("lora_name and lora_path must be non-empty strings")
         with self._adapter_lock:
-            if name == self.model_name or name in self.store.adapters():
-                raise bad(f"an adapter or model named {name!r} is already served", "lora_name")
+            self.check_new_adapter(name, path)
             try:
                 self.replicas.load_adapter.remote(name, path).result()
             except Exception as e:
@@ -526,7 +526,7 @@ def build(*, replicas: int = 2, model: str | None = None, dtype: str = "fp32", e
         graceful_shutdown_timeout_s=30,
         ray_actor_options={"num_cpus": cores_per_replica or 1, "num_gpus": gpus_per_replica},
         **router, **scaling,
-    ).bind(model, dtype, engine, store, adapters or {}, cores_per_replica, served_model_name, device)
+    ).bind(model, dtype, engine, store, cores_per_replica, served_model_name, device)
     ingress = serve.deployment(serve.ingress()(Ingress), name="HeteroIngress", num_replicas=1,
                                max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
     most = autoscaling_config.get("max_replicas", 1) if autoscaling_config else replicas     # Ray's default: 1

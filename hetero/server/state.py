@@ -58,6 +58,13 @@ class Front:
         if self.status != "ready":
             raise APIError(503, f"the server is {self.status}", type="service_unavailable")
 
+    def check_new_adapter(self, name, path) -> None:
+        """A load_lora_adapter body's name and directory: strings, the name not served yet."""
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise bad("lora_name and lora_path must be non-empty strings")
+        if name in self.model_ids():
+            raise bad(f"an adapter or model named {name!r} is already served", "lora_name")
+
     def model_ids(self) -> list[str]:
         return [self.model_name] + list(self.adapter_names())
 
@@ -158,10 +165,7 @@ class ServerState(Front):
         return self.engine.adapters
 
     def load_adapter(self, name: str, path: str):
-        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
-            raise bad("lora_name and lora_path must be non-empty strings")
-        if name == self.model_name or name in self.engine.adapters:
-            raise bad(f"an adapter or model named {name!r} is already served", "lora_name")
+        self.check_new_adapter(name, path)
         try:
             self.live_engine().load_adapter(name, path)
         except (AdapterError, OSError, ValueError) as e:
