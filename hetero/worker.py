@@ -1,4 +1,4 @@
-"""CPU worker process: `python -m hetero.worker CTRL RANK NWORKERS CORE PARENT_PID SPIN`.
+"""CPU worker process: `python -m hetero.worker CTRL RANK NWORKERS CORE PARENT_PID SPIN [reuse]`.
 
 Started by `WorkerPool` as a fresh interpreter with single-threaded numeric
 libraries, pinned to one core. Imports numpy/numba only (never torch). Loop:
@@ -8,10 +8,14 @@ shared with the other workers and the parent through a tagged ticket
 (kernel.run_job): a worker that wakes after its job ended finds it empty.
 Exits on CMD_EXIT, or when the parent dies (rank 0 then unlinks the parent's
 segments, so nothing is left in /dev/shm; so does any worker that reads EXIT after the parent died).
+With `reuse` (the pool's REUSE), a worker that read EXIT unmaps everything and waits on its stdin
+for the same arguments of another pool of the same parent (one line), and exits on end of file
+(the parent closed the pipe, or died) or when its parent is gone.
 It runs the jobs of every layer (attention kernels, LoRA, the arena's layout), so it sits above
 them all; hetero.ipc.pool starts it by name (PROGRAM) and calls prepare_parent first.
 """
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -75,6 +79,18 @@ class Worker:
         self.ident = kernel.identity_table(v["K"], v["Kr"], *self.PKs)     # an arena: blocks read in place
         self.pscratch = kernel.prefix_scratch(lay.batch * rows if srcs or lay.groups else 1, lay.dpad)
         self.ngroups = lay.groups         # a paged pool's: the job's NGROUPS word (kernel.run_job)
+
+    def release(self):
+        """Unmap everything (a reused worker serves the next pool with nothing of this one's)."""
+        self.close_session()
+        self.lora_v = None
+        if self.lora_seg is not None:
+            self.lora_seg.close()
+            self.lora_seg = None
+        for slot in list(self.adapter_segs):
+            self.drop_adapter(slot)
+        self.words = self.floats = None
+        self.ctrl.close()
 
     def close_session(self):
         if self.v is not None:
@@ -140,14 +156,15 @@ class Worker:
         shm.unlink(self.ctrl.name)
         shm.sweep_owner(self.ctrl.name)   # the rest of the dead parent's names, its lock included
 
-    def run(self):
+    def run(self) -> bool:
+        """Serve jobs until EXIT (True) or the parent's death (False)."""
         w, last = self.words, 0
         go_i, asleep_i = C.go_word(self.rank), C.asleep_word(self.rank)
         while True:
             go = atomics.spin_until_changed(w, go_i, last, self.spin)
             if go == last:  # idle: sleep, and notice a dead parent
                 if self.orphaned():
-                    return
+                    return False
                 if atomics.load(w, C.AWAKE):     # the GPU posts GO and cannot wake a sleeper
                     continue
                 if atomics.HAVE_FUTEX:
@@ -182,7 +199,8 @@ class Worker:
                     atomics.store(w, C.done_word(self.rank), seq)
                     if os.getppid() != self.parent_pid:   # the parent was killed inside close(): whoever reads
                         self.clean_up()                   # EXIT after that is left to clean up for it
-                    return
+                        return False
+                    return True
             except Exception:
                 traceback.print_exc()
                 atomics.store(w, C.err_word(self.rank), seq)
@@ -216,17 +234,49 @@ def prepare_parent(env, timeout):
 
 
 def main(argv):
-    ctrl_name, rank, nworkers, core, parent_pid, spin = argv[0], *map(int, argv[1:6])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    if core >= 0:
-        os.sched_setaffinity(0, {core})
+    home = os.sched_getaffinity(0)                # an unpinned worker's cores (a reused one's too)
+    reuse = argv[6:7] == ["reuse"]
     atomics.warm_up()
     kernel.warm_up()
-    Worker(ctrl_name, rank, nworkers, parent_pid, spin).run()
+    while argv:
+        ctrl_name, rank, nworkers, core, parent_pid, spin = argv[0], *map(int, argv[1:6])
+        os.sched_setaffinity(0, {core} if core >= 0 else home)
+        worker = Worker(ctrl_name, rank, nworkers, parent_pid, spin)
+        served = worker.run()
+        worker.release()
+        argv = next_pool(parent_pid, ctrl_name) if served and reuse else None
     # EXIT read (or the parent gone and cleaned up for): what an exit handler would do, then out
     # without the interpreter's teardown of numba and numpy (~0.15 s the parent's close() waits for)
     shm.release_owner_lock()
     os._exit(0)
+
+
+def next_pool(parent_pid, last_ctrl):
+    """A reused worker's next arguments: one line on stdin from the parent. None when the parent
+    retires it ("exit") or is gone (end of file without it; checked every second too, as a fork
+    of the parent may hold the pipe open): then, as an orphaned worker does, this one unlinks
+    what the dead parent left in /dev/shm, its lock included (shm.sweep_owner: only once the
+    parent is provably dead)."""
+    line = b""
+    while os.getppid() == parent_pid:
+        ready, _, _ = select.select([0], [], [], 1.0)
+        if not ready:
+            continue
+        chunk = os.read(0, 4096)
+        line += chunk
+        if line == b"exit\n":
+            return None
+        if line.endswith(b"\n"):
+            return line.decode().split()
+        if not chunk:                        # the parent died: its pipe closed before it was reaped
+            deadline = time.monotonic() + 2.0
+            while os.getppid() == parent_pid and time.monotonic() < deadline:
+                time.sleep(0.01)
+            break
+    if os.getppid() != parent_pid:
+        shm.sweep_owner(last_ctrl)
+    return None
 
 
 if __name__ == "__main__":

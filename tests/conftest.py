@@ -1,6 +1,11 @@
 """Tiny real transformers models built from configs (no hub access), shared by the tests."""
 import atexit
 import os
+
+# the suite makes ~700 worker pools: a cleanly closed pool's workers serve the next one (no fresh
+# interpreter importing numba, ~0.5 s each; hetero.ipc.pool.REUSE). Tests of the default (workers
+# exit at close) turn it off; the processes the tests start inherit it.
+os.environ.setdefault("HETERO_REUSE_WORKERS", "1")
 import shutil
 import tempfile
 

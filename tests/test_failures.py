@@ -104,7 +104,11 @@ def test_unsupported_models():
         HeteroGenerator(llama64)
 
 
-def test_generate_after_close(llama):
+def test_generate_after_close(llama, monkeypatch):
+    """close() stops the workers (by default: no reuse, see hetero.ipc.pool.REUSE)."""
+    from hetero.ipc import pool as P
+
+    monkeypatch.setattr(P, "REUSE", False)
     gen = HeteroGenerator(llama, cpu_workers=1)
     name, procs = gen._pool.ctrl.name[1:], gen._pool.procs
     gen.close()
@@ -302,8 +306,9 @@ def test_a_parent_killed_inside_close_leaves_nothing():
     rest, the parent's lock included; a kill after they exited leaves only the lock, which lives
     as long as the process (the next pool's sweep removes it)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, HETERO_REUSE_WORKERS="0")     # close() waits for its workers to exit
     parents = {exited: subprocess.Popen([sys.executable, "-c", CLOSE_PARENT.format(root=root, exited=exited)],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
                                         start_new_session=True) for exited in (False, True)}
     workers = {}
     try:

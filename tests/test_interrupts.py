@@ -137,7 +137,10 @@ def test_two_generators_over_one_model_take_turns(llama):
     assert llama.config._attn_implementation == "sdpa"
 
 
-def test_a_generator_dropped_without_close_frees_its_workers_and_segments(llama):
+def test_a_generator_dropped_without_close_frees_its_workers_and_segments(llama, monkeypatch):
+    from hetero.ipc import pool as P
+
+    monkeypatch.setattr(P, "REUSE", False)            # the default: the workers exit with their pool
     ids, mask = padded_batch()
 
     def request():

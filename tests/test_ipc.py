@@ -10,6 +10,7 @@ import time
 import warnings
 
 import numpy as np
+import psutil
 import pytest
 
 from hetero.errors import WorkerDiedError
@@ -501,3 +502,91 @@ def test_workers_import_the_parents_hetero_not_one_in_its_working_directory(tmp_
         pool.run(C.CMD_PING, timeout=10)
     finally:
         pool.close()
+
+
+def _maps_of_ours(pid):
+    """The hetero shared-memory segments process `pid` maps."""
+    with open(f"/proc/{pid}/maps") as f:
+        return [line for line in f if "/dev/shm/" + shm.PREFIX in line]
+
+
+def _until(check, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_reused_workers_serve_the_next_pool_and_map_nothing_while_idle(monkeypatch):
+    """With reuse on, a cleanly closed pool's workers wait, mapping nothing, and the next pool of
+    the same environment starts on them (pinned anew); a broken pool's are not kept, nor are
+    workers of another environment taken."""
+    from hetero.ipc import pool as P
+
+    monkeypatch.setattr(P, "REUSE", True)
+    monkeypatch.setattr(P, "_idle", [])
+    everything = os.sched_getaffinity(0)
+    first = WorkerPool(2, [0])
+    try:
+        first.run(C.CMD_PING)
+        pids = [p.pid for p in first.procs]
+        assert all(psutil.Process(pid).cpu_affinity() == [0] for pid in pids)
+    finally:
+        first.close()
+    assert not os.path.exists("/dev/shm" + first.ctrl.name)
+    assert all(p.poll() is None for p in first.procs) and len(P._idle) == 2
+    assert _until(lambda: not any(_maps_of_ours(pid) for pid in pids))
+    t0 = time.perf_counter()
+    second = WorkerPool(2, [])
+    try:
+        assert time.perf_counter() - t0 < 0.3           # no interpreter started
+        assert sorted(p.pid for p in second.procs) == sorted(pids) and not P._idle
+        assert all(set(psutil.Process(pid).cpu_affinity()) == everything for pid in pids)
+        for _ in range(20):
+            second.run(C.CMD_PING)
+        second.procs[0].kill()
+        second.procs[0].wait()
+        with pytest.raises(WorkerDiedError):
+            second.run(C.CMD_PING)
+    finally:
+        second.close()
+    assert not P._idle and all(p.poll() is not None for p in second.procs)   # a broken pool's: gone
+    monkeypatch.setenv("HETERO_TEST_OTHER_ENV", "1")
+    third = WorkerPool(1, [])
+    third.close()
+    monkeypatch.delenv("HETERO_TEST_OTHER_ENV")
+    fourth = WorkerPool(1, [])
+    try:
+        assert fourth.procs[0].pid != third.procs[0].pid      # third's environment is not this one's
+    finally:
+        fourth.close()
+    assert len(P._idle) == 2
+    P._retire_idle()
+    assert all(p.poll() is not None for p in third.procs + fourth.procs)
+
+
+IDLE_OWNER = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+from hetero.ipc.pool import WorkerPool
+pool = WorkerPool(2, [])
+pool.close()
+print(os.getpid(), *[p.pid for p in pool.procs], flush=True)
+if sys.argv[1] == "killed":
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("how", ["exits", "killed"])
+def test_idle_workers_leave_with_their_parent(how):
+    env = dict(os.environ, HETERO_REUSE_WORKERS="1")
+    out = subprocess.run([sys.executable, "-c", IDLE_OWNER.format(root=ROOT), how], capture_output=True,
+                         text=True, env=env)
+    assert out.returncode == (0 if how == "exits" else -9), out.stderr
+    pids = [int(x) for x in out.stdout.split()[1:]]
+    assert len(pids) == 2
+    gone = lambda pid: not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"  # noqa: E731
+    assert _until(lambda: all(map(gone, pids)), 5.0)
+    assert _until(lambda: _nothing_of(out.stdout.split()[0]), 5.0)       # the killed one's lock too

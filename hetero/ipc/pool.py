@@ -14,6 +14,12 @@ every few ms of submits: a pool with a dead worker is broken even when the plan
 leaves that worker idle. One job is in flight at a time: a submit while one is
 (an exception or Ctrl-C between submit and wait) first finishes it, so a job's
 params are never rewritten under running workers.
+
+Reuse (REUSE, off by default; HETERO_REUSE_WORKERS=1): the workers of a pool closed cleanly are
+kept, idle, for this process's next pool with the same program and environment, which then
+starts in milliseconds instead of a fresh interpreter's ~0.5 s (importing numba, loading the
+kernels). An idle worker maps nothing and waits on its stdin; it exits when this process exits
+(or dies: the pipe closes) or when more than MAX_IDLE are idle.
 """
 import atexit
 import importlib
@@ -21,6 +27,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -55,6 +62,55 @@ def _process_state(pid):
         return "?"
 
 
+REUSE = os.environ.get("HETERO_REUSE_WORKERS", "0") not in ("", "0")
+MAX_IDLE = 2 * (os.cpu_count() or 1)
+ENV_NOT_KEYED = ("PYTEST_CURRENT_TEST",)    # changes under every test; the workers never read it
+_idle = []         # (key, Popen) of workers idle since their pool closed (REUSE); this process's only
+_idle_pid = os.getpid()
+_idle_lock = threading.Lock()   # pools start and close in several threads (a server's engine, callers)
+
+
+def _take_idle(key, line):
+    """An idle worker of `key` given its next pool's arguments (`line`), or None."""
+    while _idle_pid == os.getpid():
+        with _idle_lock:
+            p = next((p for k, p in _idle if k == key), None)
+            if p is None:
+                return None
+            _idle.remove((key, p))
+        try:
+            p.stdin.write(line.encode())
+            p.stdin.flush()
+            return p
+        except OSError:           # it died while idle
+            _retire(p)
+
+
+def _retire(*procs):
+    """Idle workers sent away ("exit": end of file alone means this process died), then reaped."""
+    for p in procs:
+        try:
+            p.stdin.write(b"exit\n")
+            p.stdin.close()
+        except OSError:
+            pass
+    for p in procs:
+        try:
+            p.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+@atexit.register
+def _retire_idle():
+    if _idle_pid == os.getpid():
+        with _idle_lock:
+            idle = [p for _, p in _idle]
+            _idle.clear()
+        _retire(*idle)
+
+
 PROGRAM = "hetero.worker"      # the workers' program: a module run with -m, whose prepare_parent(env, timeout)
                               # readies the parent first (hetero/worker.py: compiling the kernels)
 
@@ -82,16 +138,19 @@ class WorkerPool:
         importlib.import_module(program).prepare_parent(env, start_timeout)
         self.ctrl = shm.Segment(shm.new_name("ctrl"), C.nbytes(nworkers), create=True)
         atexit.register(self.close)
+        self.key = (program, tuple(sorted((k, v) for k, v in env.items() if k not in ENV_NOT_KEYED)))
         try:
             self.words = self.ctrl.array(0, (C.nbytes(nworkers) // 8,), np.int64)
             self.floats = self.words.view(np.float64)
             for rank, core in enumerate(self.worker_cores):
-                args = [sys.executable, "-m", program, self.ctrl.name, str(rank), str(nworkers),
-                        str(core), str(os.getpid()), str(spin_budget if idle_spin is None else idle_spin)]
+                args = [self.ctrl.name, str(rank), str(nworkers), str(core), str(os.getpid()),
+                        str(spin_budget if idle_spin is None else idle_spin)]
+                p = _take_idle(self.key, " ".join(args) + "\n") if REUSE else None
                 # a session of their own: a signal to the parent's process group (a terminal's hangup,
                 # `kill -TERM -PGID`, systemd) leaves them alive to notice the parent gone and clean up
-                self.procs.append(subprocess.Popen(args, env=env, cwd=ROOT, stdin=subprocess.DEVNULL,
-                                                   start_new_session=True))
+                self.procs.append(p or subprocess.Popen(
+                    [sys.executable, "-m", program, *args, *(["reuse"] if REUSE else [])], env=env, cwd=ROOT,
+                    stdin=subprocess.PIPE if REUSE else subprocess.DEVNULL, start_new_session=True))
             self.run(C.CMD_PING, timeout=start_timeout)
         except BaseException:
             self.close()
@@ -265,15 +324,39 @@ class WorkerPool:
             for r in self.stuck:                           # stopped or stuck: it would not read EXIT
                 self.procs[r].kill()
             deadline = time.monotonic() + 2.0
-            for p in self.procs:
+            keep = self.broken is None and not self.stuck and _idle_pid == os.getpid()
+            for rank, p in enumerate(self.procs):
+                if keep and p.stdin is not None and self._exited_job(rank, deadline):
+                    with _idle_lock:                       # it read EXIT: idle, for the next pool
+                        _idle.append((self.key, p))
+                    continue
+                if p.stdin is not None:                    # started to be reused: told to exit
+                    try:
+                        p.stdin.write(b"exit\n")
+                        p.stdin.close()
+                    except OSError:
+                        pass
                 try:
                     p.wait(timeout=max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
+            with _idle_lock:
+                extra = [p for _, p in _idle[:max(len(_idle) - MAX_IDLE, 0)]]
+                del _idle[:len(extra)]
+            _retire(*extra)
         finally:
             self.words = self.floats = None
             self.ctrl.close()
+
+    def _exited_job(self, rank, deadline):
+        """Whether worker `rank` (started with reuse) finished the EXIT job, alive, by `deadline`."""
+        word = C.done_word(rank)
+        while atomics.load(self.words, word) != self.seq:
+            if self.procs[rank].poll() is not None or time.monotonic() > deadline:
+                return False
+            time.sleep(0.0002)
+        return self.procs[rank].poll() is None
 
 
 # the directory holding this hetero package: the children run there, so `-m`/`-c` (whose first
