@@ -220,6 +220,8 @@ def prepare_parent(env, timeout):
     bit-identical with its workers."""
     if kernel.run_job.overloads:                 # loaded (or compiled) already in this process
         return
+    if _load_cached():                           # a warm cache: no child needed (~1.2 s saved)
+        return
     try:
         subprocess.run([sys.executable, "-c", WARM_UP], env=env, cwd=ROOT, stdin=subprocess.DEVNULL, check=True,
                        timeout=timeout)
@@ -231,6 +233,41 @@ def prepare_parent(env, timeout):
                           "its error is above)") from None
     atomics.warm_up()
     kernel.warm_up()
+
+
+class _NotCached(Exception):
+    pass
+
+
+def _load_cached() -> bool:
+    """Load the warm-up's kernels from numba's on-disk cache in this process, compiling nothing
+    (each of their dispatchers' compile() refuses a signature the cache lacks for the time of the
+    call); False when one is not cached (prepare_parent then compiles in a child)."""
+    from numba.core import sigutils
+    from numba.core.dispatcher import Dispatcher
+
+    def cache_only(d):
+        real = d.compile
+
+        def compile(sig):
+            args, _ = sigutils.normalize_signature(sig)
+            if d.overloads.get(tuple(args)) is None and d._cache.load_overload(sig, d.targetctx) is None:
+                raise _NotCached(d.py_func.__name__)
+            return real(sig)
+        return compile
+
+    patched = [d for m in (atomics, kernel) for d in vars(m).values() if isinstance(d, Dispatcher)]
+    for d in patched:
+        d.compile = cache_only(d)
+    try:
+        atomics.warm_up()
+        kernel.warm_up()
+        return True
+    except _NotCached:
+        return False
+    finally:
+        for d in patched:
+            del d.compile
 
 
 def main(argv):

@@ -82,6 +82,38 @@ def test_mixed_arrivals_exact(llama, engine):
     assert_idle(engine)
 
 
+def test_a_step_time_target_paces_prompts_beside_decodes_exactly(llama):
+    """EngineConfig.step_time_target: prompts that arrive while others decode are computed in
+    paced chunks (here the smallest: a target no step meets), and every request's tokens and
+    scores are still HF generate's on it alone."""
+    from hetero.engine.pacing import MIN_PROMPT_TOKENS
+    from hetero.engine.scheduler import is_decoding
+
+    with make(llama, step_time_target=1e-6, long_prefill_chunk=64, max_num_batched_tokens=64) as eng:
+        ps = prompts([20, 70, 45], seed=3)
+        first = eng.add_request(ps[0], NEW, output_scores=True)
+        eng.step()
+        eng.step()                                         # decoding: its step times teach the pacer
+        late = [eng.add_request(p, NEW, output_scores=True) for p in ps[1:]]
+        chunks = []
+        schedule = eng.scheduler.schedule
+
+        def watched(limit=None):
+            decoding = any(map(is_decoding, eng.scheduler.running))
+            out = schedule(limit)
+            chunks.append((decoding, sum(x.num_new_tokens for x in out.scheduled if not is_decoding(x.request))))
+            return out
+
+        eng.scheduler.schedule = watched
+        run(eng, [first, *late])
+        paced = [n for decoding, n in chunks if decoding]
+        assert paced and max(paced) <= MIN_PROMPT_TOKENS and MIN_PROMPT_TOKENS in paced
+        for s, p in zip([first, *late], ps):
+            assert_exact(llama, s, p)
+        assert eng.pacer.steps
+        assert_idle(eng)
+
+
 def test_shared_prefix_is_cached_and_read_once(llama, engine):
     doc = prompts([100], seed=3)[0]
     questions = prompts([7, 3, 12, 20], seed=4)
@@ -446,6 +478,9 @@ def test_bad_input_raises_clear_errors(llama, engine):
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="EngineConfig.prefill_stage_memory must be an int >= 0"):
             EngineConfig(prefill_stage_memory=bad)
+    for bad in (0, -0.1, float("inf"), float("nan"), True, "0.1"):
+        with pytest.raises(ValueError, match="EngineConfig.step_time_target must be a number of seconds > 0"):
+            EngineConfig(step_time_target=bad)
     dynamic = build_model("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})[0]
     with pytest.raises(ValueError, match="past 256 tokens, where the model's positions end"):
         make(dynamic, max_model_len=5000)

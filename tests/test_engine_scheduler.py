@@ -306,3 +306,55 @@ def test_a_held_request_is_admitted_when_its_leader_goes():
     assert plan(out) == [("b", 32, False)]
     drive(s)
     assert b.output_token_ids == expected_outputs(b, 2)
+
+
+def test_a_prompt_limit_paces_prompt_chunks_only_while_requests_decode():
+    """schedule(prompt_limit): the prompt tokens of a step (all prompt chunks together) stay within
+    the limit while some request decodes; decodes are never held back; with nothing decoding the
+    limit does not apply; a paced prompt resumes where it stopped, and every request still gets
+    the outputs it gets unpaced."""
+    s = make(max_num_seqs=4, max_num_batched_tokens=64, long_prefill_chunk=64)
+    a = Request("a", [5] * 40, 6)
+    s.add(a)
+    out = s.schedule(prompt_limit=8)             # nothing decodes yet: the whole prompt
+    assert plan(out) == [("a", 40, True)]
+    s.update(out, {"a": token(a)})
+    b, c = Request("b", [6] * 30, 3), Request("c", [7] * 20, 3)
+    s.add(b)
+    s.add(c)
+    seen = []
+    while s.has_unfinished:
+        out = s.schedule(prompt_limit=8)
+        decoding = [x for x in out.scheduled if x.request.num_output_tokens and x.num_new_tokens == 1]
+        prompt = sum(x.num_new_tokens for x in out.scheduled if x not in decoding)
+        if any(r.num_output_tokens and r.num_new_tokens_to_compute == 1 for r in s.running):
+            assert prompt <= 8
+        seen.append(plan(out))
+        s.update(out, {x.request.request_id: token(x.request) for x in out.scheduled if x.samples})
+        s.kv.check_invariants()
+    assert seen[0] == [("a", 1, True), ("b", 8, False)]      # a decodes every step, b's prompt is paced
+    assert all(any(rid == "a" for rid, _, _ in p) for p in seen[:5])
+    for r, n in ((a, 6), (b, 3), (c, 3)):
+        assert r.output_token_ids == expected_outputs(r, n)
+
+
+def test_pacer_learns_decode_time_and_per_token_cost():
+    from hetero.engine.pacing import MIN_PROMPT_TOKENS, Pacer
+
+    off = Pacer(None)
+    off.record(0.1, 0, 2)
+    assert off.limit(2) is None
+    p = Pacer(0.2)
+    assert p.limit(0) is None                   # nothing decodes: no limit
+    assert p.limit(3) == MIN_PROMPT_TOKENS      # still learning
+    p.record(5.0, 500, 0)                       # a prompt alone teaches nothing
+    assert not p.steps
+    for n in (2, 4, 2, 4):
+        p.record(0.06 + 0.01 * n, 0, n)         # decode steps: 60 ms + 10 ms a token
+    assert abs(p.decode_time(3) - 0.09) < 1e-9
+    assert p.limit(3) == MIN_PROMPT_TOKENS      # the time per prompt token is not measured yet
+    for n, tokens in ((2, 16), (4, 40), (2, 100)):
+        p.record(0.06 + 0.01 * n + 0.002 * tokens, tokens, n)      # 2 ms a prompt token
+    assert abs(p.per_prompt_token() - 0.002) < 1e-9
+    assert p.limit(3) in (54, 55)               # (0.2 - 0.09) / 0.002, give or take a rounding
+    assert p.limit(12) == MIN_PROMPT_TOKENS     # a bigger batch leaves room for 10: the floor

@@ -400,3 +400,35 @@ def test_a_change_to_simd_drops_the_kernels_numba_cache(tmp_path):
         f.write("\n# changed\n")
     changed, flushed = load()
     assert len(changed) == 1 and changed != marker and flushed > first
+
+
+CACHED_ONLY = """
+import sys
+sys.path.insert(0, {root!r})
+from hetero import worker
+from hetero.cpu_attention import kernel
+from hetero.ipc import atomics
+from numba.core.dispatcher import Dispatcher
+ok = worker._load_cached()
+ds = [d for m in (atomics, kernel) for d in vars(m).values() if isinstance(d, Dispatcher)]
+print(ok, sum(sum(d._cache_hits.values()) for d in ds), sum(sum(d._cache_misses.values()) for d in ds),
+      all("compile" not in vars(d) for d in ds))
+"""
+
+
+def test_the_parent_loads_cached_kernels_itself_and_compiles_none(tmp_path):
+    """prepare_parent with a warm numba cache loads the kernels in this process (no child: ~1.2 s
+    less at every start), compiling nothing (the parent takes attention units: its code must be
+    the workers' cached code, bit for bit); with a cold cache it says so and a child compiles."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = CACHED_ONLY.format(root=root)
+    warm = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    ok, hits, misses, restored = warm.stdout.split()
+    assert ok == "True" and int(hits) > 0 and misses == "0" and restored == "True", warm.stdout
+    cold = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                          env=dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path)))
+    ok, hits, misses, restored = cold.stdout.split()
+    assert ok == "False" and misses == "0" and restored == "True", cold.stdout

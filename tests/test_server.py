@@ -73,7 +73,7 @@ def smol():
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server("--max-num-seqs", "16")
+    s = Server("--max-num-seqs", "16", "--step-time-target", "0.2")     # paced prompts: exact all the same
     yield s
     assert s.stop() == 0
 
@@ -319,6 +319,15 @@ def test_device_cuda_without_a_gpu_is_named(capsys):
 
     assert main(["serve", "--device", "cuda"]) == 1
     assert "torch sees no CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "inf", "soon"])
+def test_a_bad_step_time_target_is_named(text, capsys):
+    from hetero.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--step-time-target", text])
+    assert e.value.code == 2 and "--step-time-target" in capsys.readouterr().err
 
 
 def tiny_model_dir(path, device="cpu"):

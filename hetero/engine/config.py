@@ -29,6 +29,8 @@ class EngineConfig:
     background: bool = True                   # add_request starts the step loop's thread (False: call step())
     cpu_workers: int | None = None            # worker processes (None: usable cores - 1, at least 1)
     worker_timeout: float = 5.0               # seconds a job may go without progress before WorkerError
+    step_time_target: float | None = None     # seconds a step may take while requests decode: prompt chunks
+                                              # shrink to fit it, as measured (hetero.engine.pacing); None: off
     prefill_stage_memory: int | None = None   # bytes of the model's device that keep a chunked prompt's rows
                                               # between its chunks (runner.PrefillStage); None: on a GPU a
                                               # quarter of its free memory at start, on the CPU 0 (off)
@@ -43,6 +45,11 @@ class EngineConfig:
                                                       self.prefill_stage_memory < 0):
             raise ValueError(f"EngineConfig.prefill_stage_memory must be an int >= 0 or None, "
                              f"got {self.prefill_stage_memory!r}")
+        if self.step_time_target is not None and (isinstance(self.step_time_target, bool) or
+                                                  not isinstance(self.step_time_target, (int, float)) or
+                                                  not 0 < self.step_time_target < float("inf")):
+            raise ValueError(f"EngineConfig.step_time_target must be a number of seconds > 0 or None, "
+                             f"got {self.step_time_target!r}")
         if isinstance(self.ram_fraction, bool) or not isinstance(self.ram_fraction, (int, float)) or \
                 not 0 < self.ram_fraction <= 1:
             raise ValueError(f"EngineConfig.ram_fraction must be in (0, 1], got {self.ram_fraction!r}")

@@ -41,10 +41,11 @@ from hetero.cpu_attention.planner import StaticPlanner
 from hetero.engine import sampler as sampling, saved as engine_saved
 from hetero.engine.kv_pool import BLOCK_SIZE, BlockPool, KVCacheManager
 from hetero.engine.config import EngineConfig
+from hetero.engine.pacing import Pacer
 from hetero.engine.paged import PagedKV
 from hetero.engine.request import Request, RequestStatus
 from hetero.engine.runner import ModelRunner
-from hetero.engine.scheduler import RankAwarePolicy, Scheduler, SchedulerConfig
+from hetero.engine.scheduler import RankAwarePolicy, Scheduler, SchedulerConfig, is_decoding
 from hetero.engine.stream import RequestStream
 from hetero.adapters import sync
 from hetero.engine.adapters import EngineAdapters
@@ -143,6 +144,7 @@ class Engine:
         self._closed = False
         self.failure: BaseException | None = None
         self.steps = 0
+        self.pacer = Pacer(config.step_time_target)    # prompt chunks sized to the step time target
 
     def _num_blocks(self) -> int:
         cfg, s = self.config, self.spec
@@ -410,9 +412,11 @@ class Engine:
                 self._samplers.pop(r.request_id, None)
                 self._streams.pop(r.request_id)._push([], error=AdapterError(
                     f"adapter {r.adapter!r} was unloaded (or reloaded with other weights) while the request ran"))
-        plan = self.scheduler.schedule()
+        start = time.perf_counter()
+        plan = self.scheduler.schedule(self.pacer.limit(sum(map(is_decoding, self.scheduler.running))))
         if plan.empty:
             return 0
+        decode = sum(is_decoding(s.request) for s in plan.scheduled)
         try:
             logits = self.runner.execute(plan)
             rows = [s.request for s in plan.scheduled if s.samples]
@@ -432,6 +436,7 @@ class Engine:
             last = [sampled[r.request_id]] if r.request_id in sampled else []
             self._end(r, last)
         self.steps += 1
+        self.pacer.record(time.perf_counter() - start, plan.num_tokens - decode, decode)
         return plan.num_tokens
 
     def _drain_inbox(self):

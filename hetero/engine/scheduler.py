@@ -112,6 +112,11 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+def is_decoding(r: Request) -> bool:
+    """Whether r computes one token a step: its last sampled one (not a prompt chunk)."""
+    return r.num_output_tokens > 0 and r.num_new_tokens_to_compute == 1
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
         self.config, self.kv = config, kv
@@ -159,12 +164,15 @@ class Scheduler:
         self.running.remove(r)
         self._preempt(r)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, prompt_limit: int | None = None) -> SchedulerOutput:
+        """The next step's requests and token counts. prompt_limit: prompt tokens (requests not
+        decoding) the step may carry, all together, when some request is decoding (pacing.Pacer)."""
         cfg, kv = self.config, self.kv
         budget = cfg.max_num_batched_tokens
         chunk = cfg.long_prefill_chunk or budget
         out: list[ScheduledRequest] = []
         preempted: list[str] = []
+        prompt = budget if prompt_limit is None or not any(map(is_decoding, self.running)) else prompt_limit
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -172,14 +180,21 @@ class Scheduler:
             n = min(r.num_new_tokens_to_compute, chunk, budget)
             if n <= 0:
                 raise AssertionError(f"running request with nothing to compute: {r}")
+            if not is_decoding(r):
+                n = min(n, prompt)
+                if n == 0:                # paced: its next chunk waits for a step with room
+                    i += 1
+                    continue
             if not self._make_room(r, n, preempted):
                 break
             out.append(ScheduledRequest(r, r.num_computed_tokens, n, self._samples(r, n)))
             budget -= n
+            prompt -= 0 if is_decoding(r) else n
             i += 1
 
         held: set[str] = set()            # waiting for a prefix a running request is computing now
-        while not preempted and len(self.waiting) > len(held) and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        while not preempted and len(self.waiting) > len(held) and min(budget, prompt) > 0 and \
+                len(self.running) < cfg.max_num_seqs:
             key = cfg.policy.sort_key(self.running)
             r = min((w for w in self.waiting if w.request_id not in held),
                     key=lambda w: (w.status is not RequestStatus.PREEMPTED, key(w)))
@@ -187,7 +202,7 @@ class Scheduler:
             if kv.pending_prefix(r, len(computed)) is not None:
                 held.add(r.request_id)    # computed once, by that request: admitted when it is cached
                 continue
-            n = min(r.num_tokens - num_cached, chunk, budget)
+            n = min(r.num_tokens - num_cached, chunk, budget, prompt)
             if not kv.allocate_slots(r, n, computed):
                 break
             self.waiting.remove(r)
@@ -195,6 +210,7 @@ class Scheduler:
             r.status = RequestStatus.RUNNING
             out.append(ScheduledRequest(r, r.num_computed_tokens, n, self._samples(r, n)))
             budget -= n
+            prompt -= n
 
         return SchedulerOutput(out, preempted, cfg.max_num_batched_tokens - budget)
 

@@ -30,6 +30,17 @@ def size(text: str) -> int:
     return int(value)
 
 
+def seconds(text: str) -> float:
+    """argparse type: a number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
+    return value
+
+
 def adapter_pair(text: str) -> tuple[str, str]:
     name, sep, path = text.partition("=")
     if not sep or not name or not path:
@@ -86,6 +97,9 @@ def add_arguments(p: argparse.ArgumentParser, positive):
     p.add_argument("--max-num-seqs", type=positive, default=32)
     p.add_argument("--max-model-len", type=positive, default=None)
     p.add_argument("--max-num-batched-tokens", type=positive, default=512, help="tokens per engine step")
+    p.add_argument("--step-time-target", type=seconds, default=None, metavar="SECONDS", help="while requests decode, "
+                   "prompt chunks shrink so that a step takes about this long (their inter-token latency), as "
+                   "measured; new documents then take longer to their first token. Default: no target")
     p.add_argument("--cpu-workers", type=positive, default=None)
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests may finish "
                                                                         "after SIGTERM")
@@ -209,7 +223,7 @@ def engine_options(args) -> dict:
     """EngineConfig's fields from the command's arguments (one engine, or each replica's)."""
     return dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 long_prefill_chunk=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                kv_memory=args.context_memory, cpu_workers=args.cpu_workers)
+                kv_memory=args.context_memory, cpu_workers=args.cpu_workers, step_time_target=args.step_time_target)
 
 
 def resolve_device(device: str) -> str:
