@@ -148,7 +148,8 @@ def run_engine(model, docs, reqs, warm, args):
         th.join()
         block_bytes = BLOCK_SIZE * kv_row_bytes(model)
         records = [{"arrival": a, "times": s.token_times} for a, s in zip(arrivals, streams)]
-        return records, {"warmup_s": warm_s, "batch1_itl_s": batch1, "step_time_target_s": eng.pacer.target, "kv_peak_bytes": peak[0] * block_bytes,
+        return records, {"warmup_s": warm_s, "batch1_itl_s": batch1, "step_time_target_s": eng.pacer.target,
+                         "kv_peak_bytes": peak[0] * block_bytes,
                          "pool_bytes": eng.kv.num_blocks * block_bytes, "steps": eng.steps,
                          "preemptions": eng.scheduler.num_preemptions,
                          "prefix_hit_rate": eng.kv_manager.prefix_hits / max(eng.kv_manager.prefix_queries, 1)}
@@ -309,7 +310,8 @@ def child(args):
     rate = float(args.rate)
     docs, reqs = workload(tokens, args, rate, args.seed)
     warm = [int(t) for t in tok(" ".join(reversed(english_text().split())))["input_ids"]]  # not a workload window
-    fn = {"engine": run_engine, "engine_paced": run_engine, "serial": run_serial, "hf_cb": run_hf_cb, "llama": run_llama}[args.one]
+    fn = {"engine": run_engine, "engine_paced": run_engine, "serial": run_serial, "hf_cb": run_hf_cb,
+          "llama": run_llama}[args.one]
     records, extra = fn(model, docs, reqs, warm, args)
     private = sum(len(docs[q["doc"]]) + len(q["question"]) + q["new"] for q in reqs) * kv_row_bytes(model)
     cell = {**summarize(records, reqs), **extra, "kv_private_bytes": private}
