@@ -393,7 +393,8 @@ def plot(payloads, path):
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    names = {"engine": "hetero engine", "engine_paced": "hetero engine, paced", "serial": "hetero, one call at a time", "hf_cb": "transformers CB",
+    names = {"engine": "hetero engine", "engine_paced": "hetero engine, paced",
+             "serial": "hetero, one call at a time", "hf_cb": "transformers CB",
              "llama": "llama-server (4-bit)"}
     for system, color in zip(SYSTEMS, ("C0", "C4", "C1", "C2", "C3")):
         label = names[system]
