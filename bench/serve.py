@@ -9,6 +9,8 @@ system) cell starts a fresh server (caches cold) and warms it with two requests 
 
 Systems (each skipped, and said so, where it is not installed):
   hetero      hetero serve (this repository), fp32 weights, one CPU worker per core but one
+  hetero-paced  the same with --step-time-target (--step-target s): prompt chunks paced beside
+              decodes (named in --systems only)
   llama       llama.cpp's C++ llama-server (continuous batching, 8 slots, prompt cache) on the same
               model's GGUF (Q4_1: 4-bit weights), --llama-server PATH (built from the
               llama-cpp-python source distribution's vendored llama.cpp, cmake target llama-server)
@@ -48,7 +50,7 @@ from bench.engine import pct, workload  # noqa: E402
 from hetero.server.launch import free_port, wait_healthy  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SYSTEMS = ("hetero", "llama", "hf")
+SYSTEMS = ("hetero", "hetero-paced", "llama", "hf")      # hetero-paced: --step-time-target (--step-target)
 # hetero serve --replicas (--replicas-bench): one replica on half the cores, two on all of them routed by
 # document, two routed by Ray Serve's default (power of two choices: load only)
 REPLICA_SYSTEMS = ("r1", "r2", "r2-pow2")
@@ -58,10 +60,11 @@ def command(system, port, args):
     from hetero.models import model_cache_dir, smollm2_gguf
 
     threads = str(len(os.sched_getaffinity(0)))
-    if system == "hetero":
+    if system in ("hetero", "hetero-paced"):
         return [sys.executable, "-m", "hetero.cli", "serve", "--port", str(port), "--max-num-seqs", "32",
                 "--max-num-batched-tokens", str(args.budget), "--context-memory", "2G", "--log-level", "warning"] + \
-            (["--cpu-workers", str(args.cpu_workers)] if getattr(args, "cpu_workers", None) else [])
+            (["--cpu-workers", str(args.cpu_workers)] if getattr(args, "cpu_workers", None) else []) + \
+            (["--step-time-target", str(args.step_target)] if system == "hetero-paced" else [])
     if system in REPLICA_SYSTEMS:
         n = 1 if system == "r1" else 2
         cores = sorted(os.sched_getaffinity(0))
@@ -230,6 +233,7 @@ def main():
     ap.add_argument("--replicas", action="store_true", help="the replica rows (r1, r2, r2-pow2) instead of the peers")
     ap.add_argument("--llama-server", default=shutil.which("llama-server"))
     ap.add_argument("--budget", type=int, default=256, help="hetero's tokens per engine step")
+    ap.add_argument("--step-target", type=float, default=0.12, help="hetero-paced's --step-time-target (s)")
     ap.add_argument("--slo-ttft", type=float, default=2.0)
     ap.add_argument("--slo-itl", type=float, default=0.2)
     ap.add_argument("--seed", type=int, default=0)
@@ -239,7 +243,7 @@ def main():
 
     _, tok = load_smollm2(__import__("torch").float32)
     tokens = tok(english_text())["input_ids"]
-    args.systems = args.systems or list(REPLICA_SYSTEMS if args.replicas else SYSTEMS)
+    args.systems = args.systems or list(REPLICA_SYSTEMS if args.replicas else [s for s in SYSTEMS if s != "hetero-paced"])
     systems = [s for s in args.systems if s != "llama" or args.llama_server]
     if "llama" in args.systems and not args.llama_server:
         print("no llama-server (--llama-server PATH): no llama.cpp row")
