@@ -19,6 +19,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from dataclasses import replace
@@ -218,10 +219,15 @@ def prepare_parent(env, timeout):
     The parent takes units too, and numba's in-process JIT code rounds differently (1 ulp) from
     the object code it caches, so a parent that compiled the kernel itself would not be
     bit-identical with its workers."""
-    if kernel.run_job.overloads:                 # loaded (or compiled) already in this process
-        return
-    if _load_cached():                           # a warm cache: no child needed (~1.2 s saved)
-        return
+    with _PREPARE_LOCK:                          # pools started by several threads at once
+        if kernel.run_job.overloads or _warm:    # loaded (or compiled) already in this process
+            return
+        if not _load_cached():                   # a warm cache needs no child (~1.2 s saved)
+            _compile_in_child(env, timeout)
+        _warm.append(True)
+
+
+def _compile_in_child(env, timeout):
     try:
         subprocess.run([sys.executable, "-c", WARM_UP], env=env, cwd=ROOT, stdin=subprocess.DEVNULL, check=True,
                        timeout=timeout)
@@ -235,25 +241,36 @@ def prepare_parent(env, timeout):
     kernel.warm_up()
 
 
+_PREPARE_LOCK = threading.Lock()
+_warm = []                     # prepare_parent done in this process
+
+
 class _NotCached(Exception):
     pass
 
 
 def _load_cached() -> bool:
-    """Load the warm-up's kernels from numba's on-disk cache in this process, compiling nothing
-    (each of their dispatchers' compile() refuses a signature the cache lacks for the time of the
-    call); False when one is not cached (prepare_parent then compiles in a child)."""
+    """Load the warm-up's kernels from numba's on-disk cache in this process, compiling nothing:
+    for the time of the call, each of their dispatchers' compile() refuses, in this thread, a
+    signature the cache lacks (other threads compile as ever). False when one is not cached
+    (prepare_parent then compiles in a child). Under _PREPARE_LOCK: one thread patches at a time."""
     from numba.core import sigutils
+    from numba.core.compiler_lock import global_compiler_lock
     from numba.core.dispatcher import Dispatcher
+
+    me = threading.get_ident()
 
     def cache_only(d):
         real = d.compile
 
         def compile(sig):
-            args, _ = sigutils.normalize_signature(sig)
-            if d.overloads.get(tuple(args)) is None and d._cache.load_overload(sig, d.targetctx) is None:
-                raise _NotCached(d.py_func.__name__)
-            return real(sig)
+            if threading.get_ident() != me:
+                return real(sig)
+            with global_compiler_lock:       # numba's cache is read under it (reentrant: real takes it too)
+                args, _ = sigutils.normalize_signature(sig)
+                if d.overloads.get(tuple(args)) is None and d._cache.load_overload(sig, d.targetctx) is None:
+                    raise _NotCached(d.py_func.__name__)
+                return real(sig)
         return compile
 
     patched = [d for m in (atomics, kernel) for d in vars(m).values() if isinstance(d, Dispatcher)]
@@ -267,7 +284,7 @@ def _load_cached() -> bool:
         return False
     finally:
         for d in patched:
-            del d.compile
+            d.__dict__.pop("compile", None)
 
 
 def main(argv):
@@ -278,6 +295,8 @@ def main(argv):
     kernel.warm_up()
     while argv:
         ctrl_name, rank, nworkers, core, parent_pid, spin = argv[0], *map(int, argv[1:6])
+        if argv[6:7] not in ([], ["reuse"]):            # a reused worker's line: the parent's cores now
+            home = {int(c) for c in argv[6].split(",")}
         os.sched_setaffinity(0, {core} if core >= 0 else home)
         worker = Worker(ctrl_name, rank, nworkers, parent_pid, spin)
         served = worker.run()

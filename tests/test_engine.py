@@ -110,7 +110,7 @@ def test_a_step_time_target_paces_prompts_beside_decodes_exactly(llama):
         assert paced and max(paced) <= MIN_PROMPT_TOKENS and MIN_PROMPT_TOKENS in paced
         for s, p in zip([first, *late], ps):
             assert_exact(llama, s, p)
-        assert eng.pacer.steps
+        assert eng.pacer.alone and eng.pacer.mixed
         assert_idle(eng)
 
 

@@ -346,15 +346,47 @@ def test_pacer_learns_decode_time_and_per_token_cost():
     assert off.limit(2) is None
     p = Pacer(0.2)
     assert p.limit(0) is None                   # nothing decodes: no limit
-    assert p.limit(3) == MIN_PROMPT_TOKENS      # still learning
+    assert p.limit(3) == 0                      # a step of decodes alone, to time
     p.record(5.0, 500, 0)                       # a prompt alone teaches nothing
-    assert not p.steps
+    assert not p.alone and not p.mixed
     for n in (2, 4, 2, 4):
         p.record(0.06 + 0.01 * n, 0, n)         # decode steps: 60 ms + 10 ms a token
-    assert abs(p.decode_time(3) - 0.09) < 1e-9
+    base, slope = p.decode_line()
+    assert abs(base - 0.06) < 1e-9 and abs(slope - 0.01) < 1e-9
     assert p.limit(3) == MIN_PROMPT_TOKENS      # the time per prompt token is not measured yet
     for n, tokens in ((2, 16), (4, 40), (2, 100)):
         p.record(0.06 + 0.01 * n + 0.002 * tokens, tokens, n)      # 2 ms a prompt token
-    assert abs(p.per_prompt_token() - 0.002) < 1e-9
+    assert abs(p.per_prompt_token(p.decode_line()) - 0.002) < 1e-9
     assert p.limit(3) in (54, 55)               # (0.2 - 0.09) / 0.002, give or take a rounding
     assert p.limit(12) == MIN_PROMPT_TOKENS     # a bigger batch leaves room for 10: the floor
+
+
+@pytest.mark.parametrize("backlog_at", [1, 20])
+def test_a_steady_backlog_keeps_its_paced_chunks(backlog_at):
+    """Under a backlog of prompts every step carries one: the pacer still learns (it asks for two
+    steps of decodes alone), and does not forget after its window of steps (decode-alone and
+    mixed steps are kept apart), so chunks stay at what the target allows, not the floor.
+    A synthetic machine: 20 ms a step + 2 ms a decode token + 0.4 ms a prompt token, target 0.1 s."""
+    from hetero.engine.pacing import WINDOW, Pacer
+    from hetero.engine.scheduler import is_decoding
+
+    s = make(n_blocks=4000, max_num_seqs=64, max_num_batched_tokens=512, long_prefill_chunk=512)
+    pacer = Pacer(0.1)
+    s.add(Request("long", [5] * 10, 100000))
+    paced = []
+    for i in range(1000):
+        if i == backlog_at:
+            for k in range(60):
+                s.add(Request(f"p{k}", [6 + k] * 400, 2))
+        backlog = bool(s.waiting) or not all(map(is_decoding, s.running))
+        if i > backlog_at and not backlog:
+            break
+        out = s.schedule(pacer.limit(sum(map(is_decoding, s.running))))
+        dec = sum(is_decoding(x.request) for x in out.scheduled)
+        pacer.record(0.02 + 0.002 * dec + 0.0004 * (out.num_tokens - dec), out.num_tokens - dec, dec)
+        if i > backlog_at + 8 and s.waiting:
+            paced.append(out.num_tokens - dec)
+        s.update(out, {x.request.request_id: 3 for x in out.scheduled if x.samples})
+    assert len(paced) > WINDOW + 20
+    # room: (0.1 - 0.02 - 0.002 * decodes) / 0.0004 = 200 - 5 * decodes prompt tokens, a few decoding
+    assert min(paced) >= 150 and max(paced) <= 200, (min(paced), max(paced))

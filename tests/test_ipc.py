@@ -567,6 +567,33 @@ def test_reused_workers_serve_the_next_pool_and_map_nothing_while_idle(monkeypat
     assert all(p.poll() is not None for p in third.procs + fourth.procs)
 
 
+def test_an_idle_worker_stopped_or_killed_is_not_handed_to_the_next_pool(monkeypatch):
+    """An idle worker SIGKILLed or SIGSTOPped while idle: the next pool starts at once on a fresh
+    worker (the stopped one is killed), not after start_timeout."""
+    import signal
+
+    from hetero.ipc import pool as P
+
+    monkeypatch.setattr(P, "REUSE", True)
+    monkeypatch.setattr(P, "_idle", [])
+    for sig in (signal.SIGKILL, signal.SIGSTOP):
+        first = WorkerPool(1, [])
+        first.close()
+        victim = first.procs[0]
+        os.kill(victim.pid, sig)
+        if sig == signal.SIGKILL:
+            victim.wait()
+        t0 = time.perf_counter()
+        nxt = WorkerPool(1, [], start_timeout=30)
+        try:
+            assert nxt.procs[0].pid != victim.pid and time.perf_counter() - t0 < 10
+            nxt.run(C.CMD_PING)
+        finally:
+            nxt.close()
+        assert victim.poll() is not None
+    P._retire_idle()
+
+
 IDLE_OWNER = """
 import os, signal, sys
 sys.path.insert(0, {root!r})

@@ -432,3 +432,35 @@ def test_the_parent_loads_cached_kernels_itself_and_compiles_none(tmp_path):
                           env=dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path)))
     ok, hits, misses, restored = cold.stdout.split()
     assert ok == "False" and misses == "0" and restored == "True", cold.stdout
+
+
+RACE = """
+import sys, threading
+sys.path.insert(0, {root!r})
+from hetero import worker
+from hetero.cpu_attention import kernel
+from hetero.ipc import atomics
+bar, errs = threading.Barrier(4), []
+def go():
+    bar.wait()
+    try:
+        worker.prepare_parent(dict(), 60)
+    except BaseException as e:
+        errs.append(repr(e))
+ts = [threading.Thread(target=go) for _ in range(4)]
+[t.start() for t in ts]
+[t.join() for t in ts]
+left = [n for m in (atomics, kernel) for n, d in vars(m).items() if "compile" in getattr(d, "__dict__", {{}})]
+print(errs, left)
+"""
+
+
+def test_threads_starting_pools_at_once_prepare_the_kernels_once():
+    """prepare_parent from four threads at once (their first pools): no error, and no dispatcher
+    left patched (one thread loads; the others wait for it)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", RACE.format(root=root)], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[] []", out.stdout + out.stderr

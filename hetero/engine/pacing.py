@@ -3,14 +3,17 @@ requests are decoding (EngineConfig.step_time_target), i.e. their inter-token la
 
 On a machine whose cores run the prompt chunks and the decode tokens in one forward (a CPU), a
 step that carries a 512-token chunk takes as long as that chunk's prefill, and every decoding
-request waits for it. The pacer learns from the last WINDOW steps (nothing configured): the time
-of a step of decode tokens alone, as a line in their number (least squares), and the time each
-prompt token adds on top of it (the median over the steps that carried some); the scheduler then
-gives the next step's prompt chunks at most (target - its decode time) / (time per prompt token)
-tokens, and at least MIN_PROMPT_TOKENS (prompts always progress; also while it is still
-learning). Steps with no decoding request are not limited. Chunk sizes taken from measured time
-make runs differ in how prompts are chunked: the greedy tokens do not change, the scores only by
-float rounding (as for any chunking).
+request waits for it. The pacer learns from the steps themselves (nothing configured): the time
+of a step of decode tokens alone, as a line in their number (least squares over the last WINDOW
+such steps), and the time each prompt token adds on top of it (the median over the last WINDOW
+steps that carried some); the scheduler then gives the next step's prompt chunks at most
+(target - its decode time) / (time per prompt token) tokens, and at least MIN_PROMPT_TOKENS
+(prompts always progress). Until it has timed two steps of decode tokens alone it asks for them
+(a limit of 0: under a steady backlog every step would otherwise carry a prompt), then for
+MIN_PROMPT_TOKENS until it has timed a step that carried some. Steps with no decoding request
+are not limited. Chunk sizes taken from measured time make runs differ in how prompts are
+chunked: the greedy tokens do not change, the scores only by float rounding (as for any
+chunking).
 
   state    written by                     read by
   all      the step loop (record)         the step loop (limit), one thread
@@ -28,40 +31,43 @@ WINDOW = 64                  # steps remembered
 class Pacer:
     def __init__(self, target: float | None):
         self.target = target          # seconds a step may take while requests decode (None: no pacing)
-        self.steps: deque = deque(maxlen=WINDOW)     # (decode tokens, prompt tokens, seconds)
+        self.alone: deque = deque(maxlen=WINDOW)     # (decode tokens, seconds) of steps without a prompt
+        self.mixed: deque = deque(maxlen=WINDOW)     # (decode tokens, prompt tokens, seconds) of the others
 
-    def decode_time(self, decode_tokens: int) -> float | None:
-        """A step of `decode_tokens` decode tokens alone, as measured (None: not yet)."""
-        alone = [(d, s) for d, p, s in self.steps if p == 0]
-        if len(alone) < 2:
+    def decode_line(self) -> tuple[float, float] | None:
+        """(base, per decode token): a step of decode tokens alone, as measured (None: not yet)."""
+        if len(self.alone) < 2:
             return None
-        d, s = np.array(alone, dtype=np.float64).T
+        d, s = np.array(self.alone, dtype=np.float64).T
         if np.ptp(d) == 0:
-            return float(np.median(s))
+            return float(np.median(s)), 0.0
         slope, base = np.polyfit(d, s, 1)
-        return float(base + max(slope, 0.0) * decode_tokens)
+        return float(base), max(float(slope), 0.0)
 
-    def per_prompt_token(self) -> float | None:
-        """The time a prompt token adds to a step (None: not yet measured)."""
-        added = []
-        for d, p, s in self.steps:
-            if p > 0:
-                alone = self.decode_time(d)
-                if alone is not None:
-                    added.append(max(s - alone, 0.0) / p)
+    def per_prompt_token(self, line: tuple[float, float]) -> float | None:
+        """The time a prompt token adds to a step, over the decode `line` (None: not yet measured)."""
+        base, slope = line
+        added = [max(s - base - slope * d, 0.0) / p for d, p, s in self.mixed]
         return float(np.median(added)) if added else None
 
     def limit(self, decode_tokens: int) -> int | None:
         """Prompt tokens the next step may carry beside `decode_tokens` decode tokens (None: no limit)."""
         if self.target is None or decode_tokens == 0:
             return None
-        alone, per = self.decode_time(decode_tokens), self.per_prompt_token()
-        if alone is None or per is None:
-            return MIN_PROMPT_TOKENS          # still learning
-        room = self.target - alone
+        line = self.decode_line()
+        if line is None:
+            return 0                          # a step of decode tokens alone, to time
+        per = self.per_prompt_token(line)
+        if per is None:
+            return MIN_PROMPT_TOKENS          # a paced step, to time
+        room = self.target - (line[0] + line[1] * decode_tokens)
         return max(MIN_PROMPT_TOKENS, int(room / per) if per > 0 else 1 << 30)
 
     def record(self, seconds: float, prompt_tokens: int, decode_tokens: int) -> None:
         """A step's wall time, with the prompt tokens and decode tokens it computed."""
-        if self.target is not None and decode_tokens > 0:     # no decode time to learn from, none to protect
-            self.steps.append((decode_tokens, prompt_tokens, seconds))
+        if self.target is None or decode_tokens == 0:
+            return                            # no decode time to learn from, none to protect
+        if prompt_tokens == 0:
+            self.alone.append((decode_tokens, seconds))
+        else:
+            self.mixed.append((decode_tokens, prompt_tokens, seconds))

@@ -67,7 +67,18 @@ MAX_IDLE = 2 * (os.cpu_count() or 1)
 ENV_NOT_KEYED = ("PYTEST_CURRENT_TEST",)    # changes under every test; the workers never read it
 _idle = []         # (key, Popen) of workers idle since their pool closed (REUSE); this process's only
 _idle_pid = os.getpid()
-_idle_lock = threading.Lock()   # pools start and close in several threads (a server's engine, callers)
+# pools start and close in several threads (a server's engine, callers), and close() may run from
+# a finalizer that the garbage collector calls inside a locked section: reentrant
+_idle_lock = threading.RLock()
+
+
+def _forget_idle_in_child():
+    """A forked child: the parent's idle workers are not its own (nor is a lock held at the fork)."""
+    global _idle, _idle_lock
+    _idle, _idle_lock = [], threading.RLock()
+
+
+os.register_at_fork(after_in_child=_forget_idle_in_child)
 
 
 def _take_idle(key, line):
@@ -78,6 +89,10 @@ def _take_idle(key, line):
             if p is None:
                 return None
             _idle.remove((key, p))
+        if _process_state(p.pid) in ("T", "t", "Z", "?"):     # stopped, dead or gone while idle
+            p.kill()
+            _retire(p)
+            continue
         try:
             p.stdin.write(line.encode())
             p.stdin.flush()
@@ -145,7 +160,8 @@ class WorkerPool:
             for rank, core in enumerate(self.worker_cores):
                 args = [self.ctrl.name, str(rank), str(nworkers), str(core), str(os.getpid()),
                         str(spin_budget if idle_spin is None else idle_spin)]
-                p = _take_idle(self.key, " ".join(args) + "\n") if REUSE else None
+                cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))))     # an unpinned one's, as if spawned now
+                p = _take_idle(self.key, " ".join([*args, cpus]) + "\n") if REUSE else None
                 # a session of their own: a signal to the parent's process group (a terminal's hangup,
                 # `kill -TERM -PGID`, systemd) leaves them alive to notice the parent gone and clean up
                 self.procs.append(p or subprocess.Popen(
