@@ -594,6 +594,49 @@ def test_an_idle_worker_stopped_or_killed_is_not_handed_to_the_next_pool(monkeyp
     P._retire_idle()
 
 
+def test_a_reused_unpinned_worker_takes_the_parents_cores_of_now(monkeypatch):
+    """An unpinned worker spawned while the parent ran on one core, reused once the parent runs on
+    all: it runs on all (the cores of its new pool's parent, not those it was born with)."""
+    from hetero.ipc import pool as P
+
+    everything = os.sched_getaffinity(0)
+    if len(everything) < 2:
+        pytest.skip("needs two cores")
+    monkeypatch.setattr(P, "REUSE", True)
+    monkeypatch.setattr(P, "_idle", [])
+    os.sched_setaffinity(0, {min(everything)})
+    try:
+        first = WorkerPool(1, [])
+        first.close()
+    finally:
+        os.sched_setaffinity(0, everything)
+    assert psutil.Process(first.procs[0].pid).cpu_affinity() == [min(everything)]
+    second = WorkerPool(1, [])
+    try:
+        assert second.procs[0].pid == first.procs[0].pid
+        assert set(psutil.Process(second.procs[0].pid).cpu_affinity()) == everything
+    finally:
+        second.close()
+    P._retire_idle()
+
+
+def test_a_forked_child_does_not_take_its_parents_idle_workers(monkeypatch):
+    from hetero.ipc import pool as P
+
+    monkeypatch.setattr(P, "REUSE", True)
+    monkeypatch.setattr(P, "_idle", [])
+    first = WorkerPool(1, [])
+    first.close()
+    assert len(P._idle) == 1
+    lock = P._idle_lock
+    pid = os.fork()
+    if pid == 0:                                   # the child: nothing of its parent's list or lock
+        os._exit(0 if not P._idle and P._idle_lock is not lock else 1)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert len(P._idle) == 1 and first.procs[0].poll() is None
+    P._retire_idle()
+
+
 IDLE_OWNER = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
