@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import machine, positive, write_json  # noqa: E402
 from hetero.config import HeteroConfig  # noqa: E402
 from hetero.ipc import control as C  # noqa: E402
-from hetero.ipc.pool import WorkerPool  # noqa: E402
+from hetero.ipc.pool import WorkerPool, reap  # noqa: E402
 
 WARMUP = 200
 TARGET = {"p50_us": 5, "p99_us": 50}
@@ -82,11 +82,7 @@ def bench_sem(n, cores, iters):
         return timed(step, iters)
     finally:
         for p in procs:
-            try:
-                p.wait(timeout=2.0)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+            reap(p, 2.0)
         for sem in (s for pair in sems for s in pair):
             sem.unlink()
             sem.close()

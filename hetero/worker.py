@@ -219,12 +219,13 @@ def prepare_parent(env, timeout):
     The parent takes units too, and numba's in-process JIT code rounds differently (1 ulp) from
     the object code it caches, so a parent that compiled the kernel itself would not be
     bit-identical with its workers."""
+    global _prepared
     with _PREPARE_LOCK:                          # pools started by several threads at once
-        if kernel.run_job.overloads or _warm:    # loaded (or compiled) already in this process
+        if _prepared or kernel.run_job.overloads:    # loaded (or compiled) already in this process
             return
         if not _load_cached():                   # a warm cache needs no child (~1.2 s saved)
             _compile_in_child(env, timeout)
-        _warm.append(True)
+        _prepared = True
 
 
 def _compile_in_child(env, timeout):
@@ -242,7 +243,7 @@ def _compile_in_child(env, timeout):
 
 
 _PREPARE_LOCK = threading.Lock()
-_warm = []                     # prepare_parent done in this process
+_prepared = False              # prepare_parent done in this process
 
 
 class _NotCached(Exception):
@@ -295,7 +296,7 @@ def main(argv):
     kernel.warm_up()
     while argv:
         ctrl_name, rank, nworkers, core, parent_pid, spin = argv[0], *map(int, argv[1:6])
-        if argv[6:7] not in ([], ["reuse"]):            # a reused worker's line: the parent's cores now
+        if len(argv) > 6 and argv[6] != "reuse":        # a reused worker's line: the parent's cores now
             home = {int(c) for c in argv[6].split(",")}
         os.sched_setaffinity(0, {core} if core >= 0 else home)
         worker = Worker(ctrl_name, rank, nworkers, parent_pid, spin)

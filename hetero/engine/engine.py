@@ -13,8 +13,7 @@ unless `EngineConfig.background=False`).
 
 One step:
     inbox -> scheduler (add, abort)
-    plan = scheduler.schedule(limit)     which requests, how many tokens each (chunked prefill beside decode;
-                                         limit: the pacer's prompt tokens, hetero.engine.pacing)
+    plan = scheduler.schedule(limit)     which requests, how many tokens each (chunked prefill beside decode, paced)
     logits = runner.execute(plan)        one forward (hetero.engine.runner)
     tokens = sampler.sample(...)         each request's processors and generator (hetero.engine.sampler)
     scheduler.update(plan, tokens)       append, stop, cache and free blocks; streams get their tokens

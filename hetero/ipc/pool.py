@@ -101,20 +101,31 @@ def _take_idle(key, line):
             _retire(p)
 
 
+def _tell_exit(p):
+    """A worker started for reuse told to exit when it next waits for a pool ("exit": end of file
+    alone means this process died)."""
+    try:
+        p.stdin.write(b"exit\n")
+        p.stdin.close()
+    except OSError:
+        pass
+
+
+def reap(p, timeout):
+    """Wait up to `timeout` s for process p to exit, then kill it."""
+    try:
+        p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+
+
 def _retire(*procs):
-    """Idle workers sent away ("exit": end of file alone means this process died), then reaped."""
+    """Idle workers sent away, then reaped."""
     for p in procs:
-        try:
-            p.stdin.write(b"exit\n")
-            p.stdin.close()
-        except OSError:
-            pass
+        _tell_exit(p)
     for p in procs:
-        try:
-            p.wait(timeout=2.0)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+        reap(p, 2.0)
 
 
 @atexit.register
@@ -157,10 +168,10 @@ class WorkerPool:
         try:
             self.words = self.ctrl.array(0, (C.nbytes(nworkers) // 8,), np.int64)
             self.floats = self.words.view(np.float64)
+            cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))))   # a reused unpinned one's, as if spawned now
             for rank, core in enumerate(self.worker_cores):
                 args = [self.ctrl.name, str(rank), str(nworkers), str(core), str(os.getpid()),
                         str(spin_budget if idle_spin is None else idle_spin)]
-                cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))))     # an unpinned one's, as if spawned now
                 p = _take_idle(self.key, " ".join([*args, cpus]) + "\n") if REUSE else None
                 # a session of their own: a signal to the parent's process group (a terminal's hangup,
                 # `kill -TERM -PGID`, systemd) leaves them alive to notice the parent gone and clean up
@@ -346,17 +357,9 @@ class WorkerPool:
                     with _idle_lock:                       # it read EXIT: idle, for the next pool
                         _idle.append((self.key, p))
                     continue
-                if p.stdin is not None:                    # started to be reused: told to exit
-                    try:
-                        p.stdin.write(b"exit\n")
-                        p.stdin.close()
-                    except OSError:
-                        pass
-                try:
-                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+                if p.stdin is not None:                    # started to be reused
+                    _tell_exit(p)
+                reap(p, max(0.0, deadline - time.monotonic()))
             with _idle_lock:
                 extra = [p for _, p in _idle[:max(len(_idle) - MAX_IDLE, 0)]]
                 del _idle[:len(extra)]
