@@ -136,7 +136,7 @@ class Worker:
     def attend(self, seq):
         v = self.v
         kernel.run_job(self.words, self.floats, seq, C.busy_word(self.rank), self.code, v["q"], v["knew"],
-                       v["vnew"], v["K"], v["V"], v["Kr"], v["Vr"], self.slots, v["tables"], kernel.NO_TABLES,
+                       v["vnew"], v["K"], v["V"], v["Kr"], v["Vr"], self.slots, v["tables"], v["rtables"],
                        self.ident, v["lengths"], v["order"],
                        v["skip"], v["pstart"], v["pgroup"], v["gblocks"], self.ngroups, v["part_o"],
                        v["part_m"], v["part_l"], self.qs, self.qp, self.S, self.PKs, self.PVs, self.pscratch)

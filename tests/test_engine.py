@@ -47,6 +47,19 @@ def run(engine, streams):
         engine.step()
 
 
+def run_counting_ring_blocks(engine, streams, table):
+    """run(), checking the pool after each step: the most blocks a request's `table` held at once
+    (the full layers' block_table holds every block where a window pool is kept apart)."""
+    peak = 0
+    while not all(s.finished for s in streams):
+        engine.step()
+        engine.kv_manager.check_invariants()
+        for r in engine.kv_manager.holders.values():
+            peak = max(peak, sum(b >= 0 for b in getattr(r, table)))
+            assert table == "block_table" or -1 not in r.block_table
+    return peak
+
+
 def assert_idle(engine):
     """Nothing is held: every block free or cached, the pool consistent."""
     kv = engine.kv_manager
@@ -160,12 +173,7 @@ def test_a_sliding_window_keeps_a_ring_of_blocks(stage):
         assert eng.kv_manager.window == 20
         ps = prompts([200, 150, 170], seed=12)
         streams = [eng.add_request(p, NEW, output_scores=True) for p in ps]
-        peak = 0
-        while not all(s.finished for s in streams):
-            eng.step()
-            eng.kv_manager.check_invariants()
-            for r in eng.kv_manager.holders.values():
-                peak = max(peak, sum(b >= 0 for b in r.block_table))
+        peak = run_counting_ring_blocks(eng, streams, "block_table")
         assert 0 < peak <= 3                              # blocks_for(20 - 1 + 16) + 1
         for s, p in zip(streams, ps):
             assert_exact(model, s, p)
@@ -192,6 +200,63 @@ def test_a_sliding_window_keeps_a_ring_of_blocks(stage):
         assert_idle(eng)
     with make(model, kv_blocks=2) as eng, pytest.raises(CapacityError, match="at once"):
         eng.add_request(ps[0], NEW)                       # 3 blocks at once: past a pool of 2
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])
+def test_mixed_window_layers_keep_a_ring_in_a_pool_of_their_own(model_type, tmp_path):
+    """A model whose windowed layers sit beside full ones (here one of each, a 20-key window): the
+    windowed layers' blocks come from a pool of their own, where a request holds only its window's
+    (at most 3 here, over ~7 blocks of rows), so that pool is sized for the running requests'
+    windows, not their lengths. Exact vs HF under preemption (a full pool of 12 blocks for 3
+    requests of ~7), over a cached prefix (the windowed layers' blocks of its window found too),
+    over a pinned document (its pin keeps the windowed layers' last window only), and after that
+    document is saved and loaded into another engine."""
+    from hetero.engine.kv_hybrid import HybridKVCacheManager
+
+    model, _ = build_model(model_type, sliding_window=20)
+    with make(model, kv_blocks=None, kv_memory=1 << 30, max_num_seqs=4, max_model_len=2048) as eng:
+        assert isinstance(eng.kv_manager, HybridKVCacheManager)
+        assert eng.kv_manager.pool.num_blocks == 4 * 64      # every row of 4 requests of 2048 tokens
+        assert eng.kv_manager.windowed.pool.num_blocks == 2 * 4 * 3      # their windows' blocks, twice
+    with make(model, kv_blocks=12) as eng:
+        ps = prompts([200, 150, 170], seed=12)
+        streams = [eng.add_request(p, NEW, output_scores=True) for p in ps]
+        peak = run_counting_ring_blocks(eng, streams, "window_table")
+        assert 0 < peak <= 3 and eng.scheduler.num_preemptions > 0
+        for s, p in zip(streams, ps):
+            assert_exact(model, s, p)
+        assert_idle(eng)
+        cont = ps[0] + prompts([20], seed=13)[0]          # 6 whole blocks cached; the window sees the last
+        s = eng.add_request(cont, NEW, output_scores=True)
+        eng.step()
+        r = eng.scheduler.requests[s.request_id]
+        assert r.num_cached_tokens == 192 and r.window_start == 5 and r.window_table[:5] == [-1] * 5
+        assert -1 not in r.block_table
+        run(eng, [s])
+        assert_exact(model, s, cont)
+        doc = eng.pin(prompts([100], seed=14)[0])
+        run(eng, [doc])
+        assert len(doc.pinned_blocks) == 3 and len(doc.pinned_blocks.window) == 1   # rows 77..95: block 2
+        assert eng.kv_manager.windowed.pool.num_pinned_blocks == 1
+        q = doc.prompt_ids + prompts([40], seed=15)[0]
+        s = eng.add_request(q, NEW, output_scores=True)
+        run(eng, [s])
+        assert s.cached_tokens == 96
+        assert_exact(model, s, q)
+        eng.save_pin(doc, tmp_path / "doc.ctx")
+        eng.unpin(doc)
+        eng.step()
+        assert_idle(eng)
+    with make(model, kv_blocks=12) as eng:
+        loaded, _ = eng.load_pin(tmp_path / "doc.ctx")
+        assert len(loaded.pinned_blocks) == 3 and len(loaded.pinned_blocks.window) == 1
+        s = eng.add_request(q, NEW, output_scores=True)
+        run(eng, [s])
+        assert s.cached_tokens == 96
+        assert_exact(model, s, q)
+        eng.unpin(loaded)
+        eng.step()
+        assert_idle(eng)
 
 
 @pytest.mark.parametrize("stage", [0, 1 << 30])
@@ -470,7 +535,7 @@ def test_bad_input_raises_clear_errors(llama, engine):
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request(ok, 2, request_id="same")
     run(engine, [s])
-    with pytest.raises(CapacityError, match="needs 7 KV blocks of 32 rows at once; the pool has 4"):
+    with pytest.raises(CapacityError, match="needs 7 blocks of 32 at once; the pool has 4 blocks"):
         with make(llama, kv_blocks=4) as small:
             small.add_request(ok, 200)
     with pytest.raises(ValueError, match="EngineConfig.max_num_seqs"):

@@ -17,6 +17,7 @@ from hetero.engine import (
     SchedulerConfig,
     block_hash,
 )
+from hetero.engine.kv_hybrid import HybridKVCacheManager
 from hetero.errors import CapacityError
 
 BS = BLOCK_SIZE
@@ -208,14 +209,23 @@ def _check_all(s, kv, content):
         _check_rows(kv, r, r.num_computed_tokens, content)
 
 
+def _tables(kv, r):
+    """(pool name, block table, its first kept block, the window it keeps) of each pool r holds
+    blocks in: one, or a hybrid manager's two (full layers', windowed layers')."""
+    if isinstance(kv, HybridKVCacheManager):
+        return [("full", r.block_table, r.ring_start, 0), ("window", r.window_table, r.window_start, kv.window)]
+    return [("full", r.block_table, r.ring_start, kv.window)]
+
+
 def _check_rows(kv, r, upto, content):
     """The KV rows [0, upto) the request's table points at hold its own prefix (under its adapter);
     under a ring, the rows from its first kept block, which the window of row `upto` needs."""
     toks, bs = r.all_token_ids, kv.block_size
-    first = r.ring_start * bs
-    assert first <= max(upto - kv.window + 1, 0) or not kv.window, (r, upto)
-    for j in range(first, upto):
-        assert content.get((r.block_table[j // bs], j % bs)) == (r.adapter, tuple(toks[:j + 1])), (r, j)
+    for name, table, start, window in _tables(kv, r):
+        first = start * bs
+        assert first <= max(upto - window + 1, 0) or not window, (name, r, upto)
+        for j in range(first, upto):
+            assert content.get((name, table[j // bs], j % bs)) == (r.adapter, tuple(toks[:j + 1])), (name, r, j)
 
 
 def _step(s, kv, content, rng, force_eos=None):
@@ -227,10 +237,12 @@ def _step(s, kv, content, rng, force_eos=None):
         assert 0 < x.num_new_tokens <= (cfg.long_prefill_chunk or cfg.max_num_batched_tokens)
         _check_rows(kv, r, x.start, content)                # what it reads was written for its prefix
         toks = r.all_token_ids
-        for j in range(x.start, x.start + x.num_new_tokens):  # the "forward" writes its rows
-            blk = r.block_table[j // kv.block_size]
-            assert kv.pool.refcount[blk] == 1, "a write into a shared or pinned block"
-            content[(blk, j % kv.block_size)] = (r.adapter, tuple(toks[:j + 1]))
+        for name, table, _, _ in _tables(kv, r):
+            pool = kv.windowed.pool if name == "window" else kv.pool
+            for j in range(x.start, x.start + x.num_new_tokens):  # the "forward" writes its rows
+                blk = table[j // kv.block_size]
+                assert pool.refcount[blk] == 1, f"a write into a shared or pinned block ({name})"
+                content[(name, blk, j % kv.block_size)] = (r.adapter, tuple(toks[:j + 1]))
     kv.check_invariants()
     sampled = {x.request.request_id: (EOS if x.request.request_id == force_eos or rng.random() < 0.04
                                       else rng.randrange(3, 9))
@@ -240,13 +252,18 @@ def _step(s, kv, content, rng, force_eos=None):
     return out
 
 
-@pytest.mark.parametrize("window", [0, 6])
+@pytest.mark.parametrize("window", [0, 6, "hybrid"])
 @pytest.mark.parametrize("seed", range(6))
 def test_pool_invariants_under_random_operations(seed, window):
-    """Also under a ring (window: every layer's sliding window, rows)."""
+    """Also under a ring (window: every layer's sliding window, rows), and with a hybrid manager (a
+    full layers' pool beside a windowed layers' pool of its own, window 6: both checked)."""
     rng = random.Random(seed)
     bs = 4
-    kv = KVCacheManager(BlockPool(rng.randint(6, 10) if window else rng.randint(14, 30), bs), window=window)
+    if window == "hybrid":
+        kv = HybridKVCacheManager(BlockPool(rng.randint(14, 30), bs), BlockPool(rng.randint(6, 10), bs), 6)
+        window = 0                              # the full pool's rules below: pins and sharing as without a ring
+    else:
+        kv = KVCacheManager(BlockPool(rng.randint(6, 10) if window else rng.randint(14, 30), bs), window=window)
     s = Scheduler(SchedulerConfig(max_num_seqs=rng.randint(2, 6), max_num_batched_tokens=rng.randint(6, 40),
                                   long_prefill_chunk=rng.choice([3, 5] if window else [None, 3, 5, 16])), kv)
     docs = [[rng.randrange(3, 9) for _ in range(rng.randint(4, 20))] for _ in range(3)]
@@ -262,7 +279,7 @@ def test_pool_invariants_under_random_operations(seed, window):
                 s.add(r)
                 all_reqs.append(r)
             except CapacityError:
-                assert s.peak_blocks(r) > kv.room_for(r, s.peak_blocks(r))
+                assert kv.shortfall(r, s.chunk) is not None
         elif roll < 0.75:
             out = _step(s, kv, content, rng)
             stats["preempted"] += len(out.preempted)
@@ -281,8 +298,13 @@ def test_pool_invariants_under_random_operations(seed, window):
         elif roll < 0.95 and [r for r in s.running if not r.ring_start]:
             r = rng.choice([r for r in s.running if not r.ring_start])     # a ring's given-back blocks: no pin
             n = rng.randint(0, r.num_computed_tokens // bs)
-            contexts.append(kv.pin_prefix(r, n))
-            stats["pinned"] += n
+            try:
+                contexts.append(kv.pin_prefix(r, n))
+                stats["pinned"] += n
+            except ValueError:                  # a hybrid's window blocks at n given back and evicted
+                first = max(n * bs - kv.window + 1, 0) // bs        # the window blocks the pin keeps
+                assert isinstance(kv, HybridKVCacheManager) and first < r.window_start, (n, r)
+                kv.check_invariants()
         elif contexts:
             kv.unpin(contexts.pop(rng.randrange(len(contexts))))
         for r in all_reqs:                                  # a Context's blocks, pinned by the scheduler
@@ -298,7 +320,9 @@ def test_pool_invariants_under_random_operations(seed, window):
     for blocks in contexts:
         kv.unpin(blocks)
         kv.check_invariants()
-    assert not kv.pool.refcount.any() and not kv.pool.pins.any() and not kv.holders
+    for pool in [kv.pool] + ([kv.windowed.pool] if isinstance(kv, HybridKVCacheManager) else []):
+        assert not pool.refcount.any() and not pool.pins.any()
+    assert not kv.holders
     assert kv.num_free_blocks + kv.num_evictable_blocks == kv.num_blocks
     assert kv.num_used_blocks == 0
     if window:                                  # a ring gives shared document blocks back soon: may not share

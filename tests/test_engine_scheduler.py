@@ -359,6 +359,13 @@ def test_pacer_learns_decode_time_and_per_token_cost():
     assert abs(p.per_prompt_token(p.decode_line()) - 0.002) < 1e-9
     assert p.limit(3) in (54, 55)               # (0.2 - 0.09) / 0.002, give or take a rounding
     assert p.limit(12) == MIN_PROMPT_TOKENS     # a bigger batch leaves room for 10: the floor
+    q = Pacer(0.2)
+    for n in (2, 4, 2, 4):
+        q.record(0.3, 0, n)                     # noisy decode steps, slower than the ones with prompts
+    q.record(0.1, 16, 2)
+    assert q.per_prompt_token(q.decode_line()) == 0 and q.limit(3) == 32     # not unlimited: twice 16
+    q.record(0.25, 32, 2)                       # past the target: what stayed within it counts
+    assert q.limit(3) == 32
 
 
 @pytest.mark.parametrize("backlog_at", [1, 20])

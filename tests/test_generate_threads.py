@@ -212,6 +212,23 @@ def test_new_weights_never_read_kv_the_engine_cached_under_the_old(engine_always
         assert gen._engine.engine is not first            # a new engine: the old one's cache was stale
 
 
+def test_a_mixed_window_models_context_is_copied_into_both_of_the_engines_pools(engine_always):
+    """Gemma 2 (a windowed layer beside a full one): a context read through the engine is copied
+    into the full layers' pool and the windowed layers' (hetero.engine.kv_hybrid) and the call
+    returns HF's tokens over [context, new tokens]."""
+    from tests.conftest import build_model
+
+    model = build_model("gemma2", sliding_window=40)[0]
+    doc, q = rows(12, 70, 6)
+    with HeteroGenerator(model, cpu_workers=1) as gen:
+        ctx = gen.prefill(doc, reserve=16)               # 96 rows: the arena keeps every row (no ring)
+        assert not ctx.session.layout.ring_layers
+        out = gen.generate(q, context=ctx, extend_context=False, max_new_tokens=6, pad_token_id=0)
+        kv = gen._engine.engine.kv_manager
+        assert kv.pool.num_pinned_blocks == 2 and kv.windowed.pool.num_pinned_blocks == 2
+        assert torch.equal(out, hf(model, torch.cat([doc, q], 1), max_new_tokens=6))
+
+
 def test_a_context_copy_queued_when_a_step_fails_or_closed_meanwhile_leaves_nothing_waiting(llama, engine_always,
                                                                                            monkeypatch):
     """A context's copy queued in the engine when its step fails is refused (the call then runs

@@ -39,6 +39,7 @@ from hetero import attention
 from hetero.config import HeteroConfig
 from hetero.cpu_attention.planner import StaticPlanner
 from hetero.engine import sampler as sampling, saved as engine_saved
+from hetero.engine.kv_hybrid import HybridKVCacheManager
 from hetero.engine.kv_pool import BLOCK_SIZE, BlockPool, KVCacheManager
 from hetero.engine.config import EngineConfig
 from hetero.engine.pacing import Pacer
@@ -96,7 +97,10 @@ class Engine:
             why = "LongRoPE switches factors" if min(limits) == spec.rope_switch else "the model's positions end"
             raise ValueError(f"EngineConfig.max_model_len={self.max_model_len} is past {min(limits)} tokens, where "
                              f"{why}; the engine serves requests up to there")
-        num_blocks = self._num_blocks()
+        w = spec.windows
+        self.window = max(w, default=0)                 # the windowed layers' (mixed models: the largest)
+        uniform = bool(w) and all(x == w[0] for x in w)   # every layer one window: one pool, a ring
+        num_blocks, ring_blocks = self._num_blocks(hybrid=self.window > 0 and not uniform)
         self._own_pool = pool is None
         if pool is None:
             n, cores = HeteroConfig(cpu_workers=config.cpu_workers).resolve_workers()
@@ -107,12 +111,14 @@ class Engine:
         self._step_guard = step_guard or contextlib.nullcontext
         self._step_lock = threading.Lock()    # held through a step; adapter loads wait for it
         try:
-            w = spec.windows
-            ring = w[0] if w and w[0] and all(x == w[0] for x in w) else 0   # every layer's window: a ring
+            ring = self.window if uniform else 0
             table = -(-self.max_model_len // BLOCK_SIZE)     # a table's entries (under a ring, the -1s too)
-            self.kv = PagedKV(pool, spec, num_blocks, table if ring else min(table, num_blocks), config.max_num_seqs,
-                              planner=planner or StaticPlanner(pool.n))
-            self.kv_manager = KVCacheManager(BlockPool(num_blocks), window=ring)
+            self.kv = PagedKV(pool, spec, num_blocks, table if self.window else min(table, num_blocks),
+                              config.max_num_seqs, planner=planner or StaticPlanner(pool.n), ring_blocks=ring_blocks)
+            if ring_blocks:                   # windowed and full layers: a pool each (Gemma 2/3, gpt-oss, ...)
+                self.kv_manager = HybridKVCacheManager(BlockPool(num_blocks), BlockPool(ring_blocks), self.window)
+            else:
+                self.kv_manager = KVCacheManager(BlockPool(num_blocks), window=ring)
             if lora is None:
                 self._adapters = EngineAdapters(model, pool)
                 if peft_model is not None:
@@ -146,24 +152,37 @@ class Engine:
         self.steps = 0
         self.pacer = Pacer(config.step_time_target)    # prompt chunks sized to the step time target
 
-    def _num_blocks(self) -> int:
+    def _num_blocks(self, hybrid: bool) -> tuple[int, int]:
+        """(blocks of the full layers' pool, of the windowed layers' when kept apart (hybrid), else 0).
+        The window pool holds every running request's ring twice over (room for its prefix cache),
+        at most as many blocks as the full pool; kv_blocks sets the full pool's."""
         cfg, s = self.config, self.spec
-        per_block = SessionLayout(1, s.q_heads, s.kv_heads, s.head_dim, BLOCK_SIZE, s.layers,
-                                  STORAGE_CODES[s.dtype], blocks=1, maxblk=1).kv_bytes
+        layer_block = SessionLayout(1, s.q_heads, s.kv_heads, s.head_dim, BLOCK_SIZE, 1,
+                                    STORAGE_CODES[s.dtype], blocks=1, maxblk=1).kv_bytes      # one layer's block
+        ringed = sum(1 for x in s.windows if x) if hybrid else 0
+        full = s.layers - ringed
+        table = -(-self.max_model_len // BLOCK_SIZE)
+        chunk = cfg.long_prefill_chunk or cfg.max_num_batched_tokens
+        ring_want = 2 * cfg.max_num_seqs * min(table, -(-(self.window - 1 + chunk) // BLOCK_SIZE) + 1) if hybrid else 0
         free = shm.free_bytes()
         if cfg.kv_blocks is not None:
             n = cfg.kv_blocks
+            r = min(n, ring_want)
         else:
-            need = cfg.max_num_seqs * -(-self.max_model_len // BLOCK_SIZE)
+            need = cfg.max_num_seqs * table
             if cfg.kv_memory is not None:
                 room = cfg.kv_memory
             else:                 # a default within the RAM and the shared-memory filesystem's room
                 room = int(cfg.ram_fraction * min(psutil.virtual_memory().available, free or 1 << 62))
-            n = max(1, min(need, room // per_block))
-        if free is not None and n * per_block > free:
-            raise CapacityError(f"a KV pool of {n} blocks ({n * per_block / 2**30:.2f} GiB) does not fit the "
+            units = room // layer_block                      # layer-blocks the room holds
+            r = min(ring_want, need, units // s.layers)      # never more than an equal split's
+            n = max(1, min(need, (units - r * ringed) // full))
+            r = min(r, n) if hybrid else 0
+        nbytes = (n * full + r * ringed) * layer_block
+        if free is not None and nbytes > free:
+            raise CapacityError(f"a KV pool of {n} blocks ({nbytes / 2**30:.2f} GiB) does not fit the "
                                 f"shared-memory filesystem's {free / 2**30:.2f} GiB free; set EngineConfig.kv_memory")
-        return n
+        return n, max(r, 1) if hybrid else 0
 
     # ---- callers (any thread)
     def add_request(self, prompt, max_new_tokens=MODEL_DEFAULT, *, request_id: str | None = None,
@@ -212,10 +231,9 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = Request(rid, ids, max_new_tokens, eos_token_ids=set() if ignore_eos else s.eos, params=settings,
                       adapter=adapter, adapter_key=self.adapter_key(adapter))
-        need = self.scheduler.peak_blocks(req)
-        if need > self.kv.num_blocks:
-            raise CapacityError(f"request {rid!r} needs {need} KV blocks of {BLOCK_SIZE} rows at once; the pool has "
-                                f"{self.kv.num_blocks} (EngineConfig.kv_blocks / kv_memory)")
+        why = self.kv_manager.shortfall(req, self.scheduler.chunk, pins=False)
+        if why is not None:
+            raise CapacityError(f"request {rid!r} needs {why} (EngineConfig.kv_blocks / kv_memory)")
         stream = RequestStream(self, rid, len(ids))
         stream.pad_token_id = s.pad
         if s.keep_scores:
@@ -376,7 +394,7 @@ class Engine:
         """Forget the cached blocks no request holds (the next requests start cold); the engine
         thread's, or between steps. Returns how many blocks were freed."""
         with self._lock:
-            return self.kv_manager.pool.clear_cache()
+            return self.kv_manager.clear_cache()
 
     @property
     def has_unfinished(self) -> bool:

@@ -28,7 +28,8 @@ request (KVCacheManager(window=W)): once no later token can see a block (its las
 window of the next row to compute), drop_out_of_window gives it back (to the prefix cache, as any
 released block) and its table entry becomes -1, so a request holds at most the window's blocks
 and a chunk's (peak_blocks), however long it runs. A Context's prompt (pin_prompt) keeps every
-block: later requests start from it.
+block: later requests start from it. A model that mixes windowed and full layers has two
+managers, one per pool (hetero.engine.kv_hybrid).
 """
 from __future__ import annotations
 
@@ -195,9 +196,13 @@ class KVCacheManager:
     """Request-level view of a BlockPool (vLLM v1's split): prefix lookups, slot allocation,
     caching of completed blocks, freeing. The scheduler calls it; only it writes block tables."""
 
-    def __init__(self, pool: BlockPool, window: int = 0):
+    def __init__(self, pool: BlockPool, window: int = 0, ring_pins: bool = False):
+        """window: the sliding window every layer it serves shares (0: none, no ring). ring_pins:
+        a Context's prompt rings too (the pin keeps its last window's blocks: HybridKVCacheManager's
+        window pool)."""
         self.pool, self.block_size = pool, pool.block_size
-        self.window = window                    # the sliding window every layer shares (0: none, no ring)
+        self.window = window
+        self.ring_pins = ring_pins
         self.holders: dict[str, Request] = {}   # requests whose block_table holds blocks
         # whole prompt blocks a holder is computing and has not cached yet: hash -> its id (a request
         # whose prefix continues into one waits for it rather than computing it again: pending_prefix)
@@ -230,8 +235,9 @@ class KVCacheManager:
         return -(-rows // self.block_size)
 
     def rings(self, request: Request) -> bool:
-        """Whether the request keeps a ring (a window every layer shares; not a Context's prompt)."""
-        return bool(self.window) and not request.pin_prompt
+        """Whether the request keeps a ring (a window every layer shares; not a Context's prompt,
+        unless ring_pins)."""
+        return bool(self.window) and (self.ring_pins or not request.pin_prompt)
 
     def peak_blocks(self, request: Request, chunk: int) -> int:
         """The most blocks the request holds at once when it computes at most `chunk` tokens a step:
@@ -240,15 +246,19 @@ class KVCacheManager:
         n = self.blocks_for(request.max_rows)
         if not self.rings(request):
             return n
-        return min(n, self.blocks_for(self.window - 1 + chunk) + 1)
+        pinning = int(request.pin_prompt)     # (ring_pins) it keeps what its pin will, a block more at most
+        return min(n, self.blocks_for(self.window - 1 + chunk) + 1 + pinning)
 
-    def drop_out_of_window(self, request: Request) -> None:
+    def drop_out_of_window(self, request: Request, keep: int | None = None) -> None:
         """Under a ring: give back the request's blocks that no token from num_computed_tokens on can
-        see (every row before the window of that token's row), leaving -1 in their table entries."""
+        see (every row before the window of that token's row), leaving -1 in their table entries;
+        from block `keep` on none (a pin to come keeps them)."""
         if not self.rings(request):
             return
         first = max(request.num_computed_tokens - self.window + 1, 0) // self.block_size
         first = min(first, request.num_registered_blocks)      # only blocks offered to the cache go
+        if keep is not None:
+            first = min(first, keep)
         t = request.block_table
         if first > request.ring_start:
             self.pool.release(t[request.ring_start:first])
@@ -304,17 +314,8 @@ class KVCacheManager:
         False, changing nothing, when free + evictable blocks do not suffice."""
         computed, bs = list(computed_blocks), self.block_size
         admitting = request.request_id not in self.holders
-        if admitting and request.block_table:
-            raise ValueError(f"{request.request_id!r} holds blocks {request.block_table} it was not given here")
-        if computed and not admitting:
-            raise ValueError(f"{request.request_id!r}: cached blocks for a request already holding blocks")
-        rows = request.num_computed_tokens + len(computed) * bs + num_new_tokens
-        need = max(self.blocks_for(rows) - len(request.block_table) - len(computed), 0)
-        skip = 0                                # under a ring: cached blocks the window no longer sees
-        if computed and self.rings(request):
-            skip = max(len(computed) * bs - self.window + 1, 0) // bs
-        reviving = sum(1 for b in set(computed[skip:]) if self.pool.refcount[b] == 0)
-        if need > self.pool.num_available_blocks - reviving:
+        need, skip = self._need(request, num_new_tokens, computed)
+        if need is None:
             return False
         self.pool.touch(computed[skip:])
         request.block_table.extend([-1] * skip + computed[skip:] + self.pool.take(need))
@@ -329,6 +330,42 @@ class KVCacheManager:
                     self.promised.setdefault(h, request.request_id)
         self.holders[request.request_id] = request
         return True
+
+    def can_allocate(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
+        """Whether allocate_slots would succeed (changing nothing)."""
+        return self._need(request, num_new_tokens, list(computed_blocks))[0] is not None
+
+    def _need(self, request: Request, num_new_tokens: int, computed: list[int]) -> tuple[int | None, int]:
+        """(new blocks allocate_slots takes, or None when they are not available; leading cached
+        blocks it skips under a ring)."""
+        admitting, bs = request.request_id not in self.holders, self.block_size
+        if admitting and request.block_table:
+            raise ValueError(f"{request.request_id!r} holds blocks {request.block_table} it was not given here")
+        if computed and not admitting:
+            raise ValueError(f"{request.request_id!r}: cached blocks for a request already holding blocks")
+        rows = request.num_computed_tokens + len(computed) * bs + num_new_tokens
+        need = max(self.blocks_for(rows) - len(request.block_table) - len(computed), 0)
+        skip = 0                                # under a ring: cached blocks the window no longer sees
+        if computed and self.rings(request):
+            skip = max(len(computed) * bs - self.window + 1, 0) // bs
+        reviving = sum(1 for b in set(computed[skip:]) if self.pool.refcount[b] == 0)
+        return (None if need > self.pool.num_available_blocks - reviving else need), skip
+
+    def allocate_filled(self, request: Request, n: int) -> bool:
+        """Blocks for the n rows of a request holding none whose rows are written from elsewhere
+        at once (a saved file, a Context's arena: hetero.engine.saved)."""
+        return self.allocate_slots(request, n)
+
+    def shortfall(self, request: Request, chunk: int, pins: bool = True) -> str | None:
+        """Why the request could never run (None: it can): the most blocks it holds at once (at
+        most `chunk` tokens computed a step) past the pool, or (pins) past what the pinned blocks
+        leave it."""
+        need = self.peak_blocks(request, chunk)
+        if need <= (self.room_for(request, need) if pins else self.num_blocks):
+            return None
+        ring = f" (a ring of the {self.window}-token window's blocks)" if self.rings(request) else ""
+        pinned = f", {self.pool.num_pinned_blocks} of them pinned by contexts" if pins else ""
+        return f"{need} blocks of {self.block_size} at once{ring}; the pool has {self.num_blocks} blocks{pinned}"
 
     def cache_full_blocks(self, request: Request) -> None:
         """Make the request's whole blocks computed since the last call findable by hash (prompt and
@@ -360,6 +397,10 @@ class KVCacheManager:
         request.block_table.clear()
         request.num_registered_blocks = request.ring_start = 0
         self.holders.pop(request.request_id, None)
+
+    def clear_cache(self) -> int:
+        """Forget every cached block nobody holds (BlockPool.clear_cache)."""
+        return self.pool.clear_cache()
 
     def pin(self, blocks: Sequence[int]) -> None:
         self.pool.pin(blocks)

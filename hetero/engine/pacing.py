@@ -10,7 +10,9 @@ steps that carried some); the scheduler then gives the next step's prompt chunks
 (target - its decode time) / (time per prompt token) tokens, and at least MIN_PROMPT_TOKENS
 (prompts always progress). Until it has timed two steps of decode tokens alone it asks for them
 (a limit of 0: under a steady backlog every step would otherwise carry a prompt), then for
-MIN_PROMPT_TOKENS until it has timed a step that carried some. Steps with no decoding request
+MIN_PROMPT_TOKENS until it has timed a step that carried some. Where prompt tokens seem to cost
+nothing (steps that carried some were no slower than the decode line: noise), it allows twice
+the most a step carried within the target, and no more. Steps with no decoding request
 are not limited. Chunk sizes taken from measured time make runs differ in how prompts are
 chunked: the greedy tokens do not change, the scores only by float rounding (as for any
 chunking).
@@ -60,8 +62,11 @@ class Pacer:
         per = self.per_prompt_token(line)
         if per is None:
             return MIN_PROMPT_TOKENS          # a paced step, to time
+        if per <= 0:                          # no cost seen over a noisy decode line: grow what stayed in time
+            fast = [p for _, p, s in self.mixed if s <= self.target]
+            return max(MIN_PROMPT_TOKENS, 2 * max(fast, default=0))
         room = self.target - (line[0] + line[1] * decode_tokens)
-        return max(MIN_PROMPT_TOKENS, int(room / per) if per > 0 else 1 << 30)
+        return max(MIN_PROMPT_TOKENS, int(room / per))
 
     def record(self, seconds: float, prompt_tokens: int, decode_tokens: int) -> None:
         """A step's wall time, with the prompt tokens and decode tokens it computed."""

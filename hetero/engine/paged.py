@@ -7,8 +7,14 @@ tables only. A step's decode tokens (one new token per request, after its cached
 the CPU workers as one job per layer; the new rows of a prefill chunk are written by the parent
 (write_rows) and its cached rows read back (read_rows) for attention on the model's device.
 
+A model that mixes windowed and full layers (Gemma 2/3, gpt-oss, ...) keeps its windowed layers
+in a pool of their own (`ring_blocks` blocks, Kr/Vr; `ringed[layer]`), read through each
+request's window table (rtables: hetero.engine.kv_pool.HybridKVCacheManager), which holds only
+the blocks its window still sees.
+
   segment array  written by                              read by
-  tables, lengths, order, skip, pstart, pgroup, gblocks  the parent (begin_decode, once a step)  the workers
+  tables, rtables, lengths, order, skip, pstart, pgroup, gblocks
+                 the parent (begin_decode, once a step)  the workers
   q, knew, vnew  the parent (each layer, after drain)    the workers
   K, V           the parent (write_rows: prefill rows), the workers (a decode token's row, appended
                  by the unit that reads its block)       the workers; the parent (read_rows)
@@ -31,7 +37,7 @@ from hetero.cpu_attention.planner import StaticPlanner
 from hetero.cpu_attention.simd import BK, W
 from hetero.ipc import control as C, shm
 from hetero.ipc.transport import merge_partials
-from hetero.offload.arena import SessionLayout
+from hetero.offload.arena import SessionLayout, layer_slots, slots_of
 from hetero.offload.session import STORAGE_CODES
 
 
@@ -42,15 +48,18 @@ class PagedKV:
     it, called at the first step (a generator measures its profile on the pool it shares)."""
 
     def __init__(self, pool, spec, num_blocks: int, max_blocks_per_seq: int, max_seqs: int,
-                 max_groups: int | None = None, planner=None):
+                 max_groups: int | None = None, planner=None, ring_blocks: int = 0):
+        """ring_blocks > 0: the windowed layers of a model that mixes them with full ones keep a
+        pool of that many blocks of their own (num_blocks: the full layers')."""
         self.pool, self.spec = pool, spec
         groups = max(max_seqs // 2, 1) if max_groups is None else max_groups
+        self.windows = spec.windows or (0,) * spec.layers
+        self.ringed = tuple(bool(ring_blocks and w) for w in self.windows)   # a layer in the window pool
         self.layout = SessionLayout(batch=max_seqs, q_heads=spec.q_heads, kv_heads=spec.kv_heads,
                                     head_dim=spec.head_dim, cap=BK, layers=spec.layers,
                                     code=STORAGE_CODES[spec.dtype], tmax=1, groups=groups, blocks=num_blocks,
-                                    maxblk=max_blocks_per_seq)
+                                    maxblk=max_blocks_per_seq, ring=ring_blocks * BK, ring_layers=sum(self.ringed))
         self.planner = planner or StaticPlanner(pool.n)     # or a callable: resolved by ensure_open
-        self.windows = spec.windows or (0,) * spec.layers
         self.opened = False
         shm.warn_if_small_pages(self.layout.nbytes)
         self.seg = shm.Segment(shm.new_name("kvpool"), self.layout.nbytes, create=True)
@@ -59,14 +68,16 @@ class PagedKV:
             for name in ("skip", "pstart", "lengths"):
                 v[name][:] = 0
             v["pgroup"][:] = -1
+            v["ringed"][:] = self.ringed
             self.q = torch.from_numpy(v["q"])                 # [B, Hq, 1, Dp] f32
             self.knew, self.vnew = self._storage(v["knew"]), self._storage(v["vnew"])
-            K, V = self._storage(v["K"]), self._storage(v["V"])
-            self.kv = [(K[i, 0], V[i, 0]) for i in range(spec.layers)]   # [Hkv, NB, Dp, BK], [Hkv, NB, Dp/W, BK, W]
+            K, V, Kr, Vr = (self._storage(v[n]) for n in ("K", "V", "Kr", "Vr"))
+            self.kv = [(Kr[i, 0], Vr[i, 0]) if r else (K[i, 0], V[i, 0])    # [Hkv, NB, Dp, BK], [Hkv, NB, Dp/W, BK, W]
+                       for r, i in layer_slots(self.ringed)]
             self.part_o, self.part_m, self.part_l = (torch.from_numpy(v[n]) for n in ("part_o", "part_m", "part_l"))
             rows = spec.q_heads // spec.kv_heads
             self._job = (v["q"], v["knew"], v["vnew"], v["K"], v["V"], v["Kr"], v["Vr"],
-                         np.arange(spec.layers, dtype=np.int64), v["tables"], kernel.NO_TABLES,
+                         slots_of(self.ringed), v["tables"], v["rtables"],
                          kernel.identity_table(v["K"][:, :, :, :1]), v["lengths"], v["order"], v["skip"],
                          v["pstart"], v["pgroup"], v["gblocks"], groups, v["part_o"], v["part_m"], v["part_l"],
                          np.zeros((rows, self.layout.dpad), np.float32),
@@ -175,9 +186,10 @@ class PagedKV:
         return k, v
 
     # ---- decode: one token per request, attended by the workers
-    def begin_decode(self, lengths: list[int], tables: list[list[int]]):
+    def begin_decode(self, lengths: list[int], tables: list[list[int]], rtables: list[list[int]] | None = None):
         """The step's decode requests (slot i: `lengths[i]` cached rows, block table `tables[i]`,
-        which already has a block for row lengths[i]): their tables, lengths, groups and plan."""
+        which already has a block for row lengths[i]; rtables[i] its window table, when the window
+        pool is kept apart): their tables, lengths, groups and plan."""
         v, n = self.v, len(lengths)
         if n > self.layout.batch:
             raise ValueError(f"{n} decode requests in a step; the pool's staging holds {self.layout.batch}")
@@ -192,6 +204,8 @@ class PagedKV:
             if len(t) > tab.shape[1]:
                 raise ValueError(f"a block table of {len(t)} blocks; the pool's tables hold {tab.shape[1]}")
             tab[i, :len(t)] = t
+        for i, t in enumerate(rtables or ()):
+            v["rtables"][i, :len(t)] = t
         v["skip"][:n] = 0
         v["order"][:n] = np.argsort(-L, kind="stable")
         self.ngroups = self._group(L, tables)

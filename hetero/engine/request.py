@@ -15,12 +15,16 @@ Who owns what (all of it lives in the engine thread; nothing here is shared with
   num_cached_tokens              KVCacheManager (cache hit)     metrics
   pinned_blocks                  Scheduler (pin_prompt)         the Context that owns them
   ring_start                     KVCacheManager (ring)          KVCacheManager, the runner
+  window_table, window_start,    HybridKVCacheManager           the runner (windowed layers' rows)
+  window_registered
 
 Token i of `all_token_ids` (prompt then outputs) has its KV in row i % block_size of block
 block_table[i // block_size]. Rows [0, num_computed_tokens) are written; a running request that
 has just sampled has exactly one token (the sampled one) whose KV is not written yet. Under a
 sliding window every layer shares (KVCacheManager's ring), the blocks no later token can see are
-given back as the request goes: block_table[:ring_start] are -1.
+given back as the request goes: block_table[:ring_start] are -1. In a model that mixes windowed
+and full layers, block_table serves the full layers and window_table (from a pool of its own) the
+windowed ones, as a ring: window_table[:window_start] are -1.
 """
 from __future__ import annotations
 
@@ -73,6 +77,9 @@ class Request:
     pinned_blocks: list[int] | None = None
     num_preemptions: int = 0
     ring_start: int = 0                    # block_table[:ring_start] given back (-1): out of the window
+    window_table: list[int] = field(default_factory=list)   # the windowed layers' blocks (mixed models)
+    window_start: int = 0                  # window_table[:window_start] given back (-1)
+    window_registered: int = 0             # window_table[:n] were offered to the window pool's cache
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]

@@ -52,6 +52,8 @@ class _Chunk:
     n: int
     table: torch.Tensor   # int64 block table (CPU)
     first: int = 0        # the first cached row it reads (a ring's: its blocks before are given back)
+    wtable: torch.Tensor | None = None   # the windowed layers' table when they have a pool of their own
+    wfirst: int = 0                      # and the first row it holds
     stage: _Staged | None = None   # the request's rows kept on the device (PrefillStage)
     staged: bool = False           # stage holds rows 0..start-1 already (else: read them from the pool)
 
@@ -134,15 +136,17 @@ class StepAttention(UpdateOrder):
         if d is not None:                        # the workers run while the chunks are attended here
             self.kv.post_decode(layer, q[:, d].transpose(0, 1), k[:, d].transpose(0, 1), v[:, d].transpose(0, 1),
                                 window or 0, scale, softcap or 0.0)
+        ringed = self.kv.ringed[layer]            # a windowed layer in a pool of its own
         for c in self.chunks:
             rows = slice(c.offset, c.offset + c.n)
             kc, vc = k[:, rows], v[:, rows]
-            if c.stage is not None:
+            table, first = (c.wtable, c.wfirst) if ringed else (c.table, c.first)
+            if c.stage is not None and not ringed:
                 kc, vc = self._staged(layer, c, kc, vc)
             elif c.start:
-                kc, vc = self.kv.read_rows(layer, c.table, c.start, c.first, new=(kc, vc))
-            self.kv.write_rows(layer, c.table, c.start, k[:, rows], v[:, rows])
-            out[rows] = chunk_attention(q[:, rows], kc, vc, c.start, window or 0, scale, softcap, sinks, c.first)
+                kc, vc = self.kv.read_rows(layer, table, c.start, first, new=(kc, vc))
+            self.kv.write_rows(layer, table, c.start, k[:, rows], v[:, rows])
+            out[rows] = chunk_attention(q[:, rows], kc, vc, c.start, window or 0, scale, softcap, sinks, first)
         if d is not None:
             out[d] = self.kv.finish_decode(sinks).to(out.device, out.dtype)
         return out.unsqueeze(0)
@@ -210,7 +214,8 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> torch.Tensor:
         """Logits [m, V] (float32) of the scheduled requests that sample, in plan order."""
         tokens, positions, decode, chunks, sample = [], [], [], [], []
-        lengths, tables = [], []
+        lengths, tables, rtables = [], [], []
+        apart = any(self.kv.ringed)               # the windowed layers' pool kept apart
         off = 0
         self.stage.prune()
         for s in plan.scheduled:
@@ -221,15 +226,18 @@ class ModelRunner:
                 decode.append(off)
                 lengths.append(s.start)
                 tables.append(r.block_table)
+                rtables.append(r.window_table)
             else:
                 c = _Chunk(off, s.start, n, torch.tensor(r.block_table, dtype=torch.int64), r.ring_start * BLOCK_SIZE)
+                if apart:
+                    c.wtable, c.wfirst = torch.tensor(r.window_table, dtype=torch.int64), r.window_start * BLOCK_SIZE
                 c.stage, c.staged = self.stage.chunk(r, s.start, n)
                 chunks.append((r, c))
             if s.samples:
                 sample.append(off + n - 1)
             off += n
         self.kv.ensure_open()
-        self.kv.begin_decode(lengths, tables)
+        self.kv.begin_decode(lengths, tables, rtables if apart else None)
         dev = self.device
         rows = torch.tensor(decode, device=dev) if decode else None
         step = StepAttention(self.kv, self.spec, rows, [c for _, c in chunks])

@@ -20,19 +20,40 @@ from hetero.offload import saved
 
 class PoolRows:
     """A request's rows in the pool through its block table, as hetero.offload.saved reads and
-    writes a session's (batch 1, no rings)."""
+    writes a session's (batch 1). Where the windowed layers have a pool of their own (kv.ringed),
+    their rows go through `window_table`, which holds the blocks from `window_first` on (the last
+    window's: the file keeps those layers' rows from there, saved.layer_start)."""
 
-    def __init__(self, kv, table: list[int]):
+    def __init__(self, kv, table: list[int], window_table: list[int] = (), window_first: int = 0):
         self.kv, self.spec = kv, kv.spec
         self.table = torch.tensor(table, dtype=torch.int64)
-        self.ring_window = (0,) * kv.spec.layers
+        self.wtable = torch.tensor(list(window_table), dtype=torch.int64)
+        self.wfirst = window_first * BLOCK_SIZE
+        self.ring_window = tuple(w if r else 0 for w, r in zip(kv.windows, kv.ringed))
 
     def read_rows(self, layer, b, n, start=0):
+        if self.kv.ringed[layer]:
+            if start < self.wfirst:
+                raise ValueError(f"rows from {start} of a windowed layer whose pool keeps them from {self.wfirst}")
+            return self.kv.read_rows(layer, self.wtable, n, start)
         k, v = self.kv.read_rows(layer, self.table, n)
         return k[:, start:], v[:, start:]
 
     def write_rows(self, layer, b, key, value, start=0):
+        if self.kv.ringed[layer]:                 # the rows before the last window are not kept
+            cut = max(self.wfirst - start, 0)
+            key, value, start = key[:, cut:], value[:, cut:], start + cut
+            if key.shape[1]:
+                self.kv.write_rows(layer, self.wtable, start, key, value)
+            return
         self.kv.write_rows(layer, self.table, start, key, value)
+
+
+def pin_rows(kv, blocks) -> PoolRows:
+    """A pin's rows (its blocks: a list, or hetero.engine.kv_hybrid.PinnedBlocks)."""
+    window = getattr(blocks, "window", ())
+    first = getattr(blocks, "window_first", 0)
+    return PoolRows(kv, list(blocks), [-1] * first + list(window), first)
 
 
 def save_pin(engine, stream, path, extra=None):
@@ -46,16 +67,18 @@ def save_pin(engine, stream, path, extra=None):
     n = len(blocks) * BLOCK_SIZE
     ids = stream.prompt_ids
     fp = saved.fingerprint(engine.model, engine.spec, engine.adapter_digest(stream.adapter))
-    saved.write(path, PoolRows(engine.kv, blocks), n, ids[:n], ids[n:], fp, extra)
+    saved.write(path, pin_rows(engine.kv, blocks), n, ids[:n], ids[n:], fp, extra)
 
 
 def read(engine, path):
     """(header, adapter name) of a saved document this engine can load, or ContextFileError."""
     header = saved.read_header(path)
     name = saved.check_model(header, engine.model, engine.spec, path, engine.adapter_digest)
-    if any(lay["start"] != 0 for lay in header["layers"]):
+    kv = engine.kv
+    keep = [saved.layer_start(header["length"], w) if r else 0 for w, r in zip(kv.windows, kv.ringed)]
+    if len(keep) != len(header["layers"]) or any(lay["start"] > k for lay, k in zip(header["layers"], keep)):
         raise ContextFileError(f"{path} keeps only a sliding window's rows of some layers (a generator's context "
-                               "past its window); the engine's pool needs every row")
+                               "past its window); the engine's pool needs more of them")
     if header["length"] % BLOCK_SIZE:
         raise ContextFileError(f"{path} holds {header['length']} rows, not whole blocks of {BLOCK_SIZE}: "
                                "not a document the engine saved (load it with HeteroGenerator.load_context)")
@@ -97,11 +120,11 @@ def pin_filled(engine, tokens, adapter, key, rid, fill) -> list[int] | None:
     n, kvm = len(tokens), engine.kv_manager
     req = Request(rid, tokens, 0, adapter=adapter, adapter_key=key)
     queries, hits = kvm.prefix_queries, kvm.prefix_hits
-    if not kvm.allocate_slots(req, n):
+    if not kvm.allocate_filled(req, n):
         return None
     kvm.prefix_queries, kvm.prefix_hits = queries, hits         # a load is no prompt looked up
     try:
-        fill(PoolRows(engine.kv, req.block_table))
+        fill(PoolRows(engine.kv, req.block_table, req.window_table, req.window_start))
         req.num_computed_tokens = n
         kvm.cache_full_blocks(req)
         return kvm.pin_prefix(req, n // BLOCK_SIZE)

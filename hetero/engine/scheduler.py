@@ -134,20 +134,21 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.status is not RequestStatus.WAITING or request.block_table or request.num_computed_tokens:
             raise ValueError(f"only a new request can be added: {request}")
-        need = self.peak_blocks(request)
-        if need > self.kv.room_for(request, need):
-            ring = f" (a ring of the {self.kv.window}-token window's blocks)" if self.kv.rings(request) else ""
-            raise CapacityError(
-                f"request {request.request_id!r} needs {request.max_rows} KV rows ({request.num_prompt_tokens} "
-                f"prompt + {request.max_new_tokens} new - 1): {need} blocks of {self.kv.block_size} at once{ring}; "
-                f"the pool has {self.kv.num_blocks} blocks, {self.kv.pool.num_pinned_blocks} of them pinned by "
-                "contexts")
+        why = self.kv.shortfall(request, self.chunk)
+        if why is not None:
+            raise CapacityError(f"request {request.request_id!r} needs {request.max_rows} KV rows "
+                                f"({request.num_prompt_tokens} prompt + {request.max_new_tokens} new - 1): {why}")
         self.waiting.append(request)
         self.requests[request.request_id] = request
 
+    @property
+    def chunk(self) -> int:
+        """The most tokens one request computes in a step."""
+        return self.config.long_prefill_chunk or self.config.max_num_batched_tokens
+
     def peak_blocks(self, request: Request) -> int:
         """The most blocks the request holds at once (KVCacheManager.peak_blocks at this chunk size)."""
-        return self.kv.peak_blocks(request, self.config.long_prefill_chunk or self.config.max_num_batched_tokens)
+        return self.kv.peak_blocks(request, self.chunk)
 
     def abort(self, request_id: str) -> Request | None:
         """Finish the request as aborted and free its blocks now; None if it is not live."""

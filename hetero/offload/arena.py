@@ -39,10 +39,14 @@ A paged pool (`blocks` > 0, hetero.engine.paged) holds one "request" of `blocks`
 ids every request shares: K [Lfull, 1, Hkv, blocks, Dp, BK]; request slot b of a decode job reads
 its rows through `tables` [B, maxblk] (row j in block tables[b, j // BK]; kernel.run_job), and
 `groups` is then the most shared-prefix groups a job may post (their members and blocks are
-chosen per step: pgroup, gblocks, and the job's NGROUPS word). No rings: every layer keeps
-every row (a window reads only the blocks it sees).
+chosen per step: pgroup, gblocks, and the job's NGROUPS word). A model that mixes windowed and
+full layers keeps its windowed layers in a second pool of `ring // BK` blocks (Kr/Vr [Lring, 1,
+Hkv, ring // BK, ...]; block ids of their own, hetero.engine.kv_pool.HybridKVCacheManager): request
+slot b reads them through `rtables` [B, maxblk], which holds only the blocks its window still sees
+(the others -1, never read).
 
   tables   [B, maxblk]                         int64    main (each step)        workers (paged only)
+  rtables  [B, maxblk]                         int64    main (each step)        workers (paged ring layers only)
 
 A batch continuing Contexts shares their KV (`groups` > 0): the requests continuing one
 Context form a group, whose rows [0, pstart[b]) are that Context's first whole blocks, read
@@ -116,7 +120,8 @@ class SessionLayout:
     code: int         # storage dtype code (kernel.F32 / BF16 / F16)
     tmax: int = 1     # query tokens per decode step
     nsplit_max: int = 16
-    ring: int = 0           # KV rows per request of a ring layer (see ring_plan), a multiple of BK
+    ring: int = 0           # KV rows per request of a ring layer (see ring_plan), a multiple of BK; a paged
+                            # pool's ring layers: rows of their own pool (its blocks * BK)
     ring_layers: int = 0    # layers kept as rings (Kr/Vr); the other layers keep cap rows (K/V)
     private: int = 0        # rows K/V hold per request (0: cap); less with shared prefixes (a multiple of BK)
     groups: int = 0         # shared-prefix groups (Contexts read in place), NG
@@ -129,11 +134,12 @@ class SessionLayout:
             raise ValueError(f"cap and ring must be multiples of {BK}, got {self.cap}, {self.ring}")
         if not 0 <= self.ring_layers <= self.layers or (self.ring_layers > 0) != (self.ring > 0):
             raise ValueError(f"{self.ring_layers} ring layers of {self.ring} rows in {self.layers} layers")
-        if self.private % BK or not 0 <= self.private <= self.cap or (self.groups and self.ring_layers) or \
+        if self.private % BK or not 0 <= self.private <= self.cap or \
+                (self.groups and self.ring_layers and not self.blocks) or \
                 not 0 <= self.groups <= self.batch:
             raise ValueError(f"{self.groups} shared-prefix groups, {self.private} private rows (cap {self.cap}, "
                              f"{self.ring_layers} ring layers, batch {self.batch})")
-        if self.blocks and (self.ring_layers or self.private or self.maxblk <= 0):
+        if self.blocks and (self.private or self.maxblk <= 0):
             raise ValueError(f"a paged pool of {self.blocks} blocks: tables {self.maxblk} wide, "
                              f"{self.ring_layers} ring layers, {self.private} private rows")
 
@@ -179,10 +185,11 @@ class SessionLayout:
             ("part_m", (B, Hkv, NS, rows), np.float32),
             ("part_l", (B, Hkv, NS, rows), np.float32),
             ("tables", (B, self.maxblk), np.int64),
+            ("rtables", (B, self.maxblk if self.ring_layers else 0), np.int64),
             ("K", (full, KB, Hkv, nblk, D, BK), st),
             ("V", (full, KB, Hkv, nblk, D // W, BK, W), st),
-            ("Kr", (self.ring_layers, B, Hkv, nring, D, BK), st),
-            ("Vr", (self.ring_layers, B, Hkv, nring, D // W, BK, W), st),
+            ("Kr", (self.ring_layers, KB, Hkv, nring, D, BK), st),
+            ("Vr", (self.ring_layers, KB, Hkv, nring, D // W, BK, W), st),
         ]
 
     def offsets(self):

@@ -148,7 +148,7 @@ class ServerState(Front):
             "hetero_requests_waiting": ("requests queued for the engine, not yet running", self.queue_depth()),
             "hetero_requests_running": ("requests the engine is computing", len(e.scheduler.running)),
             "hetero_kv_blocks_used": ("KV pool blocks held by requests and pins", kv.num_used_blocks),
-            "hetero_kv_blocks_free": ("KV pool blocks free or cached (evictable)", kv.pool.num_available_blocks),
+            "hetero_kv_blocks_free": ("KV pool blocks free or cached (evictable)", kv.num_free_blocks + kv.num_evictable_blocks),
             "hetero_kv_blocks_total": ("KV pool blocks", kv.num_blocks),
             "hetero_prefix_cache_hit_rate": ("prompt tokens found in the prefix cache / prompt tokens looked up",
                                              kv.prefix_hits / max(kv.prefix_queries, 1)),
