@@ -4,9 +4,11 @@ The pool's memory is one arena per model (K [layers, 1, Hkv, NBLOCKS, Dp, BK], V
 each head's blocks are one C-contiguous array as the kernel's SIMD loops want; see
 hetero.offload.arena for the per-block layout and kernel.run_job for reads through block tables):
 block id b names rows [0, 32) of block b in every full-attention layer and kv head at once. The
-kernel reads a scattered table at about half the speed of consecutive ids (bench/kernel_paged.py):
-an allocator that hands out runs of consecutive ids is still to come. This module never touches that memory; it decides
-which ids each request's rows go to.
+kernel reads a scattered table at about half the speed of consecutive ids, runs of 8 at 0.86x
+(bench/kernel_paged.py): BlockPool.take hands out the blocks of one allocation in ascending
+order (in the seeded RAG-like mix of tests/test_engine_pool.py, 94 % of neighbouring table
+entries are consecutive ids, 82 % in the order blocks came free). This module never touches that memory; it decides which ids each
+request's rows go to.
 
   structure                      owned (written) by       read by
   BlockPool.refcount [N] int32   BlockPool                KVCacheManager, tests
@@ -97,7 +99,8 @@ class BlockPool:
         return int(np.count_nonzero(self.pins))
 
     def take(self, n: int) -> list[int]:
-        """n new blocks (refcount 1, no hash): from the free list, then evicting the LRU's oldest."""
+        """n new blocks (refcount 1, no hash): from the free list, then evicting the LRU's oldest;
+        in ascending order (the kernel reads runs of consecutive ids faster: see the module doc)."""
         if n > self.num_available_blocks:
             raise ValueError(f"{n} blocks wanted, {self.num_available_blocks} available")
         out = []
@@ -110,7 +113,7 @@ class BlockPool:
                 self.hashes[b] = None
             self.refcount[b] = 1
             out.append(b)
-        return out
+        return sorted(out)
 
     def touch(self, blocks: Iterable[int]) -> None:
         """One more reference to each block (a cached one leaves the LRU)."""
