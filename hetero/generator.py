@@ -292,8 +292,11 @@ class HeteroGenerator(PrefillMixin, ContextsMixin, WorkersMixin):
         lora = self._lora_batch(adapter_names, input_ids.shape[0], layers)
         read = list(context) if many else [context] if extend_context is False and input_ids.shape[0] == 1 and \
             bool(attention_mask.all()) else None       # a single context continues one unpadded request
+        # read where it lives: a context in the engine's pool, or prompts starting with one (reuse_contexts)
+        pooled = any(c.pooled for c in read) if read is not None else \
+            context is None and self.config.reuse_contexts and self._engine.continues_pooled(input_ids, attention_mask)
         if (context is None or read is not None) and (lora is None or self._peft_model is None) and \
-                not self._calls.busy_here and (self._calls.busy_elsewhere or self._engine.busy) and \
+                not self._calls.busy_here and (self._calls.busy_elsewhere or self._engine.busy or pooled) and \
                 (read is None or self._contexts.valid(self, read)):
             out = self._engine.generate(input_ids, attention_mask, max_new_tokens, settings, call, lora, read)
             if out is not None:                 # another call runs: this one joined the engine's batch

@@ -110,6 +110,7 @@ class PrefillMixin:
         with self._exclusive():
             if ctx.closed:
                 raise ValueError("context= takes an open Context from this generator's prefill()" + closed_why(ctx))
+            self._arena(ctx)                                     # from the engine's pool, where it lives there
             if self._contexts.stale(ctx.session):
                 raise ValueError(STALE)
             full = torch.cat([ctx.token_ids, ctx.pending, input_ids[0].to("cpu")]).to(self.model.device)[None]
@@ -151,7 +152,7 @@ class PrefillMixin:
             if extend:
                 seq = out if isinstance(out, torch.Tensor) else out.sequences
                 stored = int(session.lengths[0])
-                ctx.token_ids, ctx.pending = seq[0, :stored].to("cpu"), seq[0, stored:].to("cpu")
+                ctx.set_tokens(seq[0, :stored].to("cpu"), seq[0, stored:].to("cpu"))
             self._contexts.used(ctx)
         return out
 
@@ -241,6 +242,8 @@ class PrefillMixin:
             raise ValueError(f"context= has {len(contexts)} contexts for a batch of {B} requests")
         with self._exclusive():
             self._contexts.check_contexts(self, contexts)
+            for c in contexts:
+                self._arena(c)                                   # from the engine's pool, where it lives there
             new = [input_ids[b, attention_mask[b].bool()].to("cpu") for b in range(B)]      # real new tokens
             seqs = [torch.cat([c.token_ids, c.pending, n]) for c, n in zip(contexts, new)]
             cached = [c.length for c in contexts]

@@ -2,6 +2,7 @@
 the engine's batch (hetero.engine.calls) and return what HF generate returns for them; calls whose
 settings the engine does not batch wait their turn; a call from inside a call still raises."""
 import os
+import signal
 import threading
 import time
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from hetero import HeteroConfig, HeteroGenerator
+from hetero.errors import WorkerError
 from tests.conftest import VOCAB, our_segments, padded_batch
 
 
@@ -176,7 +178,9 @@ def test_calls_reading_contexts_join_the_engine_over_their_pinned_copies(llama):
         assert torch.equal(out["batch"], llama.generate(full_ids, attention_mask=full_mask, max_new_tokens=7,
                                                         pad_token_id=0))
         assert torch.equal(out["one"], hf(llama, torch.cat([doc_b, qs[3]])[None], max_new_tokens=5))
-        assert ctx_a.length == 70 and ctx_b.length == 45  # read, not changed
+        # read, not changed; their KV lives in the pool alone now: whole blocks there, the rest pending
+        assert ctx_a.pooled and ctx_b.pooled and not ctx_c.pooled and ctx_c.length == 20
+        assert torch.equal(ctx_a.tokens, doc_a) and ctx_a.length == 64 and ctx_b.length == 32
         ctx_a.close()
         engine.step()                                     # the unpin is taken at the next step
         assert engine.kv_manager.pool.num_pinned_blocks == 45 // 32
@@ -210,6 +214,79 @@ def test_new_weights_never_read_kv_the_engine_cached_under_the_old(engine_always
         out = gen.generate(q, context=ctx2, extend_context=False, max_new_tokens=6, pad_token_id=0)
         assert torch.equal(out, hf(model, full, max_new_tokens=6))
         assert gen._engine.engine is not first            # a new engine: the old one's cache was stale
+
+
+def test_a_context_the_engine_reads_lives_in_its_pool_alone_and_comes_back_for_hf_s_loop(tmp_path, monkeypatch):
+    """A context read by a call that joins the engine moves there: its whole blocks pinned in the
+    pool and its arena closed (its segment gone), so its KV is held once. Later reads use the pin
+    (also alone: no other call runs); a call that needs HF's loop over it (extending it) brings it
+    back into an arena with the room it had, and save() does too; a context whose engine was
+    replaced (a dead worker) is computed again. Every answer is HF generate's over [context, new
+    tokens]; close() and the generator's close() leave nothing pinned or mapped."""
+    from tests.conftest import build_model
+
+    model = build_model("llama")[0]
+    doc, q1, q2, q3 = rows(14, 70, 6, 5, 4)
+    before = set(our_segments(os.getpid()))
+    with HeteroGenerator(model, cpu_workers=1) as gen:
+        ctx = gen.prefill(doc, reserve=64)
+        cap, arena = ctx.capacity, {n for n in our_segments(os.getpid()) if n.endswith("_kv")}   # its arena
+        from hetero.routing import CallLock
+
+        def read(q, new=5):
+            """A read that joins the engine, as when another call runs."""
+            with monkeypatch.context() as m:
+                m.setattr(CallLock, "busy_elsewhere", property(lambda self: True))
+                return gen.generate(q, context=ctx, extend_context=False, max_new_tokens=new, pad_token_id=0)
+
+        assert torch.equal(read(q1), hf(model, torch.cat([doc, q1], 1), max_new_tokens=5))
+        engine = gen._engine.engine
+        assert ctx.pooled and ctx.session is None and ctx.length == 64 and ctx.capacity == cap
+        assert torch.equal(ctx.tokens, doc[0]) and "in the engine's pool" in repr(ctx)
+        assert engine.kv_manager.pool.num_pinned_blocks == 2
+        assert arena and not arena & set(our_segments(os.getpid()))     # the context's arena is gone
+        # alone, a read stays in the pool: no copy, the pin read again
+        steps = engine.steps
+        out = gen.generate(q2, context=ctx, extend_context=False, max_new_tokens=5, pad_token_id=0)
+        assert torch.equal(out, hf(model, torch.cat([doc, q2], 1), max_new_tokens=5))
+        assert engine.steps > steps and ctx.pooled and engine.kv_manager.pool.num_pinned_blocks == 2
+        # a prompt starting with it (reuse_contexts) goes where it lives: the engine finds its blocks
+        hits, full = engine.kv_manager.prefix_hits, torch.cat([doc, q2], 1)
+        assert torch.equal(gen.generate(full, max_new_tokens=5, pad_token_id=0), hf(model, full, max_new_tokens=5))
+        assert engine.kv_manager.prefix_hits == hits + 64
+        # extending it runs HF's loop over an arena: back out of the pool, with its room
+        out = gen.generate(q3, context=ctx, max_new_tokens=4, pad_token_id=0)
+        full = torch.cat([doc, q3], 1)
+        assert torch.equal(out, hf(model, full, max_new_tokens=4))
+        assert not ctx.pooled and ctx.capacity == cap and torch.equal(ctx.tokens, out[0])
+        engine.step()                                     # the unpin is taken at the next step
+        assert engine.kv_manager.pool.num_pinned_blocks == 0
+        # read again (into the pool), then saved from there and loaded: the same answer
+        out = read(q2)
+        want = hf(model, torch.cat([out[0, :len(ctx.tokens)][None], q2], 1), max_new_tokens=5)
+        assert ctx.pooled and torch.equal(out, want)
+        ctx.save(tmp_path / "ctx.bin")
+        assert not ctx.pooled
+        loaded = gen.load_context(tmp_path / "ctx.bin")
+        assert torch.equal(gen.generate(q2, context=loaded, extend_context=False, max_new_tokens=5,
+                                        pad_token_id=0), want)
+        loaded.close()
+        # a dead worker: the engine is replaced and the context, pooled in the old one, computed again
+        read(q1, 2)
+        assert ctx.pooled
+        os.kill(gen._pool.procs[0].pid, signal.SIGKILL)
+        gen._pool.procs[0].wait()
+        try:
+            gen.generate(q1, max_new_tokens=3, pad_token_id=0)       # finds the worker dead (a new pool)
+        except WorkerError:
+            pass
+        out = gen.generate(q1, context=ctx, extend_context=False, max_new_tokens=5, pad_token_id=0)
+        assert torch.equal(out, hf(model, torch.cat([ctx.tokens[None], q1], 1), max_new_tokens=5))
+        assert gen._engine.engine is not engine and not ctx.pooled   # computed again into an arena
+        read(q1, 2)
+        pooled = ctx.pooled                               # in the new engine's pool
+    assert pooled and ctx.closed                          # the generator's close closed it
+    assert set(our_segments(os.getpid())) == before
 
 
 def test_a_mixed_window_models_context_is_copied_into_both_of_the_engines_pools(engine_always):
@@ -270,8 +347,8 @@ def test_a_context_copy_queued_when_a_step_fails_or_closed_meanwhile_leaves_noth
         monkeypatch.setattr(type(gen._calls), "busy_elsewhere", property(lambda self: True))
         pin_kv = E.Engine.pin_kv
 
-        def closing(self, snapshot, adapter=None):       # the context closes while its copy is made
-            stream = pin_kv(self, snapshot, adapter)
+        def closing(self, snapshot, adapter=None, then=None):   # the context closes while its copy is made
+            stream = pin_kv(self, snapshot, adapter)            # (not moved into the pool: closed anyway)
             result = stream.result
 
             def then_close(*a):

@@ -6,7 +6,9 @@ while another runs (the generator's call lock is busy) or while the engine has r
 is given to the engine instead when the engine batches its settings (adapters loaded in the
 generator included; a PeftModel's calls run HF's loop), also a call that reads contexts
 (context=[...], extend_context=False: each context's whole blocks are copied into the engine's
-pool once and pinned there until the context closes): each row of its batch becomes a request
+pool once and pinned there until the context closes, and the context then lives there alone:
+its arena closed, Context.pooled; a later call that reads it joins the engine even alone, one
+that needs HF's loop over it brings it back into an arena): each row of its batch becomes a request
 (its real tokens, without the left padding) with HF's processors and stopping criteria for that
 row alone; the call returns generate's tensor, left padding kept and finished
 rows padded with pad_token_id, as HF returns it. Other calls wait their turn for the lock. The
@@ -112,11 +114,13 @@ class GeneratorEngine:
         names = [None] * B if lora is None else [None if a is None else a.name for a in lora.adapters]
         if why_not_batched(settings, call, B) is not None:
             return None
-        if contexts is not None and any(c.closed or c.session.layout.ring_layers for c in contexts):
+        if contexts is not None and any(c.closed or (c.session is not None and c.session.layout.ring_layers)
+                                        for c in contexts):
             return None                           # HF's loop names a closed one; rings keep too few rows
         engine = self._ensure()
-        if engine is None:
-            return None
+        if engine is None or (contexts is not None and any(c.pool_pin is not None and c.pool_pin[0] is not engine
+                                                           for c in contexts)):
+            return None                           # a context of an engine gone: HF's loop computes it again
         rows = [input_ids[b][attention_mask[b].bool()].tolist() for b in range(B)]
         if contexts is not None:
             try:
@@ -154,7 +158,8 @@ class GeneratorEngine:
 
     def _pin(self, engine, ctx) -> None:
         """The context's whole blocks pinned in the engine's pool (copied from its arena, at the
-        engine's next step: no call changes the context then); again once it has grown by a block."""
+        engine's next step: no call changes the context then), and the context moved there: its
+        arena closed (Context.pooled); again once it has grown by a block."""
         with self._pin_lock:
             entry = self._pins.get(ctx)
             blocks = ctx.length // BLOCK_SIZE
@@ -166,26 +171,74 @@ class GeneratorEngine:
                 n = ctx.length // BLOCK_SIZE * BLOCK_SIZE         # ctx.length raises on a closed context
                 return ctx.token_ids[:n].tolist(), ctx.session
 
-            stream = engine.pin_kv(snapshot, adapter)
+            stream = engine.pin_kv(snapshot, adapter, then=lambda s: self._move(engine, ctx, s))
             stream.result()
             if entry is not None and entry[0] is engine:
                 engine.unpin(entry[1])
             self._pins[ctx] = (engine, stream, len(stream.pinned_blocks))
             if ctx.closed:                        # closed meanwhile: its forget() may have found nothing
                 self.forget(ctx)
+            else:                                 # dropped without close(): the pin goes with it
+                weakref.finalize(ctx, _unpin, weakref.ref(engine), stream)
+
+    def _move(self, engine, ctx, stream) -> None:
+        """The engine thread, right after the copy: the context's KV now lives in the pool alone
+        (its arena closed, its tokens past the pinned blocks pending). Skipped where the generator's
+        lock is another thread's (an engine without its own thread, beside a call)."""
+        gen = self._gen()
+        if gen is None or not gen._lock.acquire(blocking=False):
+            return
+        try:
+            session = ctx.session
+            if ctx.closed or session is None or (gen._calls.busy and gen._calls.owner != threading.get_ident()):
+                return
+            n = len(stream.pinned_blocks) * BLOCK_SIZE
+            tokens = ctx.tokens
+            gen._contexts.forget(session)
+            ctx.pool_pin, ctx.pooled_capacity = (engine, stream), session.layout.cap
+            ctx.session = None
+            ctx.set_tokens(tokens[:n], tokens[n:])
+            session.close()
+        finally:
+            gen._lock.release()
 
     def forget(self, ctx) -> None:
-        """A closed Context's pinned copy released."""
+        """A closed Context's pinned copy released (and a context moved back into an arena)."""
         entry = self._pins.pop(ctx, None)
         if entry is not None and entry[0] is self.engine:
             entry[0].unpin(entry[1])
 
+    def pooled(self) -> list:
+        """The contexts living in the engine's pool alone."""
+        return [c for c in list(self._pins) if c.pool_pin is not None]
+
+    def continues_pooled(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> bool:
+        """Whether every row's prompt starts with a context living in the engine's pool and goes on
+        past it (HeteroConfig.reuse_contexts: the engine's prefix cache finds its blocks)."""
+        held = [c.tokens for c in self.pooled() if not c.closed and c.adapter is None]
+        if not held:
+            return False
+        for b in range(input_ids.shape[0]):
+            row = input_ids[b][attention_mask[b].bool()].to("cpu")
+            if not any(len(t) < len(row) and torch.equal(row[:len(t)], t) for t in held):
+                return False
+        return True
+
     def close(self):
         with self._make_lock:
             e, self.engine = self.engine, None
+            for c in self.pooled():               # their KV goes with the pool: using one raises
+                c.closed = True
             self._pins.clear()
         if e is not None:
             e.close()
+
+
+def _unpin(engine_ref, stream) -> None:
+    """A dropped Context's pin released (weakref.finalize; nothing where its engine is gone)."""
+    engine = engine_ref()
+    if engine is not None and not stream.unpinned:
+        engine.unpin(stream)
 
 
 def left_padded(rows: list[list[int]], pad: int, like: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,6 @@ import threading
 import time
 from collections import deque
 
-import psutil
 import torch
 
 from hetero import attention
@@ -43,7 +42,7 @@ from hetero.engine.kv_hybrid import HybridKVCacheManager
 from hetero.engine.kv_pool import BLOCK_SIZE, BlockPool, KVCacheManager
 from hetero.engine.config import EngineConfig
 from hetero.engine.pacing import Pacer
-from hetero.engine.paged import PagedKV
+from hetero.engine.paged import PagedKV, pool_sizes
 from hetero.engine.request import Request, RequestStatus
 from hetero.engine.runner import ModelRunner
 from hetero.engine.scheduler import RankAwarePolicy, Scheduler, SchedulerConfig, is_decoding
@@ -51,11 +50,8 @@ from hetero.engine.stream import RequestStream
 from hetero.adapters import sync
 from hetero.engine.adapters import EngineAdapters
 from hetero.errors import AdapterError, CapacityError, EngineError, UnsupportedModelError
-from hetero.ipc import shm
 from hetero.ipc.pool import WorkerPool
 from hetero.model_spec import inspect_model
-from hetero.offload.arena import SessionLayout
-from hetero.offload.session import STORAGE_CODES
 from hetero.settings import MODEL_DEFAULT, generation_settings, resolve_lengths
 
 log = logging.getLogger("hetero")
@@ -100,7 +96,8 @@ class Engine:
         w = spec.windows
         self.window = max(w, default=0)                 # the windowed layers' (mixed models: the largest)
         uniform = bool(w) and all(x == w[0] for x in w)   # every layer one window: one pool, a ring
-        num_blocks, ring_blocks = self._num_blocks(hybrid=self.window > 0 and not uniform)
+        num_blocks, ring_blocks = pool_sizes(config, spec, self.max_model_len, self.window,
+                                             hybrid=self.window > 0 and not uniform)
         self._own_pool = pool is None
         if pool is None:
             n, cores = HeteroConfig(cpu_workers=config.cpu_workers).resolve_workers()
@@ -151,38 +148,6 @@ class Engine:
         self.failure: BaseException | None = None
         self.steps = 0
         self.pacer = Pacer(config.step_time_target)    # prompt chunks sized to the step time target
-
-    def _num_blocks(self, hybrid: bool) -> tuple[int, int]:
-        """(blocks of the full layers' pool, of the windowed layers' when kept apart (hybrid), else 0).
-        The window pool holds every running request's ring twice over (room for its prefix cache),
-        at most as many blocks as the full pool; kv_blocks sets the full pool's."""
-        cfg, s = self.config, self.spec
-        layer_block = SessionLayout(1, s.q_heads, s.kv_heads, s.head_dim, BLOCK_SIZE, 1,
-                                    STORAGE_CODES[s.dtype], blocks=1, maxblk=1).kv_bytes      # one layer's block
-        ringed = sum(1 for x in s.windows if x) if hybrid else 0
-        full = s.layers - ringed
-        table = -(-self.max_model_len // BLOCK_SIZE)
-        chunk = cfg.long_prefill_chunk or cfg.max_num_batched_tokens
-        ring_want = 2 * cfg.max_num_seqs * min(table, -(-(self.window - 1 + chunk) // BLOCK_SIZE) + 1) if hybrid else 0
-        free = shm.free_bytes()
-        if cfg.kv_blocks is not None:
-            n = cfg.kv_blocks
-            r = min(n, ring_want)
-        else:
-            need = cfg.max_num_seqs * table
-            if cfg.kv_memory is not None:
-                room = cfg.kv_memory
-            else:                 # a default within the RAM and the shared-memory filesystem's room
-                room = int(cfg.ram_fraction * min(psutil.virtual_memory().available, free or 1 << 62))
-            units = room // layer_block                      # layer-blocks the room holds
-            r = min(ring_want, need, units // s.layers)      # never more than an equal split's
-            n = max(1, min(need, (units - r * ringed) // full))
-            r = min(r, n) if hybrid else 0
-        nbytes = (n * full + r * ringed) * layer_block
-        if free is not None and nbytes > free:
-            raise CapacityError(f"a KV pool of {n} blocks ({nbytes / 2**30:.2f} GiB) does not fit the "
-                                f"shared-memory filesystem's {free / 2**30:.2f} GiB free; set EngineConfig.kv_memory")
-        return n, max(r, 1) if hybrid else 0
 
     # ---- callers (any thread)
     def add_request(self, prompt, max_new_tokens=MODEL_DEFAULT, *, request_id: str | None = None,
@@ -305,17 +270,18 @@ class Engine:
             return None
         return store.digest(store.adapters[name])
 
-    def pin_kv(self, snapshot, adapter: str | None = None) -> RequestStream:
+    def pin_kv(self, snapshot, adapter: str | None = None, then=None) -> RequestStream:
         """Pin a document whose KV another holder has, copied into the pool without computing it.
         snapshot() runs in the engine thread between two steps and gives (the token ids of whole
         blocks, a source whose read_rows(layer, 0, n) gives their key and value rows [Hkv, n, D]):
-        a HeteroGenerator Context's tokens and session. Returns its stream, finished once pinned
+        a HeteroGenerator Context's tokens and session; then(stream), if given, runs there right
+        after the copy (the source may let its rows go). Returns its stream, finished once pinned
         (its pinned_blocks); unpin() releases them."""
         if adapter is not None and adapter not in self.adapters:
             raise AdapterError(f"no adapter named {adapter!r} is loaded (loaded: {self.adapters})")
         stream = RequestStream(self, f"copy-{next(self._ids)}", 0)
         stream.adapter, stream.adapter_key = adapter, self.adapter_key(adapter)
-        self._post(("copy", snapshot, adapter, stream))
+        self._post(("copy", snapshot, adapter, then, stream))
         return stream
 
     def _post(self, item) -> None:
@@ -479,11 +445,13 @@ class Engine:
                         stream.pinned_blocks = engine_saved.load_into(self, header, adapter, stream.adapter_key,
                                                                       path, stream.request_id)
                     else:
-                        _, snapshot, adapter, _ = item
+                        _, snapshot, adapter, then, _ = item
                         tokens, source = snapshot()
                         stream.prompt_ids = tokens
                         stream.pinned_blocks = engine_saved.copy_into(self, tokens, source, adapter,
                                                                       stream.adapter_key, stream.request_id)
+                        if then is not None:
+                            then(stream)
                 except Exception as e:
                     stream._push([], error=e)
                 else:

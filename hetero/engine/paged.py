@@ -28,6 +28,7 @@ common blocks are attended in shared-prefix units (kernel.run_prefix_unit), at m
 from __future__ import annotations
 
 import numpy as np
+import psutil
 import torch
 import torch.nn.functional as F
 
@@ -35,6 +36,7 @@ from hetero.cpu_attention import kernel
 from hetero.cpu_attention.kernel import BF16
 from hetero.cpu_attention.planner import StaticPlanner
 from hetero.cpu_attention.simd import BK, W
+from hetero.errors import CapacityError
 from hetero.ipc import control as C, shm
 from hetero.ipc.transport import merge_partials
 from hetero.offload.arena import SessionLayout, layer_slots, slots_of
@@ -300,3 +302,36 @@ class PagedKV:
             self.seg.close()
         if failed is not None:
             raise failed
+
+
+def pool_sizes(cfg, s, max_model_len: int, window: int, hybrid: bool) -> tuple[int, int]:
+    """(blocks of the full layers' pool, of the windowed layers' when kept apart (hybrid), else 0)
+    under EngineConfig `cfg` for a model of spec `s`. The window pool holds every running
+    request's ring twice over (room for its prefix cache), at most as many blocks as the full
+    pool; kv_blocks sets the full pool's, else kv_memory (or a share of the RAM) both."""
+    layer_block = SessionLayout(1, s.q_heads, s.kv_heads, s.head_dim, BK, 1,
+                                STORAGE_CODES[s.dtype], blocks=1, maxblk=1).kv_bytes      # one layer's block
+    ringed = sum(1 for x in s.windows if x) if hybrid else 0
+    full = s.layers - ringed
+    table = -(-max_model_len // BK)
+    chunk = cfg.long_prefill_chunk or cfg.max_num_batched_tokens
+    ring_want = 2 * cfg.max_num_seqs * min(table, -(-(window - 1 + chunk) // BK) + 1) if hybrid else 0
+    free = shm.free_bytes()
+    if cfg.kv_blocks is not None:
+        n = cfg.kv_blocks
+        r = min(n, ring_want)
+    else:
+        need = cfg.max_num_seqs * table
+        if cfg.kv_memory is not None:
+            room = cfg.kv_memory
+        else:                 # a default within the RAM and the shared-memory filesystem's room
+            room = int(cfg.ram_fraction * min(psutil.virtual_memory().available, free or 1 << 62))
+        units = room // layer_block                      # layer-blocks the room holds
+        r = min(ring_want, need, units // s.layers)      # never more than an equal split's
+        n = max(1, min(need, (units - r * ringed) // full))
+        r = min(r, n) if hybrid else 0
+    nbytes = (n * full + r * ringed) * layer_block
+    if free is not None and nbytes > free:
+        raise CapacityError(f"a KV pool of {n} blocks ({nbytes / 2**30:.2f} GiB) does not fit the "
+                            f"shared-memory filesystem's {free / 2**30:.2f} GiB free; set EngineConfig.kv_memory")
+    return n, max(r, 1) if hybrid else 0

@@ -11,8 +11,11 @@ import torch
 
 from hetero.adapters.sync import active
 from hetero.context import Context
+from hetero.engine.saved import pin_rows
 from hetero.errors import GeneratorClosedError, UnsupportedModelError, WorkerError
 from hetero.memory import default_reserve, plan_cache
+from hetero.offload.registry import STALE, weights_key
+from hetero.offload.saved import layer_start
 from hetero.offload.session import KVSession
 from hetero.routing import keeping_cache
 from hetero.settings import check_inputs, one_pass_only, pad_id, rope_ok, rope_refused
@@ -47,42 +50,74 @@ class ContextsMixin:
         layers = self._check_model_state()
         adapter_name = self._default_adapter(layers) if adapter_name is None else adapter_name
         lora = self._lora_batch(None if adapter_name is None else [adapter_name], 1, layers)
-        with self._context_session(attention_mask, reserve) as session:
-            with self._routed(session, lora) as cache, torch.no_grad(), active(lora):
-                if chunk:                                # all chunks; the last one too
-                    self.prefill_chunks(cache, input_ids, attention_mask, chunk, to_end=True)
-                else:
-                    self._forward(cache, input_ids, attention_mask, 0, input_ids.shape[1])
-            session.end_call()
+        with self._exclusive(), self._context_session(attention_mask, reserve) as session:
+            self._prefill_into(session, input_ids, attention_mask, chunk, lora)
             adapter = lora.adapters[0] if lora is not None else None      # kept before the session is let go
             return self._contexts.keep(Context(self, session, input_ids[0].detach().to("cpu", torch.long).clone(), adapter))
 
+    def _prefill_into(self, session, input_ids, attention_mask, chunk, lora):
+        """Under the generator's lock: the prompt's KV computed into a new context's session."""
+        with self._routed(session, lora) as cache, torch.no_grad(), active(lora):
+            if chunk:                                # all chunks; the last one too
+                self.prefill_chunks(cache, input_ids, attention_mask, chunk, to_end=True)
+            else:
+                self._forward(cache, input_ids, attention_mask, 0, input_ids.shape[1])
+        session.end_call()
+
     @contextlib.contextmanager
     def _context_session(self, attention_mask, reserve):
-        """Under the generator's lock: a new context's session (one request, `reserve` rows free,
-        continuations in pieces of prefill_chunk or CONTINUE_CHUNK tokens) within context_memory;
-        closed again if the body raises (and a pool that died with it)."""
+        """Under the generator's lock (the caller holds it): a new context's session (one request,
+        `reserve` rows free, continuations in pieces of prefill_chunk or CONTINUE_CHUNK tokens)
+        within context_memory; closed again if the body raises (and a pool that died with it)."""
         tmax = min(self._piece, attention_mask.shape[1] + reserve)   # no piece outgrows the context's rows
-        with self._exclusive():
-            # contexts nobody references are closed here, under the lock: closing one runs a job on
-            # the worker pool, which a call in another thread may be using; and before the memory checks
-            self._contexts.sweep(self.config.context_memory)
-            pads, real, cap = plan_cache(self.spec, self.config, attention_mask, reserve, tmax=tmax, what="reserve")
-            self._contexts.check_budget(KVSession.layout_for(self.spec, 1, cap, tmax).nbytes, self.config.context_memory)
-            pool = self._ensure_pool()
-            session = KVSession(pool, self.spec, pads, real, cap, planner=self._ensure_planner(pool), tmax=tmax)
+        # contexts nobody references are closed here, under the lock: closing one runs a job on
+        # the worker pool, which a call in another thread may be using; and before the memory checks
+        self._contexts.sweep(self.config.context_memory)
+        pads, real, cap = plan_cache(self.spec, self.config, attention_mask, reserve, tmax=tmax, what="reserve")
+        self._contexts.check_budget(KVSession.layout_for(self.spec, 1, cap, tmax).nbytes, self.config.context_memory)
+        pool = self._ensure_pool()
+        session = KVSession(pool, self.spec, pads, real, cap, planner=self._ensure_planner(pool), tmax=tmax)
+        try:
+            yield session
+        except BaseException:
+            self._contexts.forget(session)            # an interrupt may come right after keep
             try:
-                yield session
-            except BaseException:
-                self._contexts.forget(session)            # an interrupt may come right after keep
-                try:
-                    session.close()
-                except WorkerError:                       # the error raised above says what happened
-                    pass
-                finally:
-                    if self._pool is not None and not self._pool.alive:
-                        self._drop_pool()
-                raise
+                session.close()
+            except WorkerError:                       # the error raised above says what happened
+                pass
+            finally:
+                if self._pool is not None and not self._pool.alive:
+                    self._drop_pool()
+            raise
+
+    def _arena(self, ctx):
+        """Under the generator's lock: a Context whose KV lives in the engine's pool alone (pooled)
+        back in an arena of its own, with the room it had: its pinned rows copied from the pool
+        (computed again where that engine is gone: a dead worker replaced it), its pin released.
+        Nothing for a context in an arena already."""
+        if ctx.session is not None or ctx.closed:
+            return
+        if ctx.weights != weights_key(self.model):
+            raise ValueError(STALE)
+        engine, stream = ctx.pool_pin
+        ids = ctx.token_ids[None].to(self.model.device)
+        mask = torch.ones_like(ids)
+        with self._context_session(mask, ctx.pooled_capacity - ids.shape[1]) as session:
+            if engine is self._engine.engine and engine.failure is None and stream.pinned_blocks:
+                rows = pin_rows(engine.kv, stream.pinned_blocks)
+                n = ids.shape[1]
+                for layer in range(self.spec.layers):
+                    start = layer_start(n, session.ring_window[layer])
+                    k, v = rows.read_rows(layer, 0, n, start)
+                    session.write_rows(layer, 0, k, v, start)
+                session.finish_prefill()
+            else:
+                layers = self._check_model_state()
+                lora = self._lora_batch(None if ctx.adapter is None else [ctx.adapter.name], 1, layers)
+                self._prefill_into(session, ids, mask, self._chunk(mask), lora)
+            ctx.session, ctx.pool_pin = session, None
+            self._contexts.keep_again(ctx)
+        self._engine.forget(ctx)
 
     def _forget(self, ctx):
         """A closed Context's registry entry and its copy in the engine's pool dropped (Context._close)."""
@@ -113,7 +148,7 @@ class ContextsMixin:
         # them: a corrupted id is named as the file's corruption, not as a bad prompt
         ids = torch.zeros(1, n, dtype=torch.long, device=self.model.device)
         mask, reserve = check_inputs(self.model, self.spec, ids, None, reserve, "reserve")
-        with self._context_session(mask, reserve) as session:
+        with self._exclusive(), self._context_session(mask, reserve) as session:
             saved.fill(session, header, path)
             saved.check_vocabulary(header, getattr(self.model.get_input_embeddings(), "num_embeddings", None), path)
             tokens = torch.tensor(header["tokens"], dtype=torch.long)

@@ -39,9 +39,14 @@ class ContextRegistry:
 
     def keep(self, ctx):
         """Register a new Context (its KV just computed with the model's weights now)."""
-        ctx.session.weights = weights_key(self.model)      # what computed its KV (stale)
+        ctx.session.weights = ctx.weights = weights_key(self.model)      # what computed its KV (stale)
         self._kept[id(ctx.session)] = _Kept(ctx)
         return ctx
+
+    def keep_again(self, ctx):
+        """Register a Context back in an arena (its KV moved out of the engine's pool): its weights kept."""
+        ctx.session.weights = ctx.weights
+        self._kept[id(ctx.session)] = _Kept(ctx)
 
     def stale(self, session, now=None):
         """Whether the model's base weights changed (in place: a training step, load_state_dict;
@@ -104,7 +109,7 @@ class ContextRegistry:
             if not isinstance(c, Context) or c.generator is not owner or c.closed:
                 raise ValueError(f"context= takes open Contexts from this generator's prefill(), got {c!r}"
                                  + closed_why(c))
-            if self.stale(c.session, now):
+            if (c.session.weights if c.session is not None else c.weights) != now:
                 raise ValueError(STALE)
 
     def valid(self, owner, contexts) -> bool:
@@ -167,7 +172,7 @@ class _Kept:
         ctx = self.ref()
         if ctx is None:
             ctx = Context(generator, self.session, self.token_ids, self.adapter)
-            ctx.pending = self.pending
+            ctx.pending, ctx.weights = self.pending, self.session.weights
             self.ref = weakref.ref(ctx)
         return ctx
 
