@@ -36,7 +36,11 @@ lint: venv
 	$(BIN)/ruff check .
 
 test: lint
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+# the end-to-end runs of minutes (Ray Serve replicas: a local Ray, processes killed and restarted)
+test-slow: venv
+	$(BIN)/python -m pytest -q -m slow tests
 
 # The newest releases setup.cfg admits (transformers, peft, numba, ...; torch stays the 2.13 CPU
 # wheel), upgraded on every run: a release that breaks hetero shows here before a fresh clone meets it
@@ -59,4 +63,4 @@ bench: venv
 	$(BIN)/python bench/decode_cpu.py
 	$(BIN)/python bench/lora.py
 
-.PHONY: venv demo lint test test-latest lock bench
+.PHONY: venv demo lint test test-slow test-latest lock bench

@@ -74,6 +74,7 @@ def test_store_keys_and_names(tmp_path):
     assert (e.status, e.message, e.type, e.param) == (404, "no such thing", "not_found_error", "model")  # via Ray
 
 
+@pytest.mark.slow
 def test_two_replicas_route_by_document_share_the_store_and_survive_a_kill(tmp_path, smol):
     from peft import LoraConfig, get_peft_model
 
@@ -216,6 +217,7 @@ def test_two_replicas_route_by_document_share_the_store_and_survive_a_kill(tmp_p
     assert not left, left
 
 
+@pytest.mark.slow
 def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(tmp_path, smol):
     """--autoscaling: Ray Serve's autoscaler starts a second replica while requests outnumber its
     target, routes to it, and removes one when the load is gone: its process exits and leaves no
