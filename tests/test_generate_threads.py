@@ -289,7 +289,33 @@ def test_a_context_the_engine_reads_lives_in_its_pool_alone_and_comes_back_for_h
     assert set(our_segments(os.getpid())) == before
 
 
-def test_a_mixed_window_models_context_is_copied_into_both_of_the_engines_pools(engine_always):
+def test_a_prefill_while_others_run_is_computed_in_the_engine_and_lives_in_its_pool(engine_always, tmp_path):
+    """prefill() while other calls run joins the engine (its steps go on; no arena): the Context
+    lives in the pool from the start, answers as HF over [document, new tokens], extends through
+    HF's loop (into an arena with the room prefill gave it), saves, and closes leaving no pin."""
+    from tests.conftest import build_model
+
+    model = build_model("llama")[0]
+    doc, q1, q2 = rows(16, 75, 6, 5)
+    with HeteroGenerator(model, cpu_workers=1) as gen:
+        ctx = gen.prefill(doc, reserve=40)
+        engine = gen._engine.engine
+        assert ctx.pooled and ctx.session is None and ctx.length == 64 and torch.equal(ctx.tokens, doc[0])
+        assert ctx.capacity == 128 and engine.kv_manager.pool.num_pinned_blocks == 2
+        out = gen.generate(q1, context=ctx, extend_context=False, max_new_tokens=5, pad_token_id=0)
+        assert torch.equal(out, hf(model, torch.cat([doc, q1], 1), max_new_tokens=5))
+        out = gen.generate(q2, context=ctx, max_new_tokens=4, pad_token_id=0)      # extends: HF's loop
+        assert torch.equal(out, hf(model, torch.cat([doc, q2], 1), max_new_tokens=4))
+        assert not ctx.pooled and ctx.capacity == 128 and torch.equal(ctx.tokens, out[0])
+        ctx.save(tmp_path / "c.bin")
+        ctx.close()
+        engine.step()
+        assert engine.kv_manager.pool.num_pinned_blocks == 0
+        short = gen.prefill(doc[:, :20])                  # no whole block: an arena, as alone
+        assert not short.pooled and short.length == 20
+
+
+def test_a_mixed_window_models_context_is_copied_into_both_of_the_engines_pools(monkeypatch):
     """Gemma 2 (a windowed layer beside a full one): a context read through the engine is copied
     into the full layers' pool and the windowed layers' (hetero.engine.kv_hybrid) and the call
     returns HF's tokens over [context, new tokens]."""
@@ -300,6 +326,9 @@ def test_a_mixed_window_models_context_is_copied_into_both_of_the_engines_pools(
     with HeteroGenerator(model, cpu_workers=1) as gen:
         ctx = gen.prefill(doc, reserve=16)               # 96 rows: the arena keeps every row (no ring)
         assert not ctx.session.layout.ring_layers
+        from hetero.routing import CallLock
+
+        monkeypatch.setattr(CallLock, "busy_elsewhere", property(lambda self: True))    # the read joins the engine
         out = gen.generate(q, context=ctx, extend_context=False, max_new_tokens=6, pad_token_id=0)
         kv = gen._engine.engine.kv_manager
         assert kv.pool.num_pinned_blocks == 2 and kv.windowed.pool.num_pinned_blocks == 2
@@ -313,10 +342,14 @@ def test_a_context_copy_queued_when_a_step_fails_or_closed_meanwhile_leaves_noth
     from hetero import EngineError
     from hetero.engine import engine as E, runner
 
+    from hetero.routing import CallLock
+
     doc, q = rows(11, 70, 6)
     full = torch.cat([doc, q], 1)
     with HeteroGenerator(llama, cpu_workers=1) as gen:
-        ctx = gen.prefill(doc)
+        with monkeypatch.context() as m:                  # prefilled alone: an arena, copied by the read
+            m.setattr(CallLock, "busy_elsewhere", property(lambda self: False))
+            ctx = gen.prefill(doc)
         inside = threading.Event()
 
         def failing(self, plan):

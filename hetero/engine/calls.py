@@ -8,7 +8,8 @@ generator included; a PeftModel's calls run HF's loop), also a call that reads c
 (context=[...], extend_context=False: each context's whole blocks are copied into the engine's
 pool once and pinned there until the context closes, and the context then lives there alone:
 its arena closed, Context.pooled; a later call that reads it joins the engine even alone, one
-that needs HF's loop over it brings it back into an arena): each row of its batch becomes a request
+that needs HF's loop over it brings it back into an arena; a prefill() made meanwhile is computed
+by the engine and pinned there, a context in the pool from the start): each row of its batch becomes a request
 (its real tokens, without the left padding) with HF's processors and stopping criteria for that
 row alone; the call returns generate's tensor, left padding kept and finished
 rows padded with pad_token_id, as HF returns it. Other calls wait their turn for the lock. The
@@ -180,6 +181,33 @@ class GeneratorEngine:
                 self.forget(ctx)
             else:                                 # dropped without close(): the pin goes with it
                 weakref.finalize(ctx, _unpin, weakref.ref(engine), stream)
+
+    def prefill(self, tokens: torch.Tensor, adapter, capacity: int):
+        """HeteroGenerator.prefill while others run: the prompt computed in the engine's batch (its
+        steps go on meanwhile) and pinned there, a Context living in the pool alone (capacity: the
+        arena's rows it gets when HF's loop needs it). None where the engine does not take it
+        (the caller prefills an arena): not served, the pool too small, or no whole block."""
+        from hetero.context import Context
+
+        engine = self._ensure()
+        if engine is None or len(tokens) > engine.max_model_len:
+            return None
+        try:
+            stream = engine.pin(tokens.tolist(), None if adapter is None else adapter.name)
+            stream.result()
+        except (CapacityError, HeteroError):
+            return None
+        n = len(stream.pinned_blocks) * BLOCK_SIZE
+        if n == 0:
+            engine.unpin(stream)
+            return None
+        ctx = Context(self._gen(), None, tokens[:n], adapter)
+        ctx.pending, ctx.weights, ctx.pooled_capacity = tokens[n:], self._built_for, capacity
+        ctx.pool_pin = (engine, stream)
+        with self._pin_lock:
+            self._pins[ctx] = (engine, stream, n // BLOCK_SIZE)
+        weakref.finalize(ctx, _unpin, weakref.ref(engine), stream)
+        return ctx
 
     def _move(self, engine, ctx, stream) -> None:
         """The engine thread, right after the copy: the context's KV now lives in the pool alone

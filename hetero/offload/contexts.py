@@ -14,6 +14,7 @@ from hetero.context import Context
 from hetero.engine.saved import pin_rows
 from hetero.errors import GeneratorClosedError, UnsupportedModelError, WorkerError
 from hetero.memory import default_reserve, plan_cache
+from hetero.offload.arena import whole_blocks
 from hetero.offload.registry import STALE, weights_key
 from hetero.offload.saved import layer_start
 from hetero.offload.session import KVSession
@@ -50,6 +51,13 @@ class ContextsMixin:
         layers = self._check_model_state()
         adapter_name = self._default_adapter(layers) if adapter_name is None else adapter_name
         lora = self._lora_batch(None if adapter_name is None else [adapter_name], 1, layers)
+        adapter = lora.adapters[0] if lora is not None else None
+        if (lora is None or self._peft_model is None) and not self._calls.busy_here and \
+                (self._calls.busy_elsewhere or self._engine.busy):
+            ctx = self._engine.prefill(input_ids[0].detach().to("cpu", torch.long), adapter,
+                                       whole_blocks(input_ids.shape[1] + reserve))
+            if ctx is not None:                  # others run: computed in the engine's batch, pinned there
+                return ctx
         with self._exclusive(), self._context_session(attention_mask, reserve) as session:
             self._prefill_into(session, input_ids, attention_mask, chunk, lora)
             adapter = lora.adapters[0] if lora is not None else None      # kept before the session is let go
