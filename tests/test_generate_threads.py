@@ -315,6 +315,43 @@ def test_a_prefill_while_others_run_is_computed_in_the_engine_and_lives_in_its_p
         assert not short.pooled and short.length == 20
 
 
+def test_load_context_while_others_run_loads_into_the_engine_s_pool(monkeypatch, tmp_path):
+    """A context file a generator saved (75 tokens: two whole blocks and 11 rows more) loads into
+    the engine's pool while other calls run (Engine.load_pin takes a generator's file: its whole
+    blocks, the rest pending), a Context living there that answers as HF; a file with no whole
+    block gets a clear ContextFileError from the engine and loads into an arena through
+    load_context; another model's file is refused by name either way."""
+    from hetero import Engine, EngineConfig
+    from hetero.errors import ContextFileError
+    from hetero.routing import CallLock
+    from tests.conftest import build_model
+
+    model = build_model("llama")[0]
+    doc, q = rows(17, 75, 6)
+    with HeteroGenerator(model, cpu_workers=1) as gen:
+        gen.prefill(doc).save(tmp_path / "doc.bin")
+        gen.prefill(doc[:, :20]).save(tmp_path / "short.bin")
+        monkeypatch.setattr(CallLock, "busy_elsewhere", property(lambda self: True))
+        ctx = gen.load_context(tmp_path / "doc.bin", reserve=20)
+        assert ctx.pooled and ctx.length == 64 and torch.equal(ctx.tokens, doc[0]) and ctx.capacity == 96
+        out = gen.generate(q, context=ctx, extend_context=False, max_new_tokens=5, pad_token_id=0)
+        assert torch.equal(out, hf(model, torch.cat([doc, q], 1), max_new_tokens=5))
+        with pytest.raises(ContextFileError, match="no whole block"):
+            gen._engine.engine.load_pin(tmp_path / "short.bin")
+        short = gen.load_context(tmp_path / "short.bin")
+        assert not short.pooled and short.length == 20
+        other = build_model("llama", seed=1)[0]
+        with HeteroGenerator(other, cpu_workers=1) as gen2, pytest.raises(ContextFileError, match="weights"):
+            gen2.load_context(tmp_path / "doc.bin")
+    with Engine(model, EngineConfig(background=False, cpu_workers=1, kv_blocks=16, max_model_len=256)) as eng:
+        pin, _ = eng.load_pin(tmp_path / "doc.bin")          # the engine alone, a generator's file
+        assert len(pin.pinned_blocks) == 2
+        s = eng.add_request(doc[0].tolist() + q[0].tolist(), 5)
+        while not s.finished:
+            eng.step()
+        assert s.cached_tokens == 64 and s.token_ids == hf(model, torch.cat([doc, q], 1), max_new_tokens=5)[0, 81:].tolist()
+
+
 def test_a_mixed_window_models_context_is_copied_into_both_of_the_engines_pools(monkeypatch):
     """Gemma 2 (a windowed layer beside a full one): a context read through the engine is copied
     into the full layers' pool and the windowed layers' (hetero.engine.kv_hybrid) and the call

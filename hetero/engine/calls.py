@@ -187,8 +187,6 @@ class GeneratorEngine:
         steps go on meanwhile) and pinned there, a Context living in the pool alone (capacity: the
         arena's rows it gets when HF's loop needs it). None where the engine does not take it
         (the caller prefills an arena): not served, the pool too small, or no whole block."""
-        from hetero.context import Context
-
         engine = self._ensure()
         if engine is None or len(tokens) > engine.max_model_len:
             return None
@@ -197,7 +195,31 @@ class GeneratorEngine:
             stream.result()
         except (CapacityError, HeteroError):
             return None
-        n = len(stream.pinned_blocks) * BLOCK_SIZE
+        return self._pooled(engine, stream, tokens, adapter, capacity)
+
+    def load(self, path, capacity_for):
+        """HeteroGenerator.load_context while others run: the file's whole blocks loaded into the
+        engine's pool (Engine.load_pin: checked against the model and adapters as load_context
+        checks it), a Context living there (capacity_for(n): its arena's rows for n tokens). None
+        where the engine does not take it (the caller loads an arena: the errors name the file)."""
+        engine = self._ensure()
+        if engine is None:
+            return None
+        try:
+            stream, _ = engine.load_pin(path)
+        except (CapacityError, HeteroError):
+            return None
+        tokens = torch.tensor(stream.prompt_ids, dtype=torch.long)
+        gen = self._gen()
+        adapter = None if stream.adapter is None else gen._store.adapters[stream.adapter]
+        return self._pooled(engine, stream, tokens, adapter, capacity_for(len(tokens)))
+
+    def _pooled(self, engine, stream, tokens: torch.Tensor, adapter, capacity: int):
+        """A Context over a pin of `tokens` (computed or loaded): its whole blocks in the pool, the
+        rest pending."""
+        from hetero.context import Context
+
+        n = len(stream.pinned_blocks or ()) * BLOCK_SIZE
         if n == 0:
             engine.unpin(stream)
             return None

@@ -6,7 +6,8 @@ registered in the prefix cache and pinned as if the document had been computed t
 
 The file holds the document's whole blocks as its cached "tokens" and the rest of its prompt as
 "pending" (computed again by the first request that reads it); its header's "extra" keeps what
-the caller adds (hetero serve: the context's name and messages).
+the caller adds (hetero serve: the context's name and messages). A file a HeteroGenerator Context
+saved loads too: its whole blocks, the rows past them computed again as pending tokens.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ class PoolRows:
 
     def __init__(self, kv, table: list[int], window_table: list[int] = (), window_first: int = 0):
         self.kv, self.spec = kv, kv.spec
+        self.rows = len(table) * BLOCK_SIZE        # rows written past them are dropped (a file's partial block)
         self.table = torch.tensor(table, dtype=torch.int64)
         self.wtable = torch.tensor(list(window_table), dtype=torch.int64)
         self.wfirst = window_first * BLOCK_SIZE
@@ -40,6 +42,7 @@ class PoolRows:
         return k[:, start:], v[:, start:]
 
     def write_rows(self, layer, b, key, value, start=0):
+        key, value = key[:, :max(self.rows - start, 0)], value[:, :max(self.rows - start, 0)]
         if self.kv.ringed[layer]:                 # the rows before the last window are not kept
             cut = max(self.wfirst - start, 0)
             key, value, start = key[:, cut:], value[:, cut:], start + cut
@@ -74,24 +77,26 @@ def read(engine, path):
     """(header, adapter name) of a saved document this engine can load, or ContextFileError."""
     header = saved.read_header(path)
     name = saved.check_model(header, engine.model, engine.spec, path, engine.adapter_digest)
-    kv = engine.kv
-    keep = [saved.layer_start(header["length"], w) if r else 0 for w, r in zip(kv.windows, kv.ringed)]
+    kv, n = engine.kv, header["length"] // BLOCK_SIZE * BLOCK_SIZE        # its whole blocks are loaded
+    if n == 0:
+        raise ContextFileError(f"{path} holds {header['length']} rows: no whole block of {BLOCK_SIZE} to load "
+                               "(load it with HeteroGenerator.load_context)")
+    keep = [saved.layer_start(n, w) if r else 0 for w, r in zip(kv.windows, kv.ringed)]
     if len(keep) != len(header["layers"]) or any(lay["start"] > k for lay, k in zip(header["layers"], keep)):
         raise ContextFileError(f"{path} keeps only a sliding window's rows of some layers (a generator's context "
                                "past its window); the engine's pool needs more of them")
-    if header["length"] % BLOCK_SIZE:
-        raise ContextFileError(f"{path} holds {header['length']} rows, not whole blocks of {BLOCK_SIZE}: "
-                               "not a document the engine saved (load it with HeteroGenerator.load_context)")
     saved.check_vocabulary(header, engine.model.config.get_text_config().vocab_size, path)
     return header, name
 
 
 def load_into(engine, header, adapter, key, path, rid) -> list[int]:
-    """The engine thread: new blocks filled from the file, cached under the tokens' hashes and
-    pinned. Returns the pinned blocks."""
-    blocks = pin_filled(engine, header["tokens"], adapter, key, rid, lambda rows: saved.fill(rows, header, path))
+    """The engine thread: new blocks filled from the file's whole blocks (the rows of a last
+    partial block are computed again by the first request that reads them, as its pending
+    tokens), cached under the tokens' hashes and pinned. Returns the pinned blocks."""
+    n = header["length"] // BLOCK_SIZE * BLOCK_SIZE
+    blocks = pin_filled(engine, header["tokens"][:n], adapter, key, rid, lambda rows: saved.fill(rows, header, path))
     if blocks is None:
-        raise ContextFileError(f"{path}: the pool has no room for its {header['length'] // BLOCK_SIZE} blocks")
+        raise ContextFileError(f"{path}: the pool has no room for its {n // BLOCK_SIZE} blocks")
     return blocks
 
 

@@ -145,6 +145,12 @@ class ContextsMixin:
             raise UnsupportedModelError(one_pass_only(self.spec, "a context"))
         if self.spec.drops_cache:        # an override set since __init__: no call could continue the context
             keeping_cache(self.model)
+        if not self._calls.busy_here and (self._calls.busy_elsewhere or self._engine.busy) and \
+                self._peft_model is None:         # others run: loaded into the engine's pool
+            ctx = self._engine.load(path, lambda n: whole_blocks(
+                n + (default_reserve(self.spec, self.config, n) if reserve is None else reserve)))
+            if ctx is not None:
+                return ctx
         header = saved.read_header(path)
         loaded = self._store.adapters if self._store is not None else {}
         name = saved.check_model(header, self.model, self.spec, path,
