@@ -17,6 +17,8 @@ workers) and decodes. Its KV lives in one of two places:
                         (under the generator's call lock)           lock, or a snapshot)
   _tokens               the same                                    any thread (one tuple: token_ids, pending)
 """
+import threading
+
 import torch
 
 
@@ -30,6 +32,7 @@ class Context:
         self.pool_pin = None          # (engine, stream) while its KV lives in the engine's pool alone
         self.weights = None           # what computed its KV (hetero.offload.registry.weights_key)
         self.pooled_capacity = 0      # the arena's rows it had (given back when it returns to one)
+        self.extend_lock = threading.Lock()     # one call extending it at a time (HF's loop or the engine)
         self.closed = False
 
     token_ids = property(lambda self: self._tokens[0], lambda self, t: self.set_tokens(t, self._tokens[1]))

@@ -290,15 +290,19 @@ class HeteroGenerator(PrefillMixin, ContextsMixin, WorkersMixin):
             default = self._default_adapter(layers)
             adapter_names = None if default is None else [default] * input_ids.shape[0]
         lora = self._lora_batch(adapter_names, input_ids.shape[0], layers)
-        read = list(context) if many else [context] if extend_context is False and input_ids.shape[0] == 1 and \
-            bool(attention_mask.all()) else None       # a single context continues one unpadded request
+        single = context is not None and not many and input_ids.shape[0] == 1 and bool(attention_mask.all())
+        read = list(context) if many else [context] if extend_context is False and single else None
+        busy = self._calls.busy_elsewhere or self._engine.busy
+        extend = single and extend_context is not False and (context.pooled or busy)   # extended in the engine
         # read where it lives: a context in the engine's pool, or prompts starting with one (reuse_contexts)
         pooled = any(c.pooled for c in read) if read is not None else \
             context is None and self.config.reuse_contexts and self._engine.continues_pooled(input_ids, attention_mask)
-        if (context is None or read is not None) and (lora is None or self._peft_model is None) and \
-                not self._calls.busy_here and (self._calls.busy_elsewhere or self._engine.busy or pooled) and \
-                (read is None or self._contexts.valid(self, read)):
-            out = self._engine.generate(input_ids, attention_mask, max_new_tokens, settings, call, lora, read)
+        if (context is None or read is not None or extend) and (lora is None or self._peft_model is None) and \
+                not self._calls.busy_here and (busy or pooled or extend) \
+                and (read is None or self._contexts.valid(self, read)) and \
+                (not extend or self._contexts.valid(self, [context])):
+            out = self._engine.generate(input_ids, attention_mask, max_new_tokens, settings, call, lora,
+                                        [context] if extend else read, extend)
             if out is not None:                 # another call runs: this one joined the engine's batch
                 return out
         if context is not None:

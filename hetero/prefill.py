@@ -13,6 +13,7 @@ between calls), worker pool and planner, the call lock, the context registry, th
 model's forward signature, last_prefetch_log), and tests and benchmarks patch or call several of
 them on the class or instance (_chunk_size, _feed, _forward, _generate_in_context(s)).
 """
+import contextlib
 import inspect
 import logging
 import time
@@ -107,7 +108,7 @@ class PrefillMixin:
             raise ValueError(f"a context continues one request: input_ids must be [1, n], got {tuple(input_ids.shape)}")
         if not bool(attention_mask.all()):
             raise ValueError("the new tokens of a context cannot be padded (attention_mask all ones)")
-        with self._exclusive():
+        with ctx.extend_lock if extend else contextlib.nullcontext(), self._exclusive():
             if ctx.closed:
                 raise ValueError("context= takes an open Context from this generator's prefill()" + closed_why(ctx))
             self._arena(ctx)                                     # from the engine's pool, where it lives there

@@ -254,13 +254,22 @@ def test_a_context_the_engine_reads_lives_in_its_pool_alone_and_comes_back_for_h
         hits, full = engine.kv_manager.prefix_hits, torch.cat([doc, q2], 1)
         assert torch.equal(gen.generate(full, max_new_tokens=5, pad_token_id=0), hf(model, full, max_new_tokens=5))
         assert engine.kv_manager.prefix_hits == hits + 64
-        # extending it runs HF's loop over an arena: back out of the pool, with its room
+        # extending it goes on where it lives: the engine computes the turn and pins the longer prefix
         out = gen.generate(q3, context=ctx, max_new_tokens=4, pad_token_id=0)
         full = torch.cat([doc, q3], 1)
         assert torch.equal(out, hf(model, full, max_new_tokens=4))
+        assert ctx.pooled and torch.equal(ctx.tokens, out[0]) and ctx.length == 64      # 77 tokens: 2 blocks
+        # a call the engine does not batch runs HF's loop over an arena: back out of the pool, with its room
+        res = gen.generate(q1, context=ctx, extend_context=False, max_new_tokens=3, pad_token_id=0,
+                           return_dict_in_generate=True, output_scores=True)
+        assert torch.equal(res.sequences, hf(model, torch.cat([out, q1], 1), max_new_tokens=3))
         assert not ctx.pooled and ctx.capacity == cap and torch.equal(ctx.tokens, out[0])
         engine.step()                                     # the unpin is taken at the next step
         assert engine.kv_manager.pool.num_pinned_blocks == 0
+        # extended alone in its arena: HF's loop, as before
+        before_turn = torch.cat([ctx.tokens[None], q3], 1)
+        out = gen.generate(q3, context=ctx, max_new_tokens=3, pad_token_id=0)
+        assert not ctx.pooled and torch.equal(out, hf(model, before_turn, max_new_tokens=3))
         # read again (into the pool), then saved from there and loaded: the same answer
         out = read(q2)
         want = hf(model, torch.cat([out[0, :len(ctx.tokens)][None], q2], 1), max_new_tokens=5)
@@ -291,8 +300,8 @@ def test_a_context_the_engine_reads_lives_in_its_pool_alone_and_comes_back_for_h
 
 def test_a_prefill_while_others_run_is_computed_in_the_engine_and_lives_in_its_pool(engine_always, tmp_path):
     """prefill() while other calls run joins the engine (its steps go on; no arena): the Context
-    lives in the pool from the start, answers as HF over [document, new tokens], extends through
-    HF's loop (into an arena with the room prefill gave it), saves, and closes leaving no pin."""
+    lives in the pool from the start, answers as HF over [document, new tokens], extends there,
+    saves (through an arena with the room prefill gave it), and closes leaving no pin."""
     from tests.conftest import build_model
 
     model = build_model("llama")[0]
@@ -304,15 +313,66 @@ def test_a_prefill_while_others_run_is_computed_in_the_engine_and_lives_in_its_p
         assert ctx.capacity == 128 and engine.kv_manager.pool.num_pinned_blocks == 2
         out = gen.generate(q1, context=ctx, extend_context=False, max_new_tokens=5, pad_token_id=0)
         assert torch.equal(out, hf(model, torch.cat([doc, q1], 1), max_new_tokens=5))
-        out = gen.generate(q2, context=ctx, max_new_tokens=4, pad_token_id=0)      # extends: HF's loop
+        out = gen.generate(q2, context=ctx, max_new_tokens=4, pad_token_id=0)      # extends, in the engine
         assert torch.equal(out, hf(model, torch.cat([doc, q2], 1), max_new_tokens=4))
+        assert ctx.pooled and ctx.capacity == 128 and torch.equal(ctx.tokens, out[0])
+        ctx.save(tmp_path / "c.bin")                      # into an arena (the room prefill gave it)
         assert not ctx.pooled and ctx.capacity == 128 and torch.equal(ctx.tokens, out[0])
-        ctx.save(tmp_path / "c.bin")
         ctx.close()
         engine.step()
         assert engine.kv_manager.pool.num_pinned_blocks == 0
         short = gen.prefill(doc[:, :20])                  # no whole block: an arena, as alone
         assert not short.pooled and short.length == 20
+
+
+def test_conversations_extended_from_threads_go_on_in_the_engine_exactly(engine_always):
+    """Chat-style turns (generate(new, context=ctx), extending it) from threads while others run
+    join the engine: each turn's sequences are HF generate's over the whole conversation so far,
+    and two threads extending one context take turns (each turn sees the other's: one serial
+    order), the context ending as the last turn's sequence."""
+    from tests.conftest import build_model
+
+    model = build_model("llama")[0]
+    docs = [r for r in rows(18, 70, 40)]
+    turns = rows(19, 5, 7, 4, 6, 3, 5)
+    with HeteroGenerator(model, cpu_workers=1) as gen:
+        ctxs = [gen.prefill(d) for d in docs]
+        assert all(c.pooled for c in ctxs)
+        outs, errors = {}, []
+
+        def chat(i):
+            try:
+                for k, t in enumerate(turns[3 * i:3 * i + 3]):
+                    before = ctxs[i].tokens.clone()
+                    out = gen.generate(t, context=ctxs[i], max_new_tokens=4, pad_token_id=0)
+                    outs[(i, k)] = (before, t, out)
+            except BaseException as e:
+                errors.append(e)
+
+        ths = [threading.Thread(target=chat, args=(i,)) for i in range(2)]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join(120)
+        assert not errors, errors
+        for (i, k), (before, t, out) in outs.items():
+            assert torch.equal(out, hf(model, torch.cat([before[None], t], 1), max_new_tokens=4)), (i, k)
+        for i in range(2):
+            assert ctxs[i].pooled and torch.equal(ctxs[i].tokens, outs[(i, 2)][2][0])
+        # one context, two threads at once: one turn after the other
+        ctx, res = ctxs[0], []
+        start = ctx.tokens.clone()
+        ths = [threading.Thread(target=lambda t=t: res.append(gen.generate(t, context=ctx, max_new_tokens=3,
+                                                                           pad_token_id=0))) for t in turns[:2]]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join(120)
+        first, second = sorted(res, key=lambda o: o.shape[1])
+        assert torch.equal(first[0, :len(start)], start) and torch.equal(second[0, :first.shape[1]], first[0])
+        assert torch.equal(ctx.tokens, second[0])
+        for o in (first, second):
+            assert torch.equal(o, hf(model, o[:, :-3], max_new_tokens=3))
 
 
 def test_load_context_while_others_run_loads_into_the_engine_s_pool(monkeypatch, tmp_path):

@@ -105,12 +105,22 @@ class GeneratorEngine:
             return self.engine
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, settings,
-                 call: dict, lora=None, contexts=None) -> torch.Tensor | None:
+                 call: dict, lora=None, contexts=None, extend: bool = False) -> torch.Tensor | None:
         """The call through the engine: generate's tensor, or None where the engine does not take it
         (the caller then runs HF's loop). lora: the call's LoraBatch (its adapters by request).
         contexts: one Context per row, read and not changed (generate(context=[...]) or
         extend_context=False): each row's request is its context's tokens then its own, and the
-        tensor returned is theirs, left-padded, as HF's loop over the contexts returns it."""
+        tensor returned is theirs, left-padded, as HF's loop over the contexts returns it.
+        extend: the one context goes on with the call's tokens and the ones generated (as HF's
+        loop extends it), pinned again in the pool; its extend_lock held throughout (one extension
+        of a context at a time, on either path)."""
+        if not extend:
+            return self._generate(input_ids, attention_mask, max_new_tokens, settings, call, lora, contexts)
+        ctx = contexts[0]
+        with ctx.extend_lock:
+            return self._generate(input_ids, attention_mask, max_new_tokens, settings, call, lora, contexts, True)
+
+    def _generate(self, input_ids, attention_mask, max_new_tokens, settings, call, lora, contexts, extend=False):
         B = input_ids.shape[0]
         names = [None] * B if lora is None else [None if a is None else a.name for a in lora.adapters]
         if why_not_batched(settings, call, B) is not None:
@@ -129,6 +139,9 @@ class GeneratorEngine:
                     self._pin(engine, c)
             except (CapacityError, HeteroError, ValueError):
                 return None
+            if extend and not (contexts[0].pooled and contexts[0].pool_pin[0] is engine and
+                               len(contexts[0].tokens) + len(rows[0]) + max_new_tokens - 1 <= contexts[0].capacity):
+                return None                       # in an arena still, or past its room: HF's loop (it names that)
             rows = [c.tokens.tolist() + r for c, r in zip(contexts, rows)]
             input_ids = left_padded(rows, pad_id(settings), input_ids)
         if any(len(r) + max_new_tokens > engine.max_model_len for r in rows):
@@ -155,7 +168,29 @@ class GeneratorEngine:
         if any(len(o) < width for o in outs) and pad is None:
             raise ValueError("a finished sequence must be padded but neither pad_token_id nor eos_token_id is set")
         tail = torch.tensor([o + [pad] * (width - len(o)) for o in outs], dtype=input_ids.dtype)
-        return torch.cat([input_ids, tail.to(input_ids.device)], 1)
+        out = torch.cat([input_ids, tail.to(input_ids.device)], 1)
+        if extend:
+            self._extended(engine, contexts[0], out[0].to("cpu"))
+        return out
+
+    def _extended(self, engine, ctx, seq: torch.Tensor) -> None:
+        """ctx extended to `seq` through the engine: seq's whole blocks pinned (found in the prefix
+        cache, the request having just computed them; its last rows computed), the old pin released."""
+        adapter = None if ctx.adapter is None else ctx.adapter.name
+        stream = engine.pin(seq.tolist(), adapter)
+        stream.result()
+        n = len(stream.pinned_blocks) * BLOCK_SIZE
+        with self._pin_lock:
+            old = self._pins.get(ctx)
+            ctx.set_tokens(seq[:n], seq[n:])
+            ctx.pool_pin = (engine, stream)
+            self._pins[ctx] = (engine, stream, n // BLOCK_SIZE)
+        if old is not None and old[0] is engine:
+            engine.unpin(old[1])
+        if ctx.closed:
+            self.forget(ctx)
+        else:
+            weakref.finalize(ctx, _unpin, weakref.ref(engine), stream)
 
     def _pin(self, engine, ctx) -> None:
         """The context's whole blocks pinned in the engine's pool (copied from its arena, at the
