@@ -32,6 +32,7 @@ class Context:
         self.pool_pin = None          # (engine, stream) while its KV lives in the engine's pool alone
         self.weights = None           # what computed its KV (hetero.offload.registry.weights_key)
         self.pooled_capacity = 0      # the arena's rows it had (given back when it returns to one)
+        self.pooled_tmax = None       # and its continuation pieces (None: as a new context's)
         self.extend_lock = threading.Lock()     # one call extending it at a time (HF's loop or the engine)
         self.closed = False
 
@@ -56,7 +57,12 @@ class Context:
     def length(self):
         """Tokens whose KV the context holds."""
         session = self._open()
-        return len(self.token_ids) if session is None else int(session.lengths[0])
+        if session is not None:
+            try:
+                return int(session.lengths[0])
+            except (TypeError, AttributeError):       # moved into the engine's pool meanwhile
+                pass
+        return len(self.token_ids)
 
     @property
     def capacity(self):

@@ -231,6 +231,7 @@ def test_a_context_the_engine_reads_lives_in_its_pool_alone_and_comes_back_for_h
     with HeteroGenerator(model, cpu_workers=1) as gen:
         ctx = gen.prefill(doc, reserve=64)
         cap, arena = ctx.capacity, {n for n in our_segments(os.getpid()) if n.endswith("_kv")}   # its arena
+        nbytes = ctx.session.layout.nbytes
         from hetero.routing import CallLock
 
         def read(q, new=5):
@@ -264,6 +265,7 @@ def test_a_context_the_engine_reads_lives_in_its_pool_alone_and_comes_back_for_h
                            return_dict_in_generate=True, output_scores=True)
         assert torch.equal(res.sequences, hf(model, torch.cat([out, q1], 1), max_new_tokens=3))
         assert not ctx.pooled and ctx.capacity == cap and torch.equal(ctx.tokens, out[0])
+        assert ctx.session.layout.nbytes == nbytes        # the arena it had (context_memory counts it so)
         engine.step()                                     # the unpin is taken at the next step
         assert engine.kv_manager.pool.num_pinned_blocks == 0
         # extended alone in its arena: HF's loop, as before
@@ -285,16 +287,27 @@ def test_a_context_the_engine_reads_lives_in_its_pool_alone_and_comes_back_for_h
         assert ctx.pooled
         os.kill(gen._pool.procs[0].pid, signal.SIGKILL)
         gen._pool.procs[0].wait()
-        try:
-            gen.generate(q1, max_new_tokens=3, pad_token_id=0)       # finds the worker dead (a new pool)
-        except WorkerError:
-            pass
         out = gen.generate(q1, context=ctx, extend_context=False, max_new_tokens=5, pad_token_id=0)
         assert torch.equal(out, hf(model, torch.cat([ctx.tokens[None], q1], 1), max_new_tokens=5))
         assert gen._engine.engine is not engine and not ctx.pooled   # computed again into an arena
         read(q1, 2)
-        pooled = ctx.pooled                               # in the new engine's pool
-    assert pooled and ctx.closed                          # the generator's close closed it
+        assert ctx.pooled                                 # in the new engine's pool
+        # the engine replaced again (a dead worker) with the context pooled in the old one: the
+        # generator's close still closes it (and a save after that raises, nothing mapped again)
+        engine = gen._engine.engine
+        os.kill(gen._pool.procs[0].pid, signal.SIGKILL)
+        gen._pool.procs[0].wait()
+        try:
+            gen.generate(q1, max_new_tokens=3, pad_token_id=0)       # a new pool, and a new engine
+        except WorkerError:
+            pass
+        with monkeypatch.context() as m:                  # a call that joins the engine: a new one
+            m.setattr(CallLock, "busy_elsewhere", property(lambda self: True))
+            gen.generate(q1, max_new_tokens=3, pad_token_id=0)
+        assert gen._engine.engine is not engine and ctx.pooled
+    assert ctx.closed                                     # the generator's close closed it
+    with pytest.raises(ValueError, match="closed"):
+        ctx.save(tmp_path / "after.bin")
     assert set(our_segments(os.getpid())) == before
 
 
@@ -373,6 +386,32 @@ def test_conversations_extended_from_threads_go_on_in_the_engine_exactly(engine_
         assert torch.equal(ctx.tokens, second[0])
         for o in (first, second):
             assert torch.equal(o, hf(model, o[:, :-3], max_new_tokens=3))
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])
+def test_a_mixed_window_context_in_the_pool_comes_back_into_an_arena_exactly(model_type, engine_always):
+    """Gemma 2/3 (windowed layers beside full ones, a 6-token window): a context prefilled in the
+    engine keeps only its windowed layers' last window in the pool; a call that needs HF's loop
+    over it brings it back into an arena (those layers' rows from that window on) and answers as
+    HF, scores included; then it extends there."""
+    from tests.conftest import build_model
+
+    model = build_model(model_type)[0]
+    doc, q = rows(13, 75, 6)
+    with HeteroGenerator(model, cpu_workers=1) as gen:
+        ctx = gen.prefill(doc, reserve=60)
+        assert ctx.pooled
+        out = gen.generate(q, context=ctx, extend_context=False, max_new_tokens=4, pad_token_id=0,
+                           return_dict_in_generate=True, output_scores=True)
+        ref = model.generate(torch.cat([doc, q], 1), max_new_tokens=4, pad_token_id=0, return_dict_in_generate=True,
+                             output_scores=True)
+        assert not ctx.pooled and torch.equal(out.sequences, ref.sequences)
+        assert max(float((a - b).abs().max()) for a, b in zip(out.scores, ref.scores)) < 1e-4
+        with pytest.MonkeyPatch.context() as m:          # alone: extended in its arena, by HF's loop
+            from hetero.routing import CallLock
+            m.setattr(CallLock, "busy_elsewhere", property(lambda self: False))
+            out = gen.generate(q, context=ctx, max_new_tokens=4, pad_token_id=0)
+        assert not ctx.pooled and torch.equal(out, ref.sequences)
 
 
 def test_load_context_while_others_run_loads_into_the_engine_s_pool(monkeypatch, tmp_path):

@@ -31,7 +31,7 @@ import torch
 
 from hetero.engine.config import EngineConfig
 from hetero.engine.kv_pool import BLOCK_SIZE
-from hetero.errors import CapacityError, HeteroError, UnsupportedModelError
+from hetero.errors import CapacityError, HeteroError, UnsupportedModelError, WorkerError
 from hetero.settings import pad_id
 
 # why a call's settings are not batched by the engine (None: they are)
@@ -60,6 +60,7 @@ class GeneratorEngine:
         self.refused: str | None = None          # the model is not one the engine serves: why
         self._make_lock = threading.Lock()
         self._pins = weakref.WeakKeyDictionary()  # Context -> (engine, its pin stream, blocks pinned)
+        self._pooled = weakref.WeakSet()          # contexts living in a pool alone (this engine's or an old one's)
         self._pin_lock = threading.Lock()         # one pin at a time: two calls over a context pin it once
         self._built_for = None                    # the weights the engine's KV was computed with
 
@@ -67,6 +68,13 @@ class GeneratorEngine:
     def busy(self) -> bool:
         e = self.engine
         return e is not None and e.failure is None and e.has_unfinished
+
+    def others_running(self, calls) -> bool:
+        """Whether other work runs: requests in the engine, or a call holding the generator's lock
+        (`calls`, its CallLock) that is not the engine thread's step (which ends on its own)."""
+        e = self.engine
+        thread = getattr(e, "_thread", None)
+        return self.busy or (calls.busy_elsewhere and (thread is None or calls.owner != thread.ident))
 
     def _ensure(self):
         """The engine, built for the model's weights as they are now; None where the model is not
@@ -85,7 +93,10 @@ class GeneratorEngine:
             if e is not None and (weights != self._built_for or e.failure is not None or e.pool is not gen._pool
                                   or not e.pool.alive):
                 self.engine = None
-                e.close()
+                try:
+                    e.close()
+                except WorkerError:               # its pool died: its segment is gone all the same
+                    pass
             if self.engine is None:
                 self._pins.clear()                # they were the old engine's
                 self._built_for = weights
@@ -125,7 +136,7 @@ class GeneratorEngine:
         names = [None] * B if lora is None else [None if a is None else a.name for a in lora.adapters]
         if why_not_batched(settings, call, B) is not None:
             return None
-        if contexts is not None and any(c.closed or (c.session is not None and c.session.layout.ring_layers)
+        if contexts is not None and any(c.closed or getattr(getattr(c.session, "layout", None), "ring_layers", 0)
                                         for c in contexts):
             return None                           # HF's loop names a closed one; rings keep too few rows
         engine = self._ensure()
@@ -185,6 +196,7 @@ class GeneratorEngine:
             ctx.set_tokens(seq[:n], seq[n:])
             ctx.pool_pin = (engine, stream)
             self._pins[ctx] = (engine, stream, n // BLOCK_SIZE)
+            self._pooled.add(ctx)
         if old is not None and old[0] is engine:
             engine.unpin(old[1])
         if ctx.closed:
@@ -230,7 +242,7 @@ class GeneratorEngine:
             stream.result()
         except (CapacityError, HeteroError):
             return None
-        return self._pooled(engine, stream, tokens, adapter, capacity)
+        return self._context(engine, stream, tokens, adapter, capacity)
 
     def load(self, path, capacity_for):
         """HeteroGenerator.load_context while others run: the file's whole blocks loaded into the
@@ -247,9 +259,9 @@ class GeneratorEngine:
         tokens = torch.tensor(stream.prompt_ids, dtype=torch.long)
         gen = self._gen()
         adapter = None if stream.adapter is None else gen._store.adapters[stream.adapter]
-        return self._pooled(engine, stream, tokens, adapter, capacity_for(len(tokens)))
+        return self._context(engine, stream, tokens, adapter, capacity_for(len(tokens)))
 
-    def _pooled(self, engine, stream, tokens: torch.Tensor, adapter, capacity: int):
+    def _context(self, engine, stream, tokens: torch.Tensor, adapter, capacity: int):
         """A Context over a pin of `tokens` (computed or loaded): its whole blocks in the pool, the
         rest pending."""
         from hetero.context import Context
@@ -263,6 +275,7 @@ class GeneratorEngine:
         ctx.pool_pin = (engine, stream)
         with self._pin_lock:
             self._pins[ctx] = (engine, stream, n // BLOCK_SIZE)
+            self._pooled.add(ctx)
         weakref.finalize(ctx, _unpin, weakref.ref(engine), stream)
         return ctx
 
@@ -281,6 +294,8 @@ class GeneratorEngine:
             tokens = ctx.tokens
             gen._contexts.forget(session)
             ctx.pool_pin, ctx.pooled_capacity = (engine, stream), session.layout.cap
+            ctx.pooled_tmax = session.layout.tmax
+            self._pooled.add(ctx)
             ctx.session = None
             ctx.set_tokens(tokens[:n], tokens[n:])
             session.close()
@@ -289,13 +304,14 @@ class GeneratorEngine:
 
     def forget(self, ctx) -> None:
         """A closed Context's pinned copy released (and a context moved back into an arena)."""
+        self._pooled.discard(ctx)
         entry = self._pins.pop(ctx, None)
         if entry is not None and entry[0] is self.engine:
             entry[0].unpin(entry[1])
 
     def pooled(self) -> list:
-        """The contexts living in the engine's pool alone."""
-        return [c for c in list(self._pins) if c.pool_pin is not None]
+        """The contexts living in the engine's pool (or an engine's it replaced) alone."""
+        return [c for c in list(self._pooled) if c.pool_pin is not None]
 
     def continues_pooled(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> bool:
         """Whether every row's prompt starts with a context living in the engine's pool and goes on

@@ -33,6 +33,10 @@ class PoolRows:
         self.wfirst = window_first * BLOCK_SIZE
         self.ring_window = tuple(w if r else 0 for w, r in zip(kv.windows, kv.ringed))
 
+    def first_row(self, layer: int) -> int:
+        """The first row of `layer` these blocks hold (a windowed layer's pool: its last window's)."""
+        return self.wfirst if self.kv.ringed[layer] else 0
+
     def read_rows(self, layer, b, n, start=0):
         if self.kv.ringed[layer]:
             if start < self.wfirst:

@@ -12,7 +12,7 @@ import torch
 from hetero.adapters.sync import active
 from hetero.context import Context
 from hetero.engine.saved import pin_rows
-from hetero.errors import GeneratorClosedError, UnsupportedModelError, WorkerError
+from hetero.errors import CapacityError, GeneratorClosedError, UnsupportedModelError, WorkerError
 from hetero.memory import default_reserve, plan_cache
 from hetero.offload.arena import whole_blocks
 from hetero.offload.registry import STALE, weights_key
@@ -53,10 +53,11 @@ class ContextsMixin:
         lora = self._lora_batch(None if adapter_name is None else [adapter_name], 1, layers)
         adapter = lora.adapters[0] if lora is not None else None
         if (lora is None or self._peft_model is None) and not self._calls.busy_here and \
-                (self._calls.busy_elsewhere or self._engine.busy):
+                self._engine.others_running(self._calls):
             ctx = self._engine.prefill(input_ids[0].detach().to("cpu", torch.long), adapter,
                                        whole_blocks(input_ids.shape[1] + reserve))
             if ctx is not None:                  # others run: computed in the engine's batch, pinned there
+                ctx.pooled_tmax = min(self._piece, input_ids.shape[1] + reserve)   # as its arena would have
                 return ctx
         with self._exclusive(), self._context_session(attention_mask, reserve) as session:
             self._prefill_into(session, input_ids, attention_mask, chunk, lora)
@@ -73,11 +74,12 @@ class ContextsMixin:
         session.end_call()
 
     @contextlib.contextmanager
-    def _context_session(self, attention_mask, reserve):
+    def _context_session(self, attention_mask, reserve, tmax=None):
         """Under the generator's lock (the caller holds it): a new context's session (one request,
-        `reserve` rows free, continuations in pieces of prefill_chunk or CONTINUE_CHUNK tokens)
-        within context_memory; closed again if the body raises (and a pool that died with it)."""
-        tmax = min(self._piece, attention_mask.shape[1] + reserve)   # no piece outgrows the context's rows
+        `reserve` rows free, continuations in pieces of prefill_chunk or CONTINUE_CHUNK tokens, or
+        `tmax`) within context_memory; closed again if the body raises (and a pool that died with it)."""
+        if tmax is None:
+            tmax = min(self._piece, attention_mask.shape[1] + reserve)   # no piece outgrows the context's rows
         # contexts nobody references are closed here, under the lock: closing one runs a job on
         # the worker pool, which a call in another thread may be using; and before the memory checks
         self._contexts.sweep(self.config.context_memory)
@@ -105,17 +107,30 @@ class ContextsMixin:
         Nothing for a context in an arena already."""
         if ctx.session is not None or ctx.closed:
             return
+        if self._closed:
+            raise GeneratorClosedError("a context of a closed HeteroGenerator")
         if ctx.weights != weights_key(self.model):
             raise ValueError(STALE)
         engine, stream = ctx.pool_pin
         ids = ctx.token_ids[None].to(self.model.device)
         mask = torch.ones_like(ids)
-        with self._context_session(mask, ctx.pooled_capacity - ids.shape[1]) as session:
+        try:
+            self._arena_from(ctx, engine, stream, ids, mask)
+        except CapacityError as e:
+            raise CapacityError(f"this context lives in the engine's pool, and HF's loop (this call) needs it back "
+                                f"in an arena of its own: {e}") from e
+        self._engine.forget(ctx)
+
+    def _arena_from(self, ctx, engine, stream, ids, mask):
+        """_arena's new session, filled from the pin (or computed again)."""
+        with self._context_session(mask, ctx.pooled_capacity - ids.shape[1], ctx.pooled_tmax) as session:
             if engine is self._engine.engine and engine.failure is None and stream.pinned_blocks:
                 rows = pin_rows(engine.kv, stream.pinned_blocks)
                 n = ids.shape[1]
                 for layer in range(self.spec.layers):
-                    start = layer_start(n, session.ring_window[layer])
+                    # a windowed layer's pool keeps its last window (kv_hybrid): the rows before it
+                    # stay zero here, which no later query's window reaches
+                    start = max(layer_start(n, session.ring_window[layer]), rows.first_row(layer))
                     k, v = rows.read_rows(layer, 0, n, start)
                     session.write_rows(layer, 0, k, v, start)
                 session.finish_prefill()
@@ -125,7 +140,6 @@ class ContextsMixin:
                 self._prefill_into(session, ids, mask, self._chunk(mask), lora)
             ctx.session, ctx.pool_pin = session, None
             self._contexts.keep_again(ctx)
-        self._engine.forget(ctx)
 
     def _forget(self, ctx):
         """A closed Context's registry entry and its copy in the engine's pool dropped (Context._close)."""
@@ -145,7 +159,7 @@ class ContextsMixin:
             raise UnsupportedModelError(one_pass_only(self.spec, "a context"))
         if self.spec.drops_cache:        # an override set since __init__: no call could continue the context
             keeping_cache(self.model)
-        if not self._calls.busy_here and (self._calls.busy_elsewhere or self._engine.busy) and \
+        if not self._calls.busy_here and self._engine.others_running(self._calls) and \
                 self._peft_model is None:         # others run: loaded into the engine's pool
             ctx = self._engine.load(path, lambda n: whole_blocks(
                 n + (default_reserve(self.spec, self.config, n) if reserve is None else reserve)))

@@ -109,7 +109,7 @@ class ContextRegistry:
             if not isinstance(c, Context) or c.generator is not owner or c.closed:
                 raise ValueError(f"context= takes open Contexts from this generator's prefill(), got {c!r}"
                                  + closed_why(c))
-            if (c.session.weights if c.session is not None else c.weights) != now:
+            if getattr(c.session, "weights", c.weights) != now:
                 raise ValueError(STALE)
 
     def valid(self, owner, contexts) -> bool:
