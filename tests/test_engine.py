@@ -60,6 +60,19 @@ def run_counting_ring_blocks(engine, streams, table):
     return peak
 
 
+def continue_loaded(engine, model, path, prompt, cached):
+    """A saved document loaded into the engine's pool, a request continuing it (finding `cached`
+    tokens there, exact vs HF), the document unpinned again. Returns the load's stream."""
+    loaded, _ = engine.load_pin(path)
+    s = engine.add_request(prompt, NEW, output_scores=True)
+    run(engine, [s])
+    assert s.cached_tokens == cached
+    assert_exact(model, s, prompt)
+    engine.unpin(loaded)
+    engine.step()
+    return loaded
+
+
 def assert_idle(engine):
     """Nothing is held: every block free or cached, the pool consistent."""
     kv = engine.kv_manager
@@ -217,7 +230,8 @@ def test_mixed_window_layers_keep_a_ring_in_a_pool_of_their_own(model_type, tmp_
     with make(model, kv_blocks=None, kv_memory=1 << 30, max_num_seqs=4, max_model_len=2048) as eng:
         assert isinstance(eng.kv_manager, HybridKVCacheManager)
         assert eng.kv_manager.pool.num_blocks == 4 * 64      # every row of 4 requests of 2048 tokens
-        assert eng.kv_manager.windowed.pool.num_blocks == 2 * 4 * 3      # their windows' blocks, twice
+        assert eng.kv_manager.windowed.pool.num_blocks == max(2 * 4 * 3, 256 // 8)   # their windows twice, or
+        # an eighth of the full pool (pinned documents' last windows)
     with make(model, kv_blocks=12) as eng:
         ps = prompts([200, 150, 170], seed=12)
         streams = [eng.add_request(p, NEW, output_scores=True) for p in ps]
@@ -248,14 +262,70 @@ def test_mixed_window_layers_keep_a_ring_in_a_pool_of_their_own(model_type, tmp_
         eng.step()
         assert_idle(eng)
     with make(model, kv_blocks=12) as eng:
-        loaded, _ = eng.load_pin(tmp_path / "doc.ctx")
-        assert len(loaded.pinned_blocks) == 3 and len(loaded.pinned_blocks.window) == 1
-        s = eng.add_request(q, NEW, output_scores=True)
+        continue_loaded(eng, model, tmp_path / "doc.ctx", q, 96)
+        assert_idle(eng)
+
+
+def test_the_window_pool_serves_pins_readers_file_loads_and_keeps_what_prefixes_need(tmp_path):
+    """Gemma 3's layer pattern, a 40-key window: a request continuing a pinned document is admitted
+    where its window fits beside the pins (it reads the pin's last window, not a chain from block
+    0); a generator's context file of 200 rows (not whole blocks) loads into the pool and
+    continues exactly (its windowed rows from the pool's window on); and a finished request's
+    windowed blocks go head first, so a document's continuation finds it all after unrelated
+    requests."""
+    from hetero import HeteroGenerator
+
+    model, _ = build_model("gemma3_text", sliding_window=40)
+    with make(model, kv_blocks=48, max_num_seqs=1) as eng:
+        kvm = eng.kv_manager
+        d1, d2 = prompts([100, 100], seed=3)
+        pins = [eng.pin(d) for d in (d1, d2)]
+        run(eng, pins)
+        assert kvm.windowed.pool.num_blocks == 6 and kvm.windowed.pool.num_pinned_blocks == 4
+        q = d1 + prompts([10], seed=4)[0]
+        s = eng.add_request(q, 4, output_scores=True)
         run(eng, [s])
-        assert s.cached_tokens == 96
-        assert_exact(model, s, q)
-        eng.unpin(loaded)
+        assert s.error is None and s.cached_tokens == 96
+        assert_exact(model, s, q, 4)
+        for p in pins:
+            eng.unpin(p)
         eng.step()
+        assert_idle(eng)
+    doc = prompts([200], seed=4)[0]
+    with HeteroGenerator(model, cpu_workers=1) as gen:
+        gen.prefill(torch.tensor([doc]), reserve=16).save(tmp_path / "doc.ctx")
+    with make(model, kv_blocks=30) as eng:
+        for i in range(3):                                # the pool's blocks written before
+            run(eng, [eng.add_request(prompts([150], seed=20 + i)[0], 2)])
+        eng.reset_prefix_cache()
+        continue_loaded(eng, model, tmp_path / "doc.ctx", doc + prompts([20], seed=5)[0], 192)
+    with make(model, kv_blocks=48, max_num_seqs=2) as eng:
+        run(eng, [eng.add_request(doc + [5] * 10, 4)])
+        for i in range(2):
+            run(eng, [eng.add_request(prompts([150], seed=10 + i)[0], 4)])
+        q = doc + [7] * 10
+        s = eng.add_request(q, 4)
+        run(eng, [s])
+        assert eng.kv_manager.num_cached_blocks(q) == 6 and s.cached_tokens == 192
+
+
+def test_a_request_the_pins_leave_no_room_is_refused_not_left_waiting(llama):
+    """Pins computed after a request was added can leave it too little room for good: it fails
+    with a CapacityError naming the pins (before, it waited forever, or preempted itself and came
+    back forever), and the engine goes on."""
+    with make(llama, kv_blocks=12, max_num_seqs=1) as eng:
+        pins = [eng.pin(p) for p in prompts([100] * 3, seed=30)]
+        s = eng.add_request(prompts([100], seed=6)[0], 8)
+        for _ in range(200):
+            if s.finished:
+                break
+            eng.step()
+        assert s.finished and isinstance(s.error, CapacityError) and "pinned by contexts" in str(s.error)
+        for p in pins:
+            eng.unpin(p)
+        ok = eng.add_request(prompts([100], seed=6)[0], 8)
+        run(eng, [ok])
+        assert ok.error is None and len(ok.token_ids) == 8
         assert_idle(eng)
 
 

@@ -262,7 +262,7 @@ def test_pool_invariants_under_random_operations(seed, window):
     rng = random.Random(seed)
     bs = 4
     if window == "hybrid":
-        kv = HybridKVCacheManager(BlockPool(rng.randint(14, 30), bs), BlockPool(rng.randint(6, 10), bs), 6)
+        kv = HybridKVCacheManager(BlockPool(rng.randint(14, 30), bs), BlockPool(rng.randint(10, 16), bs), 6)
         window = 0                              # the full pool's rules below: pins and sharing as without a ring
     else:
         kv = KVCacheManager(BlockPool(rng.randint(6, 10) if window else rng.randint(14, 30), bs), window=window)

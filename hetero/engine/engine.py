@@ -398,6 +398,10 @@ class Engine:
                     f"adapter {r.adapter!r} was unloaded (or reloaded with other weights) while the request ran"))
         start = time.perf_counter()
         plan = self.scheduler.schedule(self.pacer.limit(sum(map(is_decoding, self.scheduler.running))))
+        for r, why in plan.refused:               # the pins took its room since it was added
+            self._samplers.pop(r.request_id, None)
+            self._streams.pop(r.request_id)._push([], error=CapacityError(
+                f"request {r.request_id!r} needs {r.max_rows} KV rows: {why}"))
         if plan.empty:
             return 0
         decode = sum(is_decoding(s.request) for s in plan.scheduled)

@@ -108,11 +108,24 @@ class HybridKVCacheManager:
 
     def shortfall(self, request: Request, chunk: int, pins: bool = True) -> str | None:
         why = self.full.shortfall(request, chunk, pins)
-        if why is None:
-            why = self.windowed.shortfall(_WindowView(request), chunk, pins)
-            if why is not None:
-                why = why.replace("the pool has", "the windowed layers' pool has")
-        return why
+        if why is not None:
+            return why
+        view = _WindowView(request)
+        need = self.windowed.peak_blocks(view, chunk)
+        pinned = self.windowed.pool.num_pinned_blocks if pins else 0
+        room = self.windowed.num_blocks - pinned
+        if pins and pinned and not request.block_table:
+            # the pinned blocks of the window its cached prefix ends with: it reads them while
+            # they are in its window (the window pool keeps a pin's last window only, so the
+            # chain from block 0 that KVCacheManager.room_for follows is not there)
+            blocks, _ = self.get_computed_blocks(request)
+            reads = sum(1 for b in blocks.window if b >= 0 and self.windowed.pool.pins[b])
+            room += max(0, reads - (self.blocks_for(request.max_rows) - need))
+        if need <= room:
+            return None
+        return (f"{need} blocks of {self.block_size} at once (a ring of the {self.window}-token window's blocks); "
+                f"the windowed layers' pool has {self.windowed.num_blocks} blocks"
+                + (f", {pinned} of them pinned by contexts" if pins else ""))
 
     # ---- prefixes
     def hashes(self, request: Request, n: int) -> list[bytes]:

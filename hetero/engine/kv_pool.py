@@ -387,12 +387,17 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Drop the request's references, its last block first (so the tail is evicted first; a
         ring's blocks given back earlier, oldest in the LRU, move after them, the first block last:
-        a prefix is found from its first block, so its head must be evicted last)."""
-        self.pool.release(reversed(request.block_table[request.ring_start:]))
-        for h in reversed(request.block_hashes[:request.ring_start]):
-            b = self.pool.cached.get(h)
-            if b is not None and b in self.pool.evictable:
-                self.pool.evictable.move_to_end(b)
+        a prefix is found from its first block, so its head must be evicted last). A windowed
+        layers' pool of its own (ring_pins) keeps the other order: a prefix is found there by the
+        blocks of its last window, so the head goes first and the tail stays longest."""
+        if self.ring_pins:
+            self.pool.release(request.block_table[request.ring_start:])
+        else:
+            self.pool.release(reversed(request.block_table[request.ring_start:]))
+            for h in reversed(request.block_hashes[:request.ring_start]):
+                b = self.pool.cached.get(h)
+                if b is not None and b in self.pool.evictable:
+                    self.pool.evictable.move_to_end(b)
         bs, rid = self.block_size, request.request_id
         for h in request.block_hashes[:request.num_prompt_tokens // bs]:
             if self.promised.get(h) == rid:

@@ -307,21 +307,24 @@ class PagedKV:
 def pool_sizes(cfg, s, max_model_len: int, window: int, hybrid: bool) -> tuple[int, int]:
     """(blocks of the full layers' pool, of the windowed layers' when kept apart (hybrid), else 0)
     under EngineConfig `cfg` for a model of spec `s`. The window pool holds every running
-    request's ring twice over (room for its prefix cache), at most as many blocks as the full
-    pool; kv_blocks sets the full pool's, else kv_memory (or a share of the RAM) both."""
+    request's ring twice over (room for its prefix cache) and at least an eighth of the full pool's
+    (pinned documents keep their last window there), at most as many blocks as the full pool;
+    kv_blocks sets the full pool's, else kv_memory (or a share of the RAM) both."""
     layer_block = SessionLayout(1, s.q_heads, s.kv_heads, s.head_dim, BK, 1,
                                 STORAGE_CODES[s.dtype], blocks=1, maxblk=1).kv_bytes      # one layer's block
     ringed = sum(1 for x in s.windows if x) if hybrid else 0
     full = s.layers - ringed
     table = -(-max_model_len // BK)
     chunk = cfg.long_prefill_chunk or cfg.max_num_batched_tokens
-    ring_want = 2 * cfg.max_num_seqs * min(table, -(-(window - 1 + chunk) // BK) + 1) if hybrid else 0
+    need = cfg.max_num_seqs * table
+    # the running requests' rings twice over, and at least an eighth of the full pool (room for
+    # the last windows of pinned documents)
+    ring_want = max(2 * cfg.max_num_seqs * min(table, -(-(window - 1 + chunk) // BK) + 1), need // 8) if hybrid else 0
     free = shm.free_bytes()
     if cfg.kv_blocks is not None:
         n = cfg.kv_blocks
-        r = min(n, ring_want)
+        r = min(n, max(ring_want, n // 8))
     else:
-        need = cfg.max_num_seqs * table
         if cfg.kv_memory is not None:
             room = cfg.kv_memory
         else:                 # a default within the RAM and the shared-memory filesystem's room

@@ -106,6 +106,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     preempted: list[str]    # request ids preempted this step (their blocks are already freed)
     num_tokens: int         # sum of num_new_tokens
+    refused: list[tuple[Request, str]] = field(default_factory=list)   # finished (aborted): can never
+                            # run, the pinned blocks having taken its room since it was added; why
 
     @property
     def empty(self) -> bool:
@@ -194,6 +196,7 @@ class Scheduler:
             i += 1
 
         held: set[str] = set()            # waiting for a prefix a running request is computing now
+        refused: list[tuple[Request, str]] = []
         while not preempted and len(self.waiting) > len(held) and min(budget, prompt) > 0 and \
                 len(self.running) < cfg.max_num_seqs:
             key = cfg.policy.sort_key(self.running)
@@ -204,8 +207,18 @@ class Scheduler:
                 held.add(r.request_id)    # computed once, by that request: admitted when it is cached
                 continue
             n = min(r.num_tokens - num_cached, chunk, budget, prompt)
-            if not kv.allocate_slots(r, n, computed):
+            fits = kv.can_allocate(r, n, computed)
+            if not fits or r.num_preemptions:
+                # pins made since it was added may leave it too little room for good: waiting (or,
+                # preempted, coming back) it would hold the queue (or preempt itself) forever
+                why = kv.shortfall(r, self.chunk)
+                if why is not None:
+                    self._finish(r, RequestStatus.FINISHED_ABORTED)
+                    refused.append((r, why))
+                    continue
+            if not fits:
                 break
+            kv.allocate_slots(r, n, computed)
             self.waiting.remove(r)
             self.running.append(r)
             r.status = RequestStatus.RUNNING
@@ -213,7 +226,7 @@ class Scheduler:
             budget -= n
             prompt -= n
 
-        return SchedulerOutput(out, preempted, cfg.max_num_batched_tokens - budget)
+        return SchedulerOutput(out, preempted, cfg.max_num_batched_tokens - budget, refused)
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int], stopped: Collection[str] = ()) -> list[Request]:
         """After the step's forward: advance each scheduled request, append its sampled token (if it

@@ -211,8 +211,11 @@ def fill(session, header, path):
         for i, lay in enumerate(header["layers"]):
             rows = lay["rows"] - lay["start"]
             nbytes = spec.kv_heads * rows * spec.head_dim * itemsize
-            # this session may keep the layer as a smaller ring (another chunk size): its rows only
-            start = max(lay["start"], layer_start(lay["rows"], session.ring_window[i]))
+            # this session may keep the layer as a smaller ring (another chunk size): its rows only;
+            # an engine's pool (PoolRows) says which rows its blocks keep (first_row)
+            keep = session.first_row(i) if hasattr(session, "first_row") else \
+                layer_start(lay["rows"], session.ring_window[i])
+            start = max(lay["start"], keep)
             kv = []
             for _ in range(2):
                 raw = mm[off:off + nbytes]
