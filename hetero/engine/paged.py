@@ -167,11 +167,16 @@ class PagedKV:
                   new: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """A request's rows first..n-1 (first: a multiple of BK) through its block table, then the
         rows of `new` (K, V [Hkv, m, D]) when given, on new's device: ([Hkv, n - first (+ m), D]) x 2,
-        copies. One gather of whole blocks, then one copy that turns them into rows."""
+        copies. One gather of whole blocks (none where the table's blocks are consecutive ids, as
+        BlockPool.take mostly gives them: a view), then one copy that turns them into rows."""
         b0, nb = first // BK, -(-n // BK) - first // BK
         Kl, Vl = self.kv[layer]
         idx = table[b0:b0 + nb]
-        K, V = Kl.index_select(1, idx), Vl.index_select(1, idx)   # [Hkv, nb, Dp, BK], [Hkv, nb, Dp/W, BK, W]
+        lo = int(idx[0]) if nb else 0
+        if nb and lo >= 0 and int(idx[-1]) - lo == nb - 1 and bool((idx[1:] - idx[:-1] == 1).all()):
+            K, V = Kl[:, lo:lo + nb], Vl[:, lo:lo + nb]           # a run of consecutive blocks: a view
+        else:
+            K, V = Kl.index_select(1, idx), Vl.index_select(1, idx)   # [Hkv, nb, Dp, BK], [Hkv, nb, Dp/W, BK, W]
         Hkv, Dp = K.shape[0], K.shape[2]
         P = 2 if self.layout.code == BF16 else 1
         m, extra = n - first, 0 if new is None else new[0].shape[1]
