@@ -112,7 +112,7 @@ class PrefillMixin:
             if ctx.closed:
                 raise ValueError("context= takes an open Context from this generator's prefill()" + closed_why(ctx))
             self._arena(ctx)                                     # from the engine's pool, where it lives there
-            if self._contexts.stale(ctx.session):
+            if self._contexts.stale(ctx):
                 raise ValueError(STALE)
             full = torch.cat([ctx.token_ids, ctx.pending, input_ids[0].to("cpu")]).to(self.model.device)[None]
             session, cached = ctx.session, ctx.length                    # full: [1, S]

@@ -136,8 +136,7 @@ class GeneratorEngine:
         names = [None] * B if lora is None else [None if a is None else a.name for a in lora.adapters]
         if why_not_batched(settings, call, B) is not None:
             return None
-        if contexts is not None and any(c.closed or getattr(getattr(c.session, "layout", None), "ring_layers", 0)
-                                        for c in contexts):
+        if contexts is not None and any(c.closed or _arena_rings(c) for c in contexts):
             return None                           # HF's loop names a closed one; rings keep too few rows
         engine = self._ensure()
         if engine is None or (contexts is not None and any(c.pool_pin is not None and c.pool_pin[0] is not engine
@@ -192,17 +191,23 @@ class GeneratorEngine:
         stream.result()
         n = len(stream.pinned_blocks) * BLOCK_SIZE
         with self._pin_lock:
-            old = self._pins.get(ctx)
             ctx.set_tokens(seq[:n], seq[n:])
-            ctx.pool_pin = (engine, stream)
-            self._pins[ctx] = (engine, stream, n // BLOCK_SIZE)
-            self._pooled.add(ctx)
+            old = self._keep_pin(ctx, engine, stream, pooled=True)
         if old is not None and old[0] is engine:
             engine.unpin(old[1])
         if ctx.closed:
             self.forget(ctx)
-        else:
-            weakref.finalize(ctx, _unpin, weakref.ref(engine), stream)
+
+    def _keep_pin(self, ctx, engine, stream, pooled: bool):
+        """Under _pin_lock: `stream` is ctx's pin in `engine` (released when ctx is dropped without
+        close()); pooled: ctx lives there alone. Returns the entry it replaces (or None)."""
+        old = self._pins.get(ctx)
+        self._pins[ctx] = (engine, stream, len(stream.pinned_blocks))
+        if pooled:
+            ctx.pool_pin = (engine, stream)
+            self._pooled.add(ctx)
+        weakref.finalize(ctx, _unpin, weakref.ref(engine), stream)
+        return old
 
     def _pin(self, engine, ctx) -> None:
         """The context's whole blocks pinned in the engine's pool (copied from its arena, at the
@@ -223,11 +228,9 @@ class GeneratorEngine:
             stream.result()
             if entry is not None and entry[0] is engine:
                 engine.unpin(entry[1])
-            self._pins[ctx] = (engine, stream, len(stream.pinned_blocks))
+            self._keep_pin(ctx, engine, stream, pooled=False)    # _move pooled it, where it could
             if ctx.closed:                        # closed meanwhile: its forget() may have found nothing
                 self.forget(ctx)
-            else:                                 # dropped without close(): the pin goes with it
-                weakref.finalize(ctx, _unpin, weakref.ref(engine), stream)
 
     def prefill(self, tokens: torch.Tensor, adapter, capacity: int):
         """HeteroGenerator.prefill while others run: the prompt computed in the engine's batch (its
@@ -272,11 +275,8 @@ class GeneratorEngine:
             return None
         ctx = Context(self._gen(), None, tokens[:n], adapter)
         ctx.pending, ctx.weights, ctx.pooled_capacity = tokens[n:], self._built_for, capacity
-        ctx.pool_pin = (engine, stream)
         with self._pin_lock:
-            self._pins[ctx] = (engine, stream, n // BLOCK_SIZE)
-            self._pooled.add(ctx)
-        weakref.finalize(ctx, _unpin, weakref.ref(engine), stream)
+            self._keep_pin(ctx, engine, stream, pooled=True)
         return ctx
 
     def _move(self, engine, ctx, stream) -> None:
@@ -333,6 +333,12 @@ class GeneratorEngine:
             self._pins.clear()
         if e is not None:
             e.close()
+
+
+def _arena_rings(ctx) -> int:
+    """The ring layers of ctx's arena (0 in none, or where it has no arena: in the engine's pool)."""
+    session = ctx.session                     # one read: the engine thread may move it meanwhile
+    return 0 if session is None else session.layout.ring_layers
 
 
 def _unpin(engine_ref, stream) -> None:

@@ -54,6 +54,11 @@ class _WindowView:
         setattr(self._r, self._OWN.get(name, name), value)
 
 
+def _both(name: str, doc: str) -> property:
+    """A figure of HybridKVCacheManager: its two managers' summed."""
+    return property(lambda self: getattr(self.full, name) + getattr(self.windowed, name), doc=doc)
+
+
 class HybridKVCacheManager:
     """KVCacheManager's interface over a full layers' pool and a windowed layers' pool."""
 
@@ -72,23 +77,10 @@ class HybridKVCacheManager:
                               lambda self, n: setattr(self.full, "prefix_queries", n))
     prefix_hits = property(lambda self: self.full.prefix_hits, lambda self, n: setattr(self.full, "prefix_hits", n))
 
-    @property
-    def num_blocks(self) -> int:
-        """Blocks of both pools (the full layers' alone: pool.num_blocks)."""
-        return self.full.num_blocks + self.windowed.num_blocks
-
-    @property
-    def num_used_blocks(self) -> int:
-        """Blocks referenced in both pools."""
-        return self.full.num_used_blocks + self.windowed.num_used_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.full.num_free_blocks + self.windowed.num_free_blocks
-
-    @property
-    def num_evictable_blocks(self) -> int:
-        return self.full.num_evictable_blocks + self.windowed.num_evictable_blocks
+    num_blocks = _both("num_blocks", "Blocks of both pools (the full layers' alone: pool.num_blocks).")
+    num_used_blocks = _both("num_used_blocks", "Blocks referenced in both pools.")
+    num_free_blocks = _both("num_free_blocks", "Free blocks of both pools.")
+    num_evictable_blocks = _both("num_evictable_blocks", "Cached, unreferenced blocks of both pools.")
 
     @property
     def usage(self) -> float:
@@ -138,7 +130,7 @@ class HybridKVCacheManager:
         for i, h in enumerate(hashes):                 # run: cached blocks in a row ending at block i
             run = run + 1 if h in cached else 0
             k = i + 1
-            if run >= k - max(k * bs - self.window + 1, 0) // bs:
+            if run >= k - self.windowed.first_in_window(k * bs):
                 best = k
         return best
 
@@ -157,7 +149,7 @@ class HybridKVCacheManager:
         full, _ = self.full.get_computed_blocks(request)
         hs = self.full.hashes(request, len(full))
         k = self._usable(hs)
-        skip = max(k * self.block_size - self.window + 1, 0) // self.block_size
+        skip = self.windowed.first_in_window(k * self.block_size)
         cached = self.windowed.pool.cached
         return PinnedBlocks(full[:k], [-1] * skip + [cached[h] for h in hs[skip:k]]), k * self.block_size
 
@@ -187,8 +179,7 @@ class HybridKVCacheManager:
         """Blocks for n rows written at once from elsewhere: every block in the full pool, and in
         the window pool the last window's only (the earlier rows of the windowed layers are not
         kept: hetero.engine.saved writes from window_start on)."""
-        bs = self.block_size
-        skip = max(n - self.window + 1, 0) // bs
+        skip = self.windowed.first_in_window(n)
         need = self.blocks_for(n) - skip
         if request.block_table or request.window_table:
             raise ValueError(f"{request.request_id!r} already holds blocks")
@@ -206,12 +197,9 @@ class HybridKVCacheManager:
     def drop_out_of_window(self, request: Request) -> None:
         keep = None
         if request.pin_prompt and request.pinned_blocks is None:   # what its pin will keep stays
-            keep = self._window_first(request.num_prompt_tokens // self.block_size)
+            keep = self.windowed.first_in_window(request.num_prompt_tokens // self.block_size * self.block_size)
         self.windowed.drop_out_of_window(_WindowView(request), keep)
 
-    def _window_first(self, num_blocks: int) -> int:
-        """The first block the window of the token after num_blocks whole blocks sees."""
-        return max(num_blocks * self.block_size - self.window + 1, 0) // self.block_size
 
     def free(self, request: Request) -> None:
         self.full.free(request)
@@ -222,7 +210,7 @@ class HybridKVCacheManager:
         """The full layers' num_blocks blocks pinned, and the windowed layers' blocks of the window
         the token after them sees (the request's own, or the cached copies its hashes find)."""
         full = self.full.pin_prefix(request, num_blocks)
-        first = self._window_first(num_blocks)
+        first = self.windowed.first_in_window(num_blocks * self.block_size)
         hs, table, cached = self.full.hashes(request, num_blocks), request.window_table, self.windowed.pool.cached
         window = [cached.get(hs[i], table[i] if i < len(table) else -1) for i in range(first, num_blocks)]
         if -1 in window:

@@ -252,13 +252,18 @@ class KVCacheManager:
         pinning = int(request.pin_prompt)     # (ring_pins) it keeps what its pin will, a block more at most
         return min(n, self.blocks_for(self.window - 1 + chunk) + 1 + pinning)
 
+    def first_in_window(self, rows: int) -> int:
+        """The first block the window of row `rows` (the next token's, after `rows` computed ones)
+        sees: every block before it is out of the window for good."""
+        return max(rows - self.window + 1, 0) // self.block_size
+
     def drop_out_of_window(self, request: Request, keep: int | None = None) -> None:
         """Under a ring: give back the request's blocks that no token from num_computed_tokens on can
         see (every row before the window of that token's row), leaving -1 in their table entries;
         from block `keep` on none (a pin to come keeps them)."""
         if not self.rings(request):
             return
-        first = max(request.num_computed_tokens - self.window + 1, 0) // self.block_size
+        first = self.first_in_window(request.num_computed_tokens)
         first = min(first, request.num_registered_blocks)      # only blocks offered to the cache go
         if keep is not None:
             first = min(first, keep)
@@ -350,7 +355,7 @@ class KVCacheManager:
         need = max(self.blocks_for(rows) - len(request.block_table) - len(computed), 0)
         skip = 0                                # under a ring: cached blocks the window no longer sees
         if computed and self.rings(request):
-            skip = max(len(computed) * bs - self.window + 1, 0) // bs
+            skip = self.first_in_window(len(computed) * bs)
         reviving = sum(1 for b in set(computed[skip:]) if self.pool.refcount[b] == 0)
         return (None if need > self.pool.num_available_blocks - reviving else need), skip
 

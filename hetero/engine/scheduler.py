@@ -207,18 +207,17 @@ class Scheduler:
                 held.add(r.request_id)    # computed once, by that request: admitted when it is cached
                 continue
             n = min(r.num_tokens - num_cached, chunk, budget, prompt)
-            fits = kv.can_allocate(r, n, computed)
-            if not fits or r.num_preemptions:
-                # pins made since it was added may leave it too little room for good: waiting (or,
-                # preempted, coming back) it would hold the queue (or preempt itself) forever
+            # pins made since it was added may leave it too little room for good: waiting (or,
+            # preempted, coming back) it would hold the queue (or preempt itself) forever
+            why = kv.shortfall(r, self.chunk) if r.num_preemptions else None
+            if why is None and not kv.allocate_slots(r, n, computed):
                 why = kv.shortfall(r, self.chunk)
-                if why is not None:
-                    self._finish(r, RequestStatus.FINISHED_ABORTED)
-                    refused.append((r, why))
-                    continue
-            if not fits:
-                break
-            kv.allocate_slots(r, n, computed)
+                if why is None:
+                    break                 # room comes back as running requests finish
+            if why is not None:
+                self._finish(r, RequestStatus.FINISHED_ABORTED)
+                refused.append((r, why))
+                continue
             self.waiting.remove(r)
             self.running.append(r)
             r.status = RequestStatus.RUNNING

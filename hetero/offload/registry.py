@@ -48,11 +48,11 @@ class ContextRegistry:
         ctx.session.weights = ctx.weights
         self._kept[id(ctx.session)] = _Kept(ctx)
 
-    def stale(self, session, now=None):
+    def stale(self, holder, now=None):
         """Whether the model's base weights changed (in place: a training step, load_state_dict;
-        or replaced) since the context's KV was computed: its KV is not what they would give.
-        now: weights_key computed once for several contexts."""
-        return session.weights != (weights_key(self.model) if now is None else now)
+        or replaced) since the KV of `holder` (a Context, or its arena) was computed: its KV is
+        not what they would give. now: weights_key computed once for several contexts."""
+        return holder.weights != (weights_key(self.model) if now is None else now)
 
     def forget(self, session):
         """Drop a session's entry (its Context closed, or never handed out)."""
@@ -109,7 +109,7 @@ class ContextRegistry:
             if not isinstance(c, Context) or c.generator is not owner or c.closed:
                 raise ValueError(f"context= takes open Contexts from this generator's prefill(), got {c!r}"
                                  + closed_why(c))
-            if getattr(c.session, "weights", c.weights) != now:
+            if self.stale(c, now):                   # a Context's weights: in an arena or in the engine's pool
                 raise ValueError(STALE)
 
     def valid(self, owner, contexts) -> bool:
