@@ -2,12 +2,12 @@
 # One command for a lent GPU machine (16 cores, one H100/H200, root, no package index):
 # the GPU tests, then the CPU benchmarks on its cores, logs and JSON under $OUT.
 #
-# Here, once per checkout (.whl is git-ignored):
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl posix_ipc==1.3.2
-# and, for the GPU server test (hetero serve --device cuda on a tiny model; it skips without them), the same with
-#   -c constraints.txt fastapi starlette uvicorn h11 anyio sniffio click pydantic pydantic-core \
-#     annotated-types typing-inspection openai httpx httpcore certifi idna distro jiter prometheus_client
+# Here, once per checkout (.whl is git-ignored): posix_ipc and, for the GPU server test (hetero serve
+# --device cuda on a tiny model; it skips without them), the server's and the openai client's wheels
+# with everything they need, at the versions the suite passed on (pip resolves the closure):
+#   rm -rf .whl && python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 \
+#     --platform manylinux1_x86_64 -c constraints.txt -d .whl posix_ipc fastapi uvicorn openai prometheus_client
 # Then with the device tool: run(command="bash bench/device.sh", carry=[".whl"]).
 # STEPS picks the parts (default all): STEPS="gpu gpu_decode gpu_prefill gpu_engine probe kernel attention ipc contexts" bash bench/device.sh.
 # A device call is limited to 10 minutes: run one step per call (STEPS=gpu, then STEPS=gpu_decode, ...);

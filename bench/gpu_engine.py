@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -61,7 +62,9 @@ def run_engine(model, ps, args):
     blocks = sum(-(-(len(p) + args.new) // BLOCK_SIZE) for p in ps) + 2 * len(ps)
     ecfg = EngineConfig(max_num_seqs=len(ps), max_num_batched_tokens=args.chunk, long_prefill_chunk=args.chunk,
                         kv_memory=blocks * BLOCK_SIZE * row, max_model_len=len(ps[0]) + args.new + 64)
+    t0 = time.monotonic()
     with Engine(model, ecfg) as eng:
+        log(f"engine up in {time.monotonic() - t0:.1f} s (pool {eng.kv.num_blocks} blocks)")
         t = time.monotonic()
         eng.add_request(list(range(10, 10 + 64)), 4, ignore_eos=True).result()     # warm-up: workers, kernels
         warm = time.monotonic() - t
@@ -69,11 +72,30 @@ def run_engine(model, ps, args):
         gd.sync()
         start = time.monotonic()
         streams = [eng.add_request(p, args.new, ignore_eos=True) for p in ps]
-        for s in streams:
-            s.result()
+        done = threading.Event()
+        threading.Thread(target=progress, args=(eng, streams, start, done), daemon=True).start()
+        try:
+            for s in streams:
+                s.result()
+        finally:
+            done.set()
         return metrics(start, [s.token_times for s in streams], args.new) | {
             "warmup_s": warm, "steps": eng.steps, "preemptions": eng.scheduler.num_preemptions,
             "pool_bytes": eng.kv.num_blocks * BLOCK_SIZE * row}
+
+
+def log(msg):
+    """A cell's progress on stderr (the parent appends it to <out>_cells.log as it runs: a cell cut
+    by its timeout still tells where its time went)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def progress(eng, streams, start, done, every=5.0):
+    """Every few seconds: the engine's steps, tokens out, requests begun / finished, blocks used."""
+    while not done.wait(every):
+        toks = [len(s.token_times) for s in streams]
+        log(f"{time.monotonic() - start:6.1f} s: step {eng.steps}, {sum(toks)} tokens, {sum(t > 0 for t in toks)} "
+            f"begun, {sum(s.finished for s in streams)} finished, {eng.kv_manager.num_used_blocks} blocks used")
 
 
 def run_hf_cb(model, ps, args):
@@ -99,6 +121,7 @@ def run_hf_cb(model, ps, args):
             if out.error:
                 raise RuntimeError(f"transformers' manager failed request {out.request_id}: {out.error}")
             results[out.request_id] = out
+            log(f"{time.monotonic() - start:6.1f} s: {len(results)} of {len(ps)} finished")
         times = [[x + offset for x in results[f"r{i}"].timestamps] for i in range(len(ps))]
         return metrics(start, times, args.new) | {"warmup_s": warm}
     finally:
@@ -109,7 +132,9 @@ def one(args):
     import torch
 
     gd.DEVICE = args.device
+    t = time.monotonic()
     model = gd.build(args.shape)
+    log(f"{args.one}: {args.n} x {args.context}, model built in {time.monotonic() - t:.1f} s")
     if args.device == "cpu":
         model = model.float()
     ps = prompts(args.n, args.context, model.config.vocab_size)
@@ -148,13 +173,14 @@ def main():
             ap.error(f"--loads takes NxL (e.g. 8x32768), got {load!r}")
         loads.append((int(n), int(L)))
     rows, summary = [], {}
+    cells_log = os.path.join(args.copy_to, f"{args.out}_cells.log") if args.copy_to else None
     for n, L in loads:
         row = {"requests": n, "context": L}
         for s in args.systems:
             cmd = [sys.executable, os.path.abspath(__file__), "--one", s, "--n", str(n), "--context", str(L),
                    "--shape", args.shape, "--new", str(args.new), "--chunk", str(args.chunk),
                    "--device", args.device, "--timeout", str(args.timeout)]
-            r = run_child(cmd, args.timeout)
+            r = run_child(cmd, args.timeout, log=cells_log)
             row[s] = r
             print(f"{n:3d} x {L:6d} {s:7s} " + (
                 f"{r['throughput_tok_s']:8.1f} tok/s  TTFT p50 {r['ttft_p50_s']:.2f} p99 {r['ttft_p99_s']:.2f} s  "
@@ -165,7 +191,7 @@ def main():
         if "throughput_tok_s" in e and "throughput_tok_s" in h:
             x = e["throughput_tok_s"] / h["throughput_tok_s"]
             summary[f"{n}x{L // 1024}K engine / hf_cb throughput"] = (round(x, 2), x >= TARGET)
-        elif "throughput_tok_s" in e:
+        elif "throughput_tok_s" in e and "hf_cb" in row:
             summary[f"{n}x{L // 1024}K served by the engine, not by hf_cb"] = (True, True)
         rows.append(row)
         write_json(f"{args.out}.json", {"machine": machine(), "shape": args.shape, "new": args.new,

@@ -311,8 +311,10 @@ def test_cuda_auto_chunk_on_little_free_memory_matches_hf(monkeypatch):
         assert torch.equal(out.sequences, ref.sequences), mode
 
 
-@pytest.mark.parametrize("model_type,dtype", [("llama", torch.float32), ("qwen2", torch.float32)])
+@pytest.mark.parametrize("model_type,dtype", [("llama", torch.float32), ("qwen2", torch.float32),
+                                              ("gemma2", torch.float32), ("gemma3_text", torch.float32)])
 def test_cuda_engine_matches_hf(model_type, dtype):
+    """(Gemma 2 and 3 mix windowed and full layers: the windowed layers' pool of their own.)"""
     engine_matches_hf(model_type, dtype, "cuda")
 
 
