@@ -416,12 +416,13 @@ def test_rows_written_by_whole_blocks_equal_the_row_scatter(dtype, head_dim):
     """PagedKV.write_rows copies whole blocks in the pool's layout (and the partial blocks at either
     end row by row): the same rows as writing each row, for any start and length; read_rows from a
     later block (a ring's first) with new rows after gives the same rows (also with padded heads),
-    through consecutive block ids (a view of the pool) and scattered ones (a gather)."""
+    through consecutive block ids (a view of the pool; written a run at a time) and scattered ones
+    (a gather; written by one scatter when the blocks form more than 4 runs)."""
     model = build_model("llama", dtype=dtype, hidden_size=4 * head_dim, head_dim=head_dim)[0]
     with make(model) as eng:
         kv, g = eng.kv, torch.Generator().manual_seed(0)
         Hkv, D = eng.spec.kv_heads, eng.spec.head_dim
-        for start, n in [(0, 64), (5, 100), (32, 31), (40, 7), (0, 1), (63, 34), (31, 2)]:
+        for start, n in [(0, 64), (5, 100), (32, 31), (40, 7), (0, 1), (63, 34), (31, 2), (0, 256), (16, 230)]:
             k, v = (torch.randn(Hkv, n, D, generator=g).to(dtype) for _ in range(2))
             fast, each = torch.arange(0, 8), torch.arange(8, 16)
             scattered = torch.tensor([20, 17, 23, 16, 21, 19, 22, 18])    # read by a gather, not a view
