@@ -24,7 +24,8 @@
 # "auto" runs 128K in one pass, no tiles). The 768K prompt (a 96 GiB arena): add "--ram-fraction 0.95 --timeout 540";
 # every cell's log goes to $OUT/<out>_cells.log as it runs.
 # gpu_engine (the engine vs transformers' continuous batching, bench/gpu_engine.py): one load per call, each
-# cell a fresh 8B model, e.g. GPU_ENGINE_ARGS="--loads 8x32768 --timeout 200" (8x8K took ~90 s for both systems).
+# cell a fresh 8B model, e.g. GPU_ENGINE_ARGS="--loads 8x32768 --timeout 200" (8x32K: engine 60 s, transformers 90 s
+# plus ~20 s start each; 16x32K engine 125 s); "--systems engine --phases" times the parts of its steps.
 # At most 8 files come back from $OUT: one log per step and one JSON per benchmark.
 set -uo pipefail
 OUT=${OUT:-/tmp/hetero_device}

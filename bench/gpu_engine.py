@@ -69,6 +69,7 @@ def run_engine(model, ps, args):
         eng.add_request(list(range(10, 10 + 64)), 4, ignore_eos=True).result()     # warm-up: workers, kernels
         warm = time.monotonic() - t
         eng.reset_prefix_cache()
+        phases = timed_phases(eng) if args.phases else None       # the timed load's steps only
         gd.sync()
         start = time.monotonic()
         streams = [eng.add_request(p, args.new, ignore_eos=True) for p in ps]
@@ -81,7 +82,35 @@ def run_engine(model, ps, args):
             done.set()
         return metrics(start, [s.token_times for s in streams], args.new) | {
             "warmup_s": warm, "steps": eng.steps, "preemptions": eng.scheduler.num_preemptions,
-            "pool_bytes": eng.kv.num_blocks * BLOCK_SIZE * row}
+            "pool_bytes": eng.kv.num_blocks * BLOCK_SIZE * row} | ({"phases": phases} if phases else {})
+
+
+PHASES = (("runner", "execute"), ("kv", "post_decode"), ("kv", "finish_decode"), ("kv", "write_rows"),
+          ("kv", "read_rows"))
+
+
+def timed_phases(eng):
+    """--phases: each step's forward (runner.execute) and, inside it, the pool's calls timed on the
+    host, with the device synchronized before and after each (GPU work is then charged to the
+    call that ran it, and nothing overlaps: slower, for attribution only). Returns a dict the
+    wrappers fill: name -> [calls, seconds]; the forward's time outside those calls (dense layers,
+    prefill attention) is "execute" minus their sum."""
+    out = {}
+    for owner, name in PHASES:
+        obj = getattr(eng, owner)
+        fn, acc = getattr(obj, name), out.setdefault(name, [0, 0.0])
+
+        def timed(*a, _fn=fn, _acc=acc, **k):
+            gd.sync()
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                gd.sync()
+                _acc[0] += 1
+                _acc[1] += time.perf_counter() - t
+        setattr(obj, name, timed)
+    return out
 
 
 def log(msg):
@@ -158,6 +187,8 @@ def main():
     ap.add_argument("--chunk", type=positive, default=8192, help="the engine's tokens per step (and per prefill chunk)")
     ap.add_argument("--timeout", type=positive, default=240, help="seconds a cell may take")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run")
+    ap.add_argument("--phases", action="store_true",
+                    help="engine cells: where a step's time goes (device synchronized around each part: slower)")
     ap.add_argument("--out", default="gpu_engine")
     ap.add_argument("--copy-to", default=None, help="also copy the JSON here after every cell (a device's $OUT)")
     ap.add_argument("--one", choices=SYSTEMS, help=argparse.SUPPRESS)
@@ -179,8 +210,10 @@ def main():
         for s in args.systems:
             cmd = [sys.executable, os.path.abspath(__file__), "--one", s, "--n", str(n), "--context", str(L),
                    "--shape", args.shape, "--new", str(args.new), "--chunk", str(args.chunk),
-                   "--device", args.device, "--timeout", str(args.timeout)]
+                   "--device", args.device, "--timeout", str(args.timeout)] + (["--phases"] if args.phases else [])
             r = run_child(cmd, args.timeout, log=cells_log)
+            if r.get("phases"):
+                print("  phases (calls, s): " + ", ".join(f"{k} {c} {t:.2f}" for k, (c, t) in r["phases"].items()))
             row[s] = r
             print(f"{n:3d} x {L:6d} {s:7s} " + (
                 f"{r['throughput_tok_s']:8.1f} tok/s  TTFT p50 {r['ttft_p50_s']:.2f} p99 {r['ttft_p99_s']:.2f} s  "
