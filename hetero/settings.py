@@ -118,6 +118,9 @@ def generation_settings(model, max_new_tokens, kwargs, started=None):
     settings = copy.deepcopy(model.generation_config)
     if isinstance(settings.watermarking_config, dict):        # as transformers' own GenerationConfig(...)
         settings.watermarking_config = WatermarkingConfig.from_dict(settings.watermarking_config)
+    for k, v in global_defaults().items():      # then the call's arguments, an explicit None included
+        if getattr(settings, k, None) is None:
+            setattr(settings, k, v)
     settings.update(**{k: v for k, v in call.items() if k not in PASS_THROUGH})
     if not settings.return_dict_in_generate:      # transformers returns the sequences alone: inert
         for k in ("output_attentions", "output_hidden_states"):
@@ -139,6 +142,14 @@ def generation_settings(model, max_new_tokens, kwargs, started=None):
         stop.append(MaxTimeCriteria(settings.max_time, initial_timestamp=started))
         call.update(max_time=None, stopping_criteria=stop)
     return settings, call
+
+
+def global_defaults() -> dict:
+    """What generate fills into the fields that both the model's generation_config and the call
+    leave None (transformers >= 5 keeps them None until then: top_k=50 among them), lengths
+    aside (resolve_lengths counts them)."""
+    fill = getattr(GenerationConfig, "_get_default_generation_params", None)
+    return {} if fill is None else {k: v for k, v in fill().items() if k not in ("max_length", "min_length")}
 
 
 def inferred_mask(model, input_ids, kwargs, context=None, owner=None):

@@ -14,7 +14,7 @@ import threading
 import torch
 
 from hetero.cpu_attention.planner import ProfiledPlanner, StaticPlanner
-from hetero.errors import WorkerError
+from hetero.errors import GeneratorClosedError, WorkerError
 from hetero.ipc.pool import WorkerPool
 from hetero.offload.registry import close_kept
 
@@ -31,6 +31,8 @@ class WorkersMixin:
         return self._pool.n if self._pool else self.config.resolve_workers()[0]
 
     def _ensure_pool(self):
+        if getattr(self, "_closed", False):     # a call that waited for its turn while close() ran
+            raise GeneratorClosedError("the HeteroGenerator was closed (while this call waited for its turn)")
         if self._pool is None or not self._pool.alive:
             if self._pool is not None:
                 self._pool.close()

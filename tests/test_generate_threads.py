@@ -576,3 +576,144 @@ def test_many_threads_and_close_leave_nothing(llama):
     assert set(our_segments(os.getpid())) == before
     with pytest.raises(Exception, match="closed"):
         gen.generate(prompts[0], max_new_tokens=2)
+
+
+def test_engine_sampling_fills_in_hf_s_default_top_k(llama, engine_always):
+    """Sampling with no top_k through the engine: transformers fills in its default (top_k=50 where
+    the generation_config leaves it None) before building its warpers, and so does the engine."""
+    x = rows(3, 9)[0]
+    with HeteroGenerator(llama, cpu_workers=1) as gen:
+        for seed in range(4):
+            torch.manual_seed(seed)
+            ref = hf(llama, x, max_new_tokens=8, do_sample=True)
+            torch.manual_seed(seed)
+            assert torch.equal(gen.generate(x, max_new_tokens=8, pad_token_id=0, do_sample=True), ref), seed
+
+
+@pytest.mark.parametrize("setting", [dict(min_length=13), dict(no_repeat_ngram_size=1),
+                                     dict(encoder_no_repeat_ngram_size=1), dict(encoder_repetition_penalty=0.2)])
+def test_settings_that_see_a_batch_s_pads_match_hf_over_a_padded_batch(llama, engine_always, setting):
+    """A left-padded batch whose settings see its pads or its padded width in HF's loop (min_length
+    counts the padded width; n-gram bans and the encoder penalty read the pad ids) runs HF's loop,
+    not the engine (whose requests hold their real tokens): HF's sequences. The pad id is a token
+    the short row generates, the eos its 2nd token."""
+    ids, mask = padded_batch((12, 8, 5), seed=1)
+    base = llama.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0)
+    pad, eos = int(base[2, 12]), int(base[2, 13])
+    ids = ids.masked_fill(mask == 0, pad)
+    kw = dict(max_new_tokens=6, pad_token_id=pad, eos_token_id=eos, **setting)
+    ref = llama.generate(ids, attention_mask=mask, **kw)
+    with HeteroGenerator(llama, cpu_workers=1) as gen:
+        assert torch.equal(gen.generate(ids, attention_mask=mask, **kw), ref)
+
+
+def test_int32_ids_through_the_engine_come_back_int64_as_from_hf(llama, engine_always):
+    x = rows(4, 7)[0].int()
+    ref = llama.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=5, pad_token_id=0)
+    with HeteroGenerator(llama, cpu_workers=1) as gen:
+        out = gen.generate(x, max_new_tokens=5, pad_token_id=0)
+    assert out.dtype == ref.dtype == torch.int64 and torch.equal(out, ref)
+
+
+def test_a_raising_processor_fails_its_own_call_alone(llama, engine_always):
+    """Two calls in the engine's batch: B's logits processor raises at its 3rd token. B gets its own
+    ValueError (as from HF's loop); A, running beside it, gets HF's tokens; the engine serves on."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Boom(LogitsProcessor):
+        def __init__(self):
+            self.n = 0
+
+        def __call__(self, ids, scores):
+            self.n += 1
+            if self.n == 3:
+                raise ValueError("B's processor")
+            return scores
+
+    a, b = rows(5, 9, 7)
+    ref = hf(llama, a, max_new_tokens=120)
+    out = {}
+    with HeteroGenerator(llama, cpu_workers=1) as gen:
+        first = threading.Event()
+
+        class Signal:
+            def put(self, value):
+                first.set()
+
+            def end(self):
+                pass
+
+        th = threading.Thread(target=lambda: out.setdefault("A", gen.generate(
+            a, max_new_tokens=120, pad_token_id=0, streamer=Signal())))
+        th.start()
+        assert first.wait(30)
+        with pytest.raises(ValueError, match="B's processor"):
+            gen.generate(b, max_new_tokens=20, pad_token_id=0, logits_processor=LogitsProcessorList([Boom()]))
+        assert gen._engine.engine.has_unfinished        # A was running beside it
+        th.join(60)
+        assert torch.equal(out["A"], ref)
+        assert torch.equal(gen.generate(b, max_new_tokens=4, pad_token_id=0), hf(llama, b, max_new_tokens=4))
+        assert gen._engine.engine.kv_manager.num_used_blocks == 0
+
+
+def test_a_raising_streamer_stops_its_request_in_the_engine(llama, engine_always):
+    """A streamer that raises ends its call with that error, as in HF's loop, and its request stops
+    at once instead of running to max_new_tokens for nobody."""
+    class Raising:
+        def __init__(self):
+            self.n = 0
+
+        def put(self, value):
+            self.n += 1
+            if self.n == 3:
+                raise KeyError("streamer")
+
+        def end(self):
+            pass
+
+    with HeteroGenerator(llama, cpu_workers=1) as gen:
+        with pytest.raises(KeyError, match="streamer"):
+            gen.generate(rows(6, 8)[0], max_new_tokens=200, pad_token_id=0, streamer=Raising())
+        eng = gen._engine.engine
+        deadline = time.monotonic() + 5
+        while eng.has_unfinished and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not eng.has_unfinished and eng.kv_manager.num_used_blocks == 0
+        assert eng.steps <= 10           # stopped at once (it would end by an eos after ~44 tokens)
+
+
+def test_a_call_waiting_while_the_generator_closes_starts_no_pool(llama):
+    """A call waiting for the lock (settings the engine does not batch) while another thread
+    closes the generator: either it ran before the close, or it raises GeneratorClosedError; no
+    worker pool or segment outlives the close."""
+    from hetero.errors import GeneratorClosedError
+
+    x, y = rows(5, 9, 7)
+    before = set(our_segments(os.getpid()))
+    gen = HeteroGenerator(llama, cpu_workers=1)
+    gate, out = Gate(), {}
+
+    def run(key, f):
+        try:
+            out[key] = f()
+        except BaseException as e:
+            out[key] = e
+
+    holder = threading.Thread(target=run, args=("h", lambda: gen.generate(x, max_new_tokens=6, pad_token_id=0,
+                                                                          streamer=gate)))
+    holder.start()
+    assert gate.started.wait(60)
+    closer = threading.Thread(target=gen.close)
+    closer.start()
+    time.sleep(0.3)
+    waiter = threading.Thread(target=run, args=("w", lambda: gen.generate(y, max_new_tokens=5, pad_token_id=0,
+                                                                          return_dict_in_generate=True)))
+    waiter.start()
+    time.sleep(0.3)
+    gate.release.set()
+    for th in (closer, holder, waiter):
+        th.join(60)
+    assert isinstance(out["w"], GeneratorClosedError) or torch.equal(out["w"].sequences,
+                                                                     hf(llama, y, max_new_tokens=5))
+    gen.close()
+    assert gen._pool is None and set(our_segments(os.getpid())) <= before

@@ -38,14 +38,29 @@ from hetero.settings import pad_id
 PER_ROW_OBJECTS = ("logits_processor", "stopping_criteria", "streamer")   # called per request, not per batch
 
 
-def why_not_batched(settings, call, batch: int) -> str | None:
-    """Why these resolved settings run through HF's loop instead of the engine (None: they batch)."""
+# processors that see a left-padded batch's pad ids or its padded width in HF's loop (a request
+# of the engine holds its row's real tokens alone)
+PAD_SENSITIVE = {
+    "min_length": lambda v: bool(v),                                 # counted over the padded width
+    "no_repeat_ngram_size": lambda v: bool(v),                       # n-grams over the pads too
+    "encoder_no_repeat_ngram_size": lambda v: bool(v),
+    "encoder_repetition_penalty": lambda v: v is not None and v != 1.0,
+}
+
+
+def why_not_batched(settings, call, batch: int, padded: bool = False) -> str | None:
+    """Why these resolved settings run through HF's loop instead of the engine (None: they batch).
+    padded: the batch has left padding."""
     if settings.return_dict_in_generate:
         return "return_dict_in_generate"
     if settings.do_sample and batch > 1:
         return "sampling a batch (HF draws the rows together from one generator)"
     if batch > 1 and any(call.get(k) for k in PER_ROW_OBJECTS):
         return "logits processors, stopping criteria or a streamer over a batch"
+    if padded:
+        seen = [k for k, on in PAD_SENSITIVE.items() if on(getattr(settings, k, None))]
+        if seen:
+            return f"{', '.join(seen)} over a left-padded batch (HF's processors see the pads)"
     return None
 
 
@@ -134,7 +149,7 @@ class GeneratorEngine:
     def _generate(self, input_ids, attention_mask, max_new_tokens, settings, call, lora, contexts, extend=False):
         B = input_ids.shape[0]
         names = [None] * B if lora is None else [None if a is None else a.name for a in lora.adapters]
-        if why_not_batched(settings, call, B) is not None:
+        if why_not_batched(settings, call, B, padded=not bool(attention_mask.all())) is not None:
             return None
         if contexts is not None and any(c.closed or _arena_rings(c) for c in contexts):
             return None                           # HF's loop names a closed one; rings keep too few rows
@@ -168,16 +183,20 @@ class GeneratorEngine:
                 s.abort()
             return None
         if streamer is not None:                  # one row (why_not_batched): as HF's loop feeds it
-            streamer.put(input_ids.cpu())
-            for t in streams[0]:
-                streamer.put(torch.tensor([t]))
-            streamer.end()
+            try:
+                streamer.put(input_ids.cpu())
+                for t in streams[0]:
+                    streamer.put(torch.tensor([t]))
+                streamer.end()
+            except BaseException:                 # raised to the caller, as HF's loop does; the request stops
+                streams[0].abort()
+                raise
         outs = [s.result() for s in streams]
         pad = streams[0].pad_token_id
         width = max(len(o) for o in outs)
         if any(len(o) < width for o in outs) and pad is None:
             raise ValueError("a finished sequence must be padded but neither pad_token_id nor eos_token_id is set")
-        tail = torch.tensor([o + [pad] * (width - len(o)) for o in outs], dtype=input_ids.dtype)
+        tail = torch.tensor([o + [pad] * (width - len(o)) for o in outs], dtype=torch.long)   # int32 ids: int64 out, as HF
         out = torch.cat([input_ids, tail.to(input_ids.device)], 1)
         if extend:
             self._extended(engine, contexts[0], out[0].to("cpu"))

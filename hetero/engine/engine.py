@@ -408,10 +408,18 @@ class Engine:
         try:
             logits = self.runner.execute(plan)
             rows = [s.request for s in plan.scheduled if s.samples]
-            tokens, stopped = sampling.sample([self._samplers[r.request_id] for r in rows], logits)
+            tokens, stopped, errors = sampling.sample([self._samplers[r.request_id] for r in rows], logits)
         except BaseException as e:
             self._fail_all(e)
             raise
+        for r, err in zip(rows, errors):          # a request's own processor or criterion raised: it alone fails
+            if err is not None:
+                self.scheduler.abort(r.request_id)
+                self._samplers.pop(r.request_id, None)
+                self._streams.pop(r.request_id)._push([], error=err, own=True)
+        if any(errors):
+            keep = [i for i, err in enumerate(errors) if err is None]
+            rows, tokens, stopped = [rows[i] for i in keep], [tokens[i] for i in keep], [stopped[i] for i in keep]
         sampled = {r.request_id: t for r, t in zip(rows, tokens)}
         finished = self.scheduler.update(plan, sampled, {r.request_id for r, st in zip(rows, stopped) if st})
         done = {r.request_id for r in finished}

@@ -81,12 +81,15 @@ def build(model, prompt: list[int], settings: GenerationConfig, max_new_tokens: 
                           keep_scores=bool(gc.output_scores))
 
 
-def sample(samplers: list[RequestSampler], logits: torch.Tensor) -> tuple[list[int], list[bool]]:
-    """The next token of each request (logits [m, V] float32, row i for samplers[i]) and whether a
-    stopping criterion other than eos / max_new_tokens ends it."""
+def sample(samplers: list[RequestSampler], logits: torch.Tensor) \
+        -> tuple[list[int | None], list[bool], list[Exception | None]]:
+    """The next token of each request (logits [m, V] float32, row i for samplers[i]), whether a
+    stopping criterion other than eos / max_new_tokens ends it, and the exception its own logits
+    processors or stopping criteria raised (its token None then: that request alone fails)."""
     m = len(samplers)
     tokens: list[int | None] = [None] * m
     stopped = [False] * m
+    errors: list[Exception | None] = [None] * m
     plain = [i for i, s in enumerate(samplers) if s.plain]
     if plain:
         best = logits[plain].argmax(-1).tolist()
@@ -95,20 +98,30 @@ def sample(samplers: list[RequestSampler], logits: torch.Tensor) -> tuple[list[i
     for i, s in enumerate(samplers):
         if tokens[i] is not None:
             continue
-        ids = s.ids[:, :s.n]
-        scores = s.processors(ids, logits[i:i + 1].clone()) if s.processors else logits[i:i + 1]
-        if s.do_sample:
-            probs = torch.softmax(scores, dim=-1)
-            tokens[i] = int(torch.multinomial(probs, num_samples=1, generator=s.generator)[0, 0])
-        else:
-            tokens[i] = int(scores[0].argmax())
-        if s.keep_scores:
-            s.scores.append(scores[0].clone())
-        if s.criteria:
-            s.ids[0, s.n] = tokens[i]
-            stopped[i] = bool(s.criteria(s.ids[:, :s.n + 1], scores)[0])
+        try:
+            tokens[i], stopped[i] = _one(s, logits[i:i + 1])
+        except Exception as e:               # the caller's processor or criterion: its request fails
+            errors[i] = e
     for i, s in enumerate(samplers):
-        if s.n < s.ids.shape[1]:
+        if tokens[i] is not None and s.n < s.ids.shape[1]:
             s.ids[0, s.n] = tokens[i]
             s.n += 1
-    return tokens, stopped
+    return tokens, stopped, errors
+
+
+def _one(s: RequestSampler, logits: torch.Tensor) -> tuple[int, bool]:
+    """One request's token through its processors (logits [1, V]) and whether its criteria stop it."""
+    ids = s.ids[:, :s.n]
+    scores = s.processors(ids, logits.clone()) if s.processors else logits
+    if s.do_sample:
+        probs = torch.softmax(scores, dim=-1)
+        token = int(torch.multinomial(probs, num_samples=1, generator=s.generator)[0, 0])
+    else:
+        token = int(scores[0].argmax())
+    stop = False
+    if s.criteria:
+        s.ids[0, s.n] = token
+        stop = bool(s.criteria(s.ids[:, :s.n + 1], scores)[0])
+    if s.keep_scores:
+        s.scores.append(scores[0].clone())
+    return token, stop

@@ -31,6 +31,7 @@ class RequestStream:
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.error: BaseException | None = None
+        self._own_error = False                     # error is the request's own processor's (raised as it is)
         self.scores: list[torch.Tensor] | None = None     # processed scores per token (output_scores=True)
         self.pad_token_id: int | None = None              # what generate pads a finished sequence with
         self.pinned_blocks: list[int] | None = None       # a pin()'s blocks, once computed (unpin releases)
@@ -49,14 +50,16 @@ class RequestStream:
     def finished(self) -> bool:
         return self.finish_reason is not None or self.error is not None
 
-    def _push(self, tokens: list[int], finish_reason: str | None = None, error: BaseException | None = None):
-        """The engine thread: new tokens, and the end."""
+    def _push(self, tokens: list[int], finish_reason: str | None = None, error: BaseException | None = None,
+              own: bool = False):
+        """The engine thread: new tokens, and the end. own: the error is the request's own logits
+        processor's or stopping criterion's, raised to its caller as it is (as generate does)."""
         with self._cond:
             now = time.monotonic()
             self.token_times += [now] * len(tokens)
             self.token_ids += tokens
             if error is not None:
-                self.error = error
+                self.error, self._own_error = error, own
             elif finish_reason is not None:
                 self.finish_reason = finish_reason
             if self.finished:
@@ -71,6 +74,8 @@ class RequestStream:
 
     def _raise(self):
         if self.error is not None:
+            if self._own_error:
+                raise self.error
             raise EngineError(f"request {self.request_id!r} failed: {self.error}") from self.error
 
     def _since(self, i: int, wait: bool = False) -> tuple[list[int], bool]:
