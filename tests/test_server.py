@@ -168,6 +168,21 @@ def test_a_disconnect_frees_the_request_s_blocks(server):
     assert server.metrics()['hetero_requests_total{finish_reason="abort"}'] >= 1
 
 
+def test_a_non_streamed_request_whose_client_goes_away_is_aborted(server):
+    """The client of a non-streamed request gives up: its request is aborted within a step or two
+    (its blocks freed, counted as aborted), not run to max_tokens for nobody."""
+    aborted = server.metrics().get('hetero_requests_total{finish_reason="abort"}', 0)
+    body = {"model": NAME, "messages": MSG, "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=1.0)
+    deadline = time.monotonic() + 5
+    while server.metrics()["hetero_kv_blocks_used"] > 0 or server.metrics()["hetero_requests_running"] > 0:
+        assert time.monotonic() < deadline, "the request of a client gone away still runs"
+        time.sleep(0.05)
+    assert server.metrics()['hetero_requests_total{finish_reason="abort"}'] == aborted + 1
+
+
 def test_bad_requests_get_their_status_and_openai_errors(server):
     h = {"Authorization": f"Bearer {KEY}", "X-Request-Id": "abc-1"}
     cases = [
@@ -360,5 +375,88 @@ def test_a_model_directory_is_served_as_hf_generates(tmp_path):
         assert [m.id for m in c.models.list()] == ["tiny"]
         r = c.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0)
         assert r.choices[0].text == tok.decode(out[0, len(ids):]) and r.usage.completion_tokens == 8
+    finally:
+        assert s.stop() == 0
+
+
+def test_contexts_that_cannot_be_made_or_saved_leave_nothing(tmp_path):
+    """A tiny model, an 8-block pool and --saved-contexts: a request that fits the pool but not
+    beside a pinned context gets 400 (streamed: a 400 error event); a context that does not fit gets
+    400 in OpenAI's JSON; two creates of one name at once give one 200 and one 409; a context too
+    short to save, or named as no file can be, gets 400 and is neither listed nor pinned; unknown
+    routes and methods, and a seed out of range, get OpenAI's error JSON."""
+    path, _, _ = tiny_model_dir(tmp_path / "tiny")
+    s = Server("--model", path, "--context-memory", "128K", "--saved-contexts", str(tmp_path / "saved"), key=None)
+    h = {"X-Request-Id": "rid-7"}
+
+    def used():
+        m = s.metrics()
+        return m["hetero_kv_blocks_used"], m["hetero_contexts"]
+
+    def error(r, status, pattern):
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert re.search(pattern, err["message"]) and set(err) == {"message", "type", "param", "code"}, err
+        assert r.headers["X-Request-Id"] == "rid-7"
+        return err
+
+    try:
+        doc = [(i % 150) + 3 for i in range(200)]                      # 6 whole blocks
+        r = httpx.post(s.url + "/v1/contexts", json={"name": "doc", "prompt": doc}, timeout=60)
+        assert r.status_code == 200 and used() == (6, 1)
+        body = {"model": "tiny", "prompt": [7] * 100, "max_tokens": 4}
+        error(httpx.post(s.url + "/v1/completions", json=body, headers=h, timeout=60), 400, "does not fit")
+        with httpx.stream("POST", s.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+        assert events[-1]["error"]["type"] == "invalid_request_error" and "does not fit" in events[-1]["error"]["message"]
+        error(httpx.post(s.url + "/v1/contexts", json={"name": "doc2", "prompt": [8] * 100}, headers=h, timeout=60),
+              400, "does not fit")
+        assert used() == (6, 1)
+        assert httpx.delete(s.url + "/v1/contexts/doc").status_code == 200 and used() == (0, 0)
+
+        async def race():
+            async with httpx.AsyncClient(timeout=60) as c:
+                return await asyncio.gather(*[c.post(s.url + "/v1/contexts", json={"name": "same", "prompt": d})
+                                              for d in (doc[:160], doc[40:])])
+        assert sorted(r.status_code for r in asyncio.run(race())) == [200, 409]
+        assert used() == (5, 1)
+        assert httpx.delete(s.url + "/v1/contexts/same").status_code == 200 and used() == (0, 0)
+
+        error(httpx.post(s.url + "/v1/contexts", json={"name": "short", "prompt": [5] * 10}, headers=h, timeout=60),
+              400, "could not be saved")
+        for name in ("a\x00b", "\u00e9" * 128):
+            error(httpx.post(s.url + "/v1/contexts", json={"name": name, "prompt": doc}, headers=h, timeout=60),
+                  400, "name must be")
+        assert used() == (0, 0) and httpx.get(s.url + "/v1/contexts").json()["data"] == []
+        assert os.listdir(tmp_path / "saved") == []
+
+        error(httpx.get(s.url + "/v1/nothing", headers=h), 404, "Not Found")
+        error(httpx.get(s.url + "/v1/completions", headers=h), 405, "Method Not Allowed")
+        error(httpx.post(s.url + "/v1/completions", json={**body, "seed": 2 ** 70}, headers=h, timeout=30), 400, "seed")
+    finally:
+        assert s.stop() == 0
+
+
+def test_health_finds_a_dead_worker_and_the_next_request_is_served(tmp_path):
+    """A worker killed while the server is idle: /health replaces the engine (it answers 200 only
+    when it can generate) and the next request is served, not failed."""
+    path, model, tok = tiny_model_dir(tmp_path / "tiny")
+    s = Server("--model", path, key=None)
+    try:
+        worker = int(subprocess.run(["pgrep", "-P", str(s.proc.pid), "-f", "hetero.worker"], capture_output=True,
+                                    text=True).stdout.split()[0])
+        os.kill(worker, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{worker}") and open(f"/proc/{worker}/stat").read().split()[2] != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.2)
+        assert httpx.get(s.url + "/health", timeout=60).status_code == 200
+        assert s.metrics()["hetero_engine_restarts"] == 1
+        ids = [5, 9, 13, 2, 40, 7]
+        r = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 6,
+                                                         "temperature": 0}, timeout=60)
+        out = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == tok.decode(out[0, len(ids):])
     finally:
         assert s.stop() == 0

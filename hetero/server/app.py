@@ -20,8 +20,9 @@ import json
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hetero.errors import EngineError
+from hetero.errors import CapacityError, EngineError
 from hetero.server import metrics as prom
 from hetero.server.protocol import (CHAT_FIELDS, COMPLETION_FIELDS, APIError, bad, check_fields, messages_of,
                                     new_id, now, prompt_of, sampling, usage)
@@ -40,26 +41,17 @@ def build_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="hetero", lifespan=lifespan)
     app.state.hetero = state
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        rid = request.headers.get("x-request-id") or new_id("req")
-        request.state.request_id = rid
-        if state.api_key and request.url.path.startswith("/v1/"):
-            auth = request.headers.get("authorization", "")
-            if auth != f"Bearer {state.api_key}":
-                return _error(APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
-                                       type="authentication_error", code="invalid_api_key"), rid)
-        try:
-            response = await call_next(request)
-        except APIError as e:
-            return _error(e, rid)
-        response.headers["X-Request-Id"] = rid
-        return response
+    app.add_middleware(Guard, api_key=state.api_key)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
         return _error(e, getattr(request.state, "request_id", None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):     # unknown route, wrong method
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status_code, "invalid_request_error")
+        return _error(APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", type=kind),
+                      getattr(request.state, "request_id", None))
 
     @app.get("/health")
     async def health():
@@ -143,6 +135,44 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
+class Guard:
+    """Every HTTP request: its X-Request-Id (the client's, or new; on every response) and, with an
+    API key, its Authorization checked on /v1/. A plain ASGI middleware: Starlette's
+    BaseHTTPMiddleware (@app.middleware) hides a client's disconnect from the endpoint, whose
+    non-streamed request would then run to its end for nobody."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        rid = headers.get("x-request-id") or new_id("req")
+        scope.setdefault("state", {})["request_id"] = rid         # request.state.request_id
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                kept = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": kept + [(b"x-request-id", rid.encode("latin-1", "replace"))]}
+            await send(message)
+
+        if self.api_key and scope["path"].startswith("/v1/") and \
+                headers.get("authorization", "") != f"Bearer {self.api_key}":
+            response = _error(APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
+                                       type="authentication_error", code="invalid_api_key"), None)
+            return await response(scope, receive, send_with_id)
+        await self.app(scope, receive, send_with_id)
+
+
+def _failed(e: EngineError) -> APIError:
+    """A request's stream failed: 400 where the pool cannot hold it beside the pinned contexts (the
+    scheduler refused it), else 500 (the engine failed: a dead worker, named)."""
+    if isinstance(e.__cause__, CapacityError):
+        return bad(f"the request does not fit: {e.__cause__}", "messages")
+    return APIError(500, str(e), type="server_error")
+
+
 def _error(e: APIError, rid: str | None):
     headers = {"X-Request-Id": rid} if rid else None
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
@@ -203,7 +233,7 @@ async def _respond(request, state, metrics, ids, s, adapter, chat, doc_len=None)
     try:
         tokens = [t async for t in stream]
     except EngineError as e:
-        raise APIError(500, str(e), type="server_error") from e
+        raise _failed(e) from e
     finally:
         watcher.cancel()
     if stream.finish_reason == "abort":
@@ -282,7 +312,7 @@ async def _sse(request, state, metrics, stream, ids, s, rid, model, chat):
                           "usage": usage(len(ids), n, stream.cached_tokens)})
         yield "data: [DONE]\n\n"
     except EngineError as e:
-        yield _event(APIError(500, str(e), type="server_error").body())
+        yield _event(_failed(e).body())
         yield "data: [DONE]\n\n"
     except APIError as e:                        # a replica refused it (hetero serve --replicas): its error
         yield _event(e.body())

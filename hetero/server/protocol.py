@@ -104,8 +104,8 @@ def sampling(body: dict, chat: bool) -> Sampling:
     rep = _number(body, "repetition_penalty", 0.01, 10, 1.0)
     min_tokens = _number(body, "min_tokens", 0, 1 << 20, 0, integer=True)
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise bad(f"seed must be an integer, got {seed!r}", "seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -(1 << 63) <= seed < 1 << 64):
+        raise bad(f"seed must be an integer in [-2**63, 2**64), got {seed!r}", "seed")
     greedy = temperature == 0
     kwargs = {"do_sample": not greedy, "top_k": top_k, "repetition_penalty": rep}
     if not greedy:
@@ -122,7 +122,8 @@ def sampling(body: dict, chat: bool) -> Sampling:
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
         raise bad(f"stop must be a non-empty string or a list of at most {MAX_STOP} of them, got {body.get('stop')!r}",
                   "stop")
-    stream = body.get("stream") or False
+    stream = body.get("stream")
+    stream = False if stream is None else stream
     if not isinstance(stream, bool):
         raise bad(f"stream must be true or false, got {stream!r}", "stream")
     opts = body.get("stream_options")
@@ -132,7 +133,8 @@ def sampling(body: dict, chat: bool) -> Sampling:
         if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
             raise bad(f"stream_options takes include_usage, got {opts!r}", "stream_options")
     include_usage = bool(opts and opts.get("include_usage"))
-    ignore_eos = body.get("ignore_eos") or False
+    ignore_eos = body.get("ignore_eos")
+    ignore_eos = False if ignore_eos is None else ignore_eos
     if not isinstance(ignore_eos, bool):
         raise bad(f"ignore_eos must be true or false, got {ignore_eos!r}", "ignore_eos")
     logprobs = None

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 from dataclasses import dataclass
 
 from hetero.engine.config import EngineConfig
@@ -81,9 +82,16 @@ class Front:
 
 
 def check_context_name(name):
-    if not isinstance(name, str) or not name or len(name) > 128 or "/" in name or name.startswith("."):
-        raise bad(f"a context's name must be 1-128 characters without '/' and not starting with '.', got {name!r}",
-                  "name")
+    """A name that is also a file's (--saved-contexts): 1-128 printable characters, at most 200
+    bytes in UTF-8, no '/', not starting with '.'."""
+    if not isinstance(name, str) or not name or len(name) > 128 or len(name.encode()) > 200 or "/" in name or \
+            name.startswith(".") or not name.isprintable():
+        raise bad(f"a context's name must be 1-128 printable characters (at most 200 bytes in UTF-8) without '/' "
+                  f"and not starting with '.', got {name!r}", "name")
+
+
+def _server_error(message: str) -> APIError:
+    return APIError(500, message, type="server_error")
 
 
 class ServerState(Front):
@@ -97,6 +105,8 @@ class ServerState(Front):
         self.adapter_dirs = dict(adapters or {})
         self.saved_contexts = saved_contexts
         self.contexts: dict[str, NamedContext] = {}
+        self._creating: set[str] = set()      # names whose context is being computed (a second create: 409)
+        self._restart_lock = threading.Lock()
         self.status = "starting"
         self._Engine = Engine
         self.engine = self._new_engine()
@@ -107,11 +117,19 @@ class ServerState(Front):
 
     # ---- the engine, restarted after a failure
     def live_engine(self):
-        """The engine; a new one when the last failed (a worker died): its requests failed with it."""
+        """The engine; a new one when the last failed or a worker of its pool died (found here, not
+        by the next request failing): its requests failed with it. Any thread (one restart)."""
         e = self.engine
-        if e.failure is None:
+        if e.failure is None and e.pool.alive:
             return e
-        log.warning("hetero serve: the engine failed (%s); starting a new one", e.failure)
+        with self._restart_lock:
+            if self.engine is not e:              # another thread replaced it meanwhile
+                return self.engine
+            return self._restart(e)
+
+    def _restart(self, e):
+        why = e.failure if e.failure is not None else e.pool.broken or "a CPU worker died"
+        log.warning("hetero serve: the engine failed (%s); starting a new one", why)
         try:
             e.close()
         except Exception as err:             # the failed engine's pool is broken: closing it still frees its memory
@@ -207,24 +225,44 @@ class ServerState(Front):
 
     # ---- named contexts (documents pinned in the pool)
     async def create_context(self, name: str, ids: list[int], adapter: str | None, messages: list[dict] | None):
+        """Compute and pin a named context (and save it, with --saved-contexts). It is listed once
+        all of that succeeded; a failure leaves nothing pinned or saved."""
         self.check_ready()
         check_context_name(name)
-        if name in self.contexts:
+        if name in self.contexts or name in self._creating:
             raise APIError(409, f"a context named {name!r} exists; delete it first", param="name")
-        engine = self.live_engine()
-        if len(ids) > engine.max_model_len:
-            raise bad(f"the context has {len(ids)} tokens; this model's maximum context length is "
-                      f"{engine.max_model_len}", "prompt")
+        self._creating.add(name)                 # the event loop's thread: no await since the check
         try:
-            pin = engine.pin(ids, adapter=adapter)
-        except CapacityError as e:
-            raise bad(f"the context does not fit: {e}") from e
-        await asyncio.to_thread(pin.result)              # raises EngineError if the engine failed
-        ctx = self.contexts[name] = NamedContext(name, ids, adapter, messages, pin)
-        if self.saved_contexts:
-            ctx.path = os.path.join(self.saved_contexts, f"{name}.ctx")
-            await asyncio.to_thread(engine.save_pin, pin, ctx.path, {"name": name, "messages": messages})
-        return ctx
+            engine = self.live_engine()
+            if len(ids) > engine.max_model_len:
+                raise bad(f"the context has {len(ids)} tokens; this model's maximum context length is "
+                          f"{engine.max_model_len}", "prompt")
+            try:
+                pin = engine.pin(ids, adapter=adapter)
+            except CapacityError as e:
+                raise bad(f"the context does not fit: {e}") from e
+            try:
+                await asyncio.to_thread(pin.result)
+            except EngineError as e:              # the pins left no room for it, or the engine failed
+                if isinstance(e.__cause__, CapacityError):
+                    raise bad(f"the context does not fit: {e.__cause__}", "prompt") from e
+                raise APIError(500, str(e), type="server_error") from e
+            ctx = NamedContext(name, ids, adapter, messages, pin)
+            if self.saved_contexts:
+                path = os.path.join(self.saved_contexts, f"{name}.ctx")
+                try:
+                    await asyncio.to_thread(engine.save_pin, pin, path, {"name": name, "messages": messages})
+                except Exception as e:
+                    engine.unpin(pin)
+                    if os.path.exists(path):
+                        os.unlink(path)
+                    raise (bad if isinstance(e, (ValueError, OSError)) else _server_error)(
+                        f"the context could not be saved to --saved-contexts: {e}") from e
+                ctx.path = path
+            self.contexts[name] = ctx
+            return ctx
+        finally:
+            self._creating.discard(name)
 
     def delete_context(self, name: str):
         ctx = self.contexts.pop(name, None)
