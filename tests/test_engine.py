@@ -684,3 +684,116 @@ def test_a_pinned_document_survives_pressure_and_is_read_by_every_request(llama)
         assert_idle(eng)
         with pytest.raises(CapacityError, match="max_model_len"):
             eng.pin([5] * 300)
+
+
+@pytest.mark.parametrize("case", ["paced", "pinned"])
+def test_a_step_that_computes_nothing_does_not_stop_a_caller_driving_the_engine(llama, case):
+    """background=False: a step may compute nothing and leave work (the request that needed a
+    block preempted itself). A caller waiting on a stream steps on: paced (the pacer allows no
+    prompt tokens yet, the decoding request preempts itself) it gets HF's tokens; over a pin made
+    after it was admitted it gets the CapacityError naming the pins. Before, both waited forever."""
+    from hetero.errors import EngineError
+
+    if case == "paced":
+        eng = make(llama, kv_blocks=2, long_prefill_chunk=32, max_num_batched_tokens=64, step_time_target=0.5)
+        a, b = prompts([60], seed=1)[0], prompts([32], seed=2)[0]
+        sa, sb = eng.add_request(a, 4), eng.add_request(b, 2)
+        assert eng.step() > 0
+        done = {}
+        th = threading.Thread(target=lambda: done.setdefault("b", sb.result()), daemon=True)
+        th.start()
+        th.join(60)
+        assert done.get("b") == hf(llama, b, 2)[0]
+        assert sa.result() == hf(llama, a, 4)[0]
+    else:
+        eng = make(llama, kv_blocks=5, long_prefill_chunk=32, max_num_batched_tokens=64)
+        sa = eng.add_request(prompts([40], seed=1)[0], 100, ignore_eos=True)     # 5 blocks at its peak
+        eng.step()
+        pin = eng.pin(prompts([64], seed=3)[0])
+        pin.result()
+        done = {}
+
+        def wait():
+            try:
+                sa.result()
+            except EngineError as e:
+                done["a"] = e
+        th = threading.Thread(target=wait, daemon=True)
+        th.start()
+        th.join(60)
+        assert isinstance(done.get("a"), EngineError) and "pinned by contexts" in str(done["a"])
+        eng.unpin(pin)
+    try:
+        assert not th.is_alive()
+    finally:
+        eng.close()
+
+
+def test_pins_of_another_engine_and_generated_ids_are_refused_or_fresh(llama):
+    """unpin() and save_pin() name a stream that is not this engine's (before, unpin released this
+    engine's blocks of the same ids and save_pin wrote the other's tokens with this one's KV); ids
+    the engine makes up never collide with ids a caller chose."""
+    with make(llama) as a, make(llama) as b:
+        pb = b.pin(prompts([70], seed=6)[0])
+        pb.result()
+        with pytest.raises(ValueError, match="another engine's stream"):
+            a.unpin(pb)
+        with pytest.raises(ValueError, match="another engine's stream"):
+            a.save_pin(pb, "/tmp/never-written.hkv")
+        b.unpin(pb)
+        b.step()
+        assert b.kv_manager.num_used_blocks == 0
+        mine = a.add_request(prompts([5])[0], 2, request_id="req-1")
+        others = [a.add_request(prompts([5])[0], 2) for _ in range(3)] + [a.pin(prompts([40])[0], request_id="pin-5"),
+                                                                          a.pin(prompts([40], seed=2)[0])]
+        ids = [s.request_id for s in [mine] + others]
+        assert len(set(ids)) == len(ids)
+        for s in [mine] + others:
+            s.result()
+
+
+def test_close_waits_for_a_step_another_thread_drives(llama):
+    """background=False: close() while another thread steps the engine through its stream: the
+    stream ends (all its tokens, or aborted), never with an exception from a step cut in two."""
+    for _ in range(3):
+        eng = make(llama, max_model_len=512, kv_blocks=64)
+        s = eng.add_request(prompts([30])[0], 300, ignore_eos=True)
+        out = {}
+
+        def drain():
+            try:
+                out["n"] = sum(1 for _ in s)
+            except BaseException as e:
+                out["e"] = e
+        th = threading.Thread(target=drain)
+        th.start()
+        time.sleep(0.2)
+        eng.close()
+        th.join(30)
+        assert "e" not in out and s.finish_reason in ("abort", "length"), out
+
+
+def test_bad_max_new_tokens_are_named(engine):
+    for bad in (2.5, "4", True):
+        with pytest.raises(TypeError, match="max_new_tokens must be an integer"):
+            engine.add_request(prompts([5])[0], bad)
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_corrupted_saved_pin_raises_context_file_error(llama, tmp_path, background):
+    """load_pin of a file whose payload is corrupted raises ContextFileError (as a file of another
+    model does), not an EngineError around it, and holds no block."""
+    from hetero import ContextFileError
+
+    with make(llama) as e:
+        p = e.pin(prompts([70], seed=5)[0])
+        p.result()
+        path = tmp_path / "doc.hkv"
+        e.save_pin(p, path)
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0xFF
+    path.write_bytes(data)
+    with make(llama, background=background) as e2:
+        with pytest.raises(ContextFileError, match="corrupted"):
+            e2.load_pin(path)
+        assert e2.kv_manager.num_used_blocks == 0

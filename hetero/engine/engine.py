@@ -52,12 +52,14 @@ from hetero.engine.adapters import EngineAdapters
 from hetero.errors import AdapterError, CapacityError, EngineError, UnsupportedModelError
 from hetero.ipc.pool import WorkerPool
 from hetero.model_spec import inspect_model
-from hetero.settings import MODEL_DEFAULT, generation_settings, resolve_lengths
+from hetero.settings import MODEL_DEFAULT, as_int, generation_settings, resolve_lengths
 
 log = logging.getLogger("hetero")
 
 DEFAULT_MAX_MODEL_LEN = 32768     # tokens per request when the model states no limit
 
+
+STALLED_STEPS = 10_000       # steps in a row that compute nothing with requests unfinished: they fail
 
 class Engine:
     """Continuous batching of requests over `model` (a transformers causal LM, see the module doc)."""
@@ -143,6 +145,7 @@ class Engine:
         self._inbox: deque = deque()
         self._lock = threading.Condition()
         self._ids = itertools.count()
+        self._stalled = 0                     # steps in a row that computed nothing with requests unfinished
         self._thread: threading.Thread | None = None
         self._closed = False
         self.failure: BaseException | None = None
@@ -165,6 +168,10 @@ class Engine:
         tokenizer = generate_kwargs.pop("tokenizer", self.tokenizer)
         lp, sc = generate_kwargs.pop("logits_processor", None), generate_kwargs.pop("stopping_criteria", None)
         keep_scores = bool(generate_kwargs.pop("output_scores", False))    # the stream's, not a generate output
+        if max_new_tokens is not MODEL_DEFAULT and max_new_tokens is not None:
+            max_new_tokens = as_int(max_new_tokens)
+            if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+                raise TypeError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
         new, kwargs, model_new, max_length, _ = resolve_lengths(self.model, max_new_tokens, generate_kwargs)
         settings, _ = generation_settings(self.model, new, kwargs, started=time.time())
         if new is None:
@@ -193,7 +200,7 @@ class Engine:
         s = sampling.build(self.model, ids, settings, max_new_tokens, logits_processor=logits_processor,
                            stopping_criteria=stopping_criteria, tokenizer=tokenizer, seed=seed)
         s.keep_scores = keep_scores
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        rid = request_id if request_id is not None else self._new_id("req")
         req = Request(rid, ids, max_new_tokens, eos_token_ids=set() if ignore_eos else s.eos, params=settings,
                       adapter=adapter, adapter_key=self.adapter_key(adapter))
         why = self.kv_manager.shortfall(req, self.scheduler.chunk, pins=False)
@@ -213,6 +220,18 @@ class Engine:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         return ids
 
+    def _new_id(self, prefix: str) -> str:
+        """A request id no live request has (a caller may have chosen "req-3" itself)."""
+        with self._lock:
+            while True:
+                rid = f"{prefix}-{next(self._ids)}"
+                if not self._in_use(rid):
+                    return rid
+
+    def _in_use(self, rid: str) -> bool:
+        """Under _lock: a live request's id (queued, or known to the engine thread)."""
+        return rid in self._streams or any(x[0] == "add" and x[1].request_id == rid for x in self._inbox)
+
     def _queue(self, req: Request, s, stream: RequestStream) -> RequestStream:
         if self._closed:
             raise RuntimeError("the engine is closed")
@@ -220,7 +239,7 @@ class Engine:
             raise EngineError(f"the engine failed: {self.failure}") from self.failure
         rid = req.request_id
         with self._lock:
-            if rid in self._streams or any(x[0] == "add" and x[1].request_id == rid for x in self._inbox):
+            if self._in_use(rid):
                 raise ValueError(f"request id {rid!r} is already in use")
             self._inbox.append(("add", req, s, stream))
             self._lock.notify_all()
@@ -238,7 +257,7 @@ class Engine:
             raise AdapterError(f"no adapter named {adapter!r} is loaded (loaded: {self.adapters})")
         if len(ids) > self.max_model_len:
             raise CapacityError(f"a prompt of {len(ids)} tokens is past the engine's max_model_len={self.max_model_len}")
-        rid = request_id if request_id is not None else f"pin-{next(self._ids)}"
+        rid = request_id if request_id is not None else self._new_id("pin")
         req = Request(rid, ids, 0, adapter=adapter, adapter_key=self.adapter_key(adapter), pin_prompt=True)
         stream = RequestStream(self, rid, len(ids))
         stream.prompt_ids, stream.adapter, stream.adapter_key = ids, adapter, req.adapter_key
@@ -247,6 +266,7 @@ class Engine:
     def save_pin(self, stream: RequestStream, path, extra: dict | None = None) -> None:
         """Write a computed pin()'s blocks to `path` (hetero's saved-context format, atomically);
         extra: a JSON object kept with it (load_pin returns it)."""
+        self._own_stream(stream, "save_pin")
         stream.result()
         engine_saved.save_pin(self, stream, path, extra)
 
@@ -255,7 +275,7 @@ class Engine:
         stream, finished once loaded; unpin() releases it, and the extra the file keeps). A file
         from another model or adapter, or corrupted, raises ContextFileError naming the difference."""
         header, adapter = engine_saved.read(self, path)         # the file's adapter is the one loaded now
-        rid = f"load-{next(self._ids)}"
+        rid = self._new_id("load")
         stream = RequestStream(self, rid, header["length"])
         stream.prompt_ids, stream.adapter = header["tokens"] + header["pending"], adapter
         stream.adapter_key = self.adapter_key(adapter)             # still that one when the engine loads it
@@ -279,10 +299,15 @@ class Engine:
         (its pinned_blocks); unpin() releases them."""
         if adapter is not None and adapter not in self.adapters:
             raise AdapterError(f"no adapter named {adapter!r} is loaded (loaded: {self.adapters})")
-        stream = RequestStream(self, f"copy-{next(self._ids)}", 0)
+        stream = RequestStream(self, self._new_id("copy"), 0)
         stream.adapter, stream.adapter_key = adapter, self.adapter_key(adapter)
         self._post(("copy", snapshot, adapter, then, stream))
         return stream
+
+    def _own_stream(self, stream, what: str) -> None:
+        if not isinstance(stream, RequestStream) or stream.engine is not self:
+            raise ValueError(f"{what}() takes a stream of this engine's pin(), load_pin() or pin_kv(); got "
+                             f"{'another engine' + chr(39) + 's stream' if isinstance(stream, RequestStream) else repr(stream)}")
 
     def _post(self, item) -> None:
         """An item for the engine thread's inbox (drained at the next step)."""
@@ -296,6 +321,7 @@ class Engine:
 
     def unpin(self, stream: RequestStream) -> None:
         """Release a pin()'s blocks (at the next step): cached, evicted when the room is needed."""
+        self._own_stream(stream, "unpin")
         with self._lock:
             self._inbox.append(("unpin", stream))
             self._lock.notify_all()
@@ -372,7 +398,7 @@ class Engine:
         """One step: admit and abort what callers queued, schedule, one forward, sample, update.
         Returns the number of tokens computed (0: nothing to do)."""
         with self._step_lock, self._step_guard(), self._routed():
-            return self._step()
+            return 0 if self._closed else self._step()
 
     @contextlib.contextmanager
     def _routed(self):
@@ -403,7 +429,13 @@ class Engine:
             self._streams.pop(r.request_id)._push([], error=CapacityError(
                 f"request {r.request_id!r} needs {r.max_rows} KV rows: {why}"))
         if plan.empty:
+            self._stalled = self._stalled + 1 if self.scheduler.has_unfinished else 0
+            if self._stalled >= STALLED_STEPS:    # never seen: a scheduler bug must not hang its callers
+                self._stalled = 0
+                self._fail_all(EngineError(f"the scheduler computed nothing for {STALLED_STEPS} steps with "
+                                           f"{len(self.scheduler.requests)} requests unfinished"))
             return 0
+        self._stalled = 0
         decode = sum(is_decoding(s.request) for s in plan.scheduled)
         try:
             logits = self.runner.execute(plan)
@@ -438,15 +470,19 @@ class Engine:
     def _drain_inbox(self):
         with self._lock:
             items, self._inbox = list(self._inbox), deque()
+            for item in items:                  # known from here on (_in_use): no window for a twin id
+                if item[0] == "add":
+                    self._streams[item[1].request_id] = item[3]
         for item in items:
             if item[0] == "add":
                 _, req, s, stream = item
                 try:
                     self.scheduler.add(req)
                 except Exception as e:          # the pool's pinned blocks leave no room for it
+                    self._streams.pop(req.request_id, None)
                     stream._push([], error=e)
                     continue
-                self._samplers[req.request_id], self._streams[req.request_id] = s, stream
+                self._samplers[req.request_id] = s
             elif item[0] == "unpin":
                 self._unpin(item[1])
             elif item[0] in ("load", "copy"):
@@ -464,8 +500,8 @@ class Engine:
                                                                       stream.adapter_key, stream.request_id)
                         if then is not None:
                             then(stream)
-                except Exception as e:
-                    stream._push([], error=e)
+                except Exception as e:          # the file's or the source's (ContextFileError, ...): as it is
+                    stream._push([], error=e, own=True)
                 else:
                     stream._push([], "length")
             else:
@@ -531,12 +567,13 @@ class Engine:
             self._lock.notify_all()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
-        self._drain_inbox_on_close()
-        try:
-            if self._previous_attn is not None:
-                self.model.set_attn_implementation(self._previous_attn)
-        finally:
-            self._release()
+        with self._step_lock:                 # a step a caller's thread drives (background=False) ends first
+            self._drain_inbox_on_close()
+            try:
+                if self._previous_attn is not None:
+                    self.model.set_attn_implementation(self._previous_attn)
+            finally:
+                self._release()
 
     def _drain_inbox_on_close(self):
         with self._lock:

@@ -119,7 +119,9 @@ class RequestStream:
         """EngineConfig(background=False): step the engine in this thread until ready() or finished."""
         e = self.engine
         if not e.config.background:
-            while not ready() and not self.finished and e.step():
+            # a step may compute nothing and leave work (a request preempted itself, to be admitted
+            # again or refused at the next): go on while the engine has any
+            while not ready() and not self.finished and (e.step() or e.has_unfinished):
                 pass
 
     def result(self, timeout: float | None = None) -> list[int]:
