@@ -1,6 +1,7 @@
 """LoRA adapters through the engine against peft itself (real PeftModels, real save_pretrained
 directories): each request runs the adapter it names, in a batch mixing adapters, prompts
 chunked beside decodes, and gives peft generate's tokens and scores for it alone."""
+import copy
 import threading
 
 import pytest
@@ -147,3 +148,39 @@ def test_a_generator_s_overlapping_calls_keep_their_adapters(tmp_path):
     ref1 = pm.generate(input_ids=ids[:1], attention_mask=mask[:1], max_new_tokens=NEW, do_sample=False,
                        pad_token_id=0, adapter_names=["code"])
     assert torch.equal(out["first"], ref1)
+
+
+@pytest.mark.parametrize("cold", [False, True])
+@pytest.mark.parametrize("names", [["head", None], [None, "head"]])
+def test_an_lm_head_adapter_reaches_its_own_request_when_prompts_end_together(tmp_path, names, cold):
+    """An adapter on lm_head with two prompts ending in one step: the head computes the sampling
+    rows alone (logits_to_keep), and each gets its own request's delta (its device copy, or cold:
+    through the CPU workers), as peft gives. Before, the delta went to a neighbour's row or the
+    step raised."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.conftest import build_model
+
+    model, ref_impl = build_model("llama")
+    base = copy.deepcopy(model)
+    torch.manual_seed(3)
+    pm = get_peft_model(model, LoraConfig(r=4, lora_alpha=64, target_modules=["lm_head"], init_lora_weights=False),
+                        adapter_name="head")
+    pm.eval()
+    pm.base_model.model.set_attn_implementation(ref_impl)
+    pm.save_pretrained(tmp_path)
+    rows = [[3, 4, 5], [10, 11, 12, 13]]
+    with Engine(base, config(), adapters={"head": str(tmp_path / "head")}) as eng:
+        store = eng._adapters.store
+        if cold:                                 # a just-loaded adapter whose device copy is not made yet
+            store.copy_gate.clear()
+            eng.unload_adapter("head")
+            eng.load_adapter("head", tmp_path / "head")
+        else:
+            assert store.adapters["head"].ready.wait(10)
+        try:
+            streams = [eng.add_request(r, NEW, adapter=n, output_scores=True) for r, n in zip(rows, names)]
+            run(eng, streams)
+        finally:
+            store.copy_gate.set()
+    assert_peft(pm, streams, rows, names)

@@ -70,20 +70,24 @@ class LoraBatch:
     [B, T, in] request-major. An engine step's packed forward (x [1, N, in], requests one after
     another, each its own number of tokens) is LoraBatch.packed(store, [(row0, row1, adapter)])."""
 
-    def __init__(self, store, adapters, owner=None, segments=None):
+    def __init__(self, store, adapters, owner=None, segments=None, kept=None):
         self.store = store
         self.owner = owner                       # the LoraHooks (generator) whose call this is
         self.adapters = adapters                 # per request: store.Adapter or None
         self.segments = segments                 # packed: [(row0, row1, adapter)] over x's rows; None: per request
+        self.kept = kept                         # packed: the same over the rows the LM head sees (logits_to_keep)
         self._plans = {}                         # (site, pieces) -> staged unit tables
         self.transport = None                    # a CUDA transport posting the decode jobs (use_transport)
         self._parts = {}                         # site -> workers of its GPU-posted decode job
         self._bounce = None                      # page-locked buffers for the host jobs of a GPU model
 
     @classmethod
-    def packed(cls, store, segments, owner=None):
-        """An engine step's adapters: rows [row0, row1) of the packed forward use `adapter`."""
-        return cls(store, [a for _, _, a in segments], owner, segments=list(segments))
+    def packed(cls, store, segments, owner=None, kept=None):
+        """An engine step's adapters: rows [row0, row1) of the packed forward use `adapter`; kept:
+        [(row0, row1, adapter)] over the rows the LM head computes (the forward's logits_to_keep:
+        one per sampling request), None where it sees every row."""
+        return cls(store, [a for _, _, a in segments], owner, segments=list(segments),
+                   kept=None if kept is None else list(kept))
 
     def use_transport(self, transport):
         """Decode deltas through `transport` (a CudaTransport mapping the store's staging)."""
@@ -94,7 +98,12 @@ class LoraBatch:
     def _users(self, site, rows):
         """[(row0, row1, adapter)] of x's `rows` rows whose adapter adapts `site`."""
         if self.segments is not None:
-            return [(r0, r1, a) for r0, r1, a in self.segments if a is not None and site in a.entries]
+            segs = self.segments
+            if rows != (segs[-1][1] if segs else 0):  # the LM head over the kept rows alone
+                if self.kept is None or rows != self.kept[-1][1]:
+                    raise RuntimeError(f"{site}: {rows} rows, none of the step's row layouts")
+                segs = self.kept
+            return [(r0, r1, a) for r0, r1, a in segs if a is not None and site in a.entries]
         T = rows // len(self.adapters)
         return [(b * T, (b + 1) * T, a) for b, a in enumerate(self.adapters) if a is not None and site in a.entries]
 

@@ -244,7 +244,7 @@ class ModelRunner:
         keep = torch.tensor(sample or [off - 1], device=dev)
         kwargs = {"logits_to_keep": keep} if self.keeps_logits else {}
         token = attention.active_session.set(step)
-        lora = active_batch.set(self._lora_batch(plan))
+        lora = active_batch.set(self._lora_batch(plan, sample, off))
         try:
             out = self.model(input_ids=torch.tensor([tokens], device=dev),
                              position_ids=torch.tensor([positions], device=dev),
@@ -260,8 +260,10 @@ class ModelRunner:
         logits = out.logits[0] if self.keeps_logits else out.logits[0, keep]
         return logits[:len(sample)].float()
 
-    def _lora_batch(self, plan: SchedulerOutput):
-        """The step's packed LoraBatch: each request's rows with its adapter (None: no adapters)."""
+    def _lora_batch(self, plan: SchedulerOutput, sample: list[int], rows: int):
+        """The step's packed LoraBatch: each request's rows with its adapter, and the rows the LM
+        head sees (`sample`, the forward's logits_to_keep, else the last of `rows`) with theirs
+        (None: no adapters)."""
         store, hooks = self.lora() if self.lora is not None else (None, None)
         if hooks is None:
             return None
@@ -270,4 +272,6 @@ class ModelRunner:
             name = s.request.adapter
             segs.append((off, off + s.num_new_tokens, None if name is None else store.adapters[name]))
             off += s.num_new_tokens
-        return LoraBatch.packed(store, segs, owner=hooks)
+        owner = {r: a for r0, r1, a in segs for r in (r1 - 1,)}        # a request's last row -> its adapter
+        kept = [(i, i + 1, owner[row]) for i, row in enumerate(sample or [rows - 1])] if self.keeps_logits else None
+        return LoraBatch.packed(store, segs, owner=hooks, kept=kept)
