@@ -379,13 +379,14 @@ def test_a_model_directory_is_served_as_hf_generates(tmp_path):
         assert s.stop() == 0
 
 
-def test_contexts_that_cannot_be_made_or_saved_leave_nothing(tmp_path):
+def test_contexts_that_cannot_be_made_or_saved_leave_nothing_and_health_finds_a_dead_worker(tmp_path):
     """A tiny model, an 8-block pool and --saved-contexts: a request that fits the pool but not
     beside a pinned context gets 400 (streamed: a 400 error event); a context that does not fit gets
     400 in OpenAI's JSON; two creates of one name at once give one 200 and one 409; a context too
     short to save, or named as no file can be, gets 400 and is neither listed nor pinned; unknown
-    routes and methods, and a seed out of range, get OpenAI's error JSON."""
-    path, _, _ = tiny_model_dir(tmp_path / "tiny")
+    routes and methods, and a seed out of range, get OpenAI's error JSON; a worker killed while the
+    server is idle is found by /health."""
+    path, model, tok = tiny_model_dir(tmp_path / "tiny")
     s = Server("--model", path, "--context-memory", "128K", "--saved-contexts", str(tmp_path / "saved"), key=None)
     h = {"X-Request-Id": "rid-7"}
 
@@ -433,16 +434,9 @@ def test_contexts_that_cannot_be_made_or_saved_leave_nothing(tmp_path):
         error(httpx.get(s.url + "/v1/nothing", headers=h), 404, "Not Found")
         error(httpx.get(s.url + "/v1/completions", headers=h), 405, "Method Not Allowed")
         error(httpx.post(s.url + "/v1/completions", json={**body, "seed": 2 ** 70}, headers=h, timeout=30), 400, "seed")
-    finally:
-        assert s.stop() == 0
 
-
-def test_health_finds_a_dead_worker_and_the_next_request_is_served(tmp_path):
-    """A worker killed while the server is idle: /health replaces the engine (it answers 200 only
-    when it can generate) and the next request is served, not failed."""
-    path, model, tok = tiny_model_dir(tmp_path / "tiny")
-    s = Server("--model", path, key=None)
-    try:
+        # a worker killed while the server is idle: /health replaces the engine (200 only when it can
+        # generate) and the next request is served, not failed
         worker = int(subprocess.run(["pgrep", "-P", str(s.proc.pid), "-f", "hetero.worker"], capture_output=True,
                                     text=True).stdout.split()[0])
         os.kill(worker, signal.SIGKILL)
@@ -460,3 +454,4 @@ def test_health_finds_a_dead_worker_and_the_next_request_is_served(tmp_path):
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == tok.decode(out[0, len(ids):])
     finally:
         assert s.stop() == 0
+
