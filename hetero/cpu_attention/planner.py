@@ -83,7 +83,7 @@ class Profile:
         lines = [f"profile for {fp['cpu']} ({len(fp['cores'])} worker cores {fp['cores']}), "
                  f"group {fp['group']}, head_dim {fp['head_dim']}, storage code {fp['code']}",
                  f"  shared-memory huge pages: {fp.get('shmem_thp')}"
-                 + ("  (KV reads run 20-35% slower on 4 KB pages: mount -o remount,huge=advise /dev/shm)"
+                 + ("  (KV reads run 15-30% slower on 4 KB pages: mount -o remount,huge=advise /dev/shm)"
                     if fp.get("shmem_thp") in ("never", "deny") else ""),
                  f"  one worker: {self.block_s * 1e6:.3f} us per {BK}-row block "
                  f"({self.block_bytes / self.block_s / 1e9:.1f} GB/s) + {self.unit_s * 1e6:.2f} us per unit",

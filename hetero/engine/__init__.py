@@ -8,7 +8,7 @@ engine's step loop live elsewhere and drive these objects:
     ...forward over plan's block tables, sample...
     finished = scheduler.update(plan, sampled)   # append, stop, cache and free blocks
 
-See DESIGN.md section 9.
+README.md's "One request's path through the engine" draws the whole.
 """
 from hetero.engine.kv_pool import BLOCK_SIZE, BlockPool, KVCacheManager, block_hash
 from hetero.engine.request import Request, RequestStatus

@@ -5,8 +5,8 @@
     for token in stream: ...                     # from any thread; `async for` in an event loop
     engine.close()
 
-Callers in any thread add and abort requests; their calls go into an inbox that the step drains
-(DESIGN.md section 9), so one thread alone, the engine's, touches the model, the pool and the
+Callers in any thread add and abort requests; their calls go into an inbox that the step drains,
+so one thread alone, the engine's, touches the model, the pool and the
 scheduler. `step()` runs one step in the calling thread (tests, benchmarks); `start()` runs
 steps in a background thread whenever there is work (add_request starts it on first use
 unless `EngineConfig.background=False`).
