@@ -432,7 +432,9 @@ def test_contexts_that_cannot_be_made_or_saved_leave_nothing_and_health_finds_a_
         assert os.listdir(tmp_path / "saved") == []
 
         error(httpx.get(s.url + "/v1/nothing", headers=h), 404, "Not Found")
-        error(httpx.get(s.url + "/v1/completions", headers=h), 405, "Method Not Allowed")
+        r = httpx.get(s.url + "/v1/completions", headers=h)
+        error(r, 405, "Method Not Allowed")
+        assert r.headers["allow"] == "POST"
         error(httpx.post(s.url + "/v1/completions", json={**body, "seed": 2 ** 70}, headers=h, timeout=30), 400, "seed")
 
         # a worker killed while the server is idle: /health replaces the engine (200 only when it can
@@ -455,3 +457,23 @@ def test_contexts_that_cannot_be_made_or_saved_leave_nothing_and_health_finds_a_
     finally:
         assert s.stop() == 0
 
+
+
+def test_a_closed_server_state_starts_no_engine_again(tmp_path):
+    """After the server's state is closed (SIGTERM), nothing starts its engine again: live_engine
+    returns the closed one (a closed engine's pool is not alive, which is not a dead worker) and
+    adapter loads get 503."""
+    from hetero.engine.config import EngineConfig
+    from hetero.server.protocol import APIError
+    from hetero.server.state import ServerState
+
+    _, model, tok = tiny_model_dir(tmp_path / "tiny")
+    state = ServerState(model, tok, model_name="tiny", engine_config=EngineConfig(cpu_workers=1, kv_blocks=16,
+                                                                                 max_model_len=128))
+    state.status = "ready"
+    engine = state.engine
+    state.close()
+    assert state.live_engine() is engine and state.restarts == 0 and not engine.pool.alive
+    with pytest.raises(APIError) as e:
+        state.load_adapter("a", str(tmp_path))
+    assert e.value.status == 503

@@ -51,7 +51,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def http_error(request: Request, e: StarletteHTTPException):     # unknown route, wrong method
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status_code, "invalid_request_error")
         return _error(APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", type=kind),
-                      getattr(request.state, "request_id", None))
+                      getattr(request.state, "request_id", None), e.headers)        # a 405's Allow
 
     @app.get("/health")
     async def health():
@@ -173,9 +173,9 @@ def _failed(e: EngineError) -> APIError:
     return APIError(500, str(e), type="server_error")
 
 
-def _error(e: APIError, rid: str | None):
-    headers = {"X-Request-Id": rid} if rid else None
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+def _error(e: APIError, rid: str | None, headers: dict | None = None):
+    headers = {**(headers or {}), **({"X-Request-Id": rid} if rid else {})}
+    return JSONResponse(e.body(), status_code=e.status, headers=headers or None)
 
 
 async def _json(request: Request):

@@ -120,8 +120,8 @@ class ServerState(Front):
         """The engine; a new one when the last failed or a worker of its pool died (found here, not
         by the next request failing): its requests failed with it. Any thread (one restart)."""
         e = self.engine
-        if e.failure is None and e.pool.alive:
-            return e
+        if (e.failure is None and e.pool.alive) or self.status == "stopped":
+            return e                              # (closed with the server: never started again)
         with self._restart_lock:
             if self.engine is not e:              # another thread replaced it meanwhile
                 return self.engine
@@ -183,6 +183,7 @@ class ServerState(Front):
         return self.engine.adapters
 
     def load_adapter(self, name: str, path: str):
+        self.check_ready()
         self.check_new_adapter(name, path)
         try:
             self.live_engine().load_adapter(name, path)
@@ -191,6 +192,7 @@ class ServerState(Front):
         self.adapter_dirs[name] = path
 
     def unload_adapter(self, name: str):
+        self.check_ready()
         if name not in self.engine.adapters:
             raise APIError(404, f"no adapter named {name!r} is loaded", type="not_found_error", param="lora_name")
         users = [c.name for c in self.contexts.values() if c.adapter == name]
@@ -247,15 +249,16 @@ class ServerState(Front):
                 if isinstance(e.__cause__, CapacityError):
                     raise bad(f"the context does not fit: {e.__cause__}", "prompt") from e
                 raise APIError(500, str(e), type="server_error") from e
+            except BaseException:                 # cancelled (shutdown): nothing kept of it
+                engine.unpin(pin)
+                raise
             ctx = NamedContext(name, ids, adapter, messages, pin)
             if self.saved_contexts:
                 path = os.path.join(self.saved_contexts, f"{name}.ctx")
                 try:
                     await asyncio.to_thread(engine.save_pin, pin, path, {"name": name, "messages": messages})
-                except Exception as e:
+                except Exception as e:            # save_pin writes atomically: no partial file
                     engine.unpin(pin)
-                    if os.path.exists(path):
-                        os.unlink(path)
                     raise (bad if isinstance(e, (ValueError, OSError)) else _server_error)(
                         f"the context could not be saved to --saved-contexts: {e}") from e
                 ctx.path = path
