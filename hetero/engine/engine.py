@@ -108,7 +108,7 @@ class Engine:
         self.pool = pool
         self.kv = self._adapters = None
         self._step_guard = step_guard or contextlib.nullcontext
-        self._step_lock = threading.Lock()    # held through a step; adapter loads wait for it
+        self._step_lock = threading.RLock()   # held through a step; adapter loads and close() wait for it
         try:
             ring = self.window if uniform else 0
             table = -(-self.max_model_len // BLOCK_SIZE)     # a table's entries (under a ring, the -1s too)
@@ -482,6 +482,9 @@ class Engine:
                     self._streams.pop(req.request_id, None)
                     stream._push([], error=e)
                     continue
+                except BaseException:
+                    self._streams.pop(req.request_id, None)
+                    raise
                 self._samplers[req.request_id] = s
             elif item[0] == "unpin":
                 self._unpin(item[1])
