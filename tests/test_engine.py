@@ -426,10 +426,12 @@ def test_rows_written_by_whole_blocks_equal_the_row_scatter(dtype, head_dim):
             k, v = (torch.randn(Hkv, n, D, generator=g).to(dtype) for _ in range(2))
             fast, each = torch.arange(0, 8), torch.arange(8, 16)
             scattered = torch.tensor([20, 17, 23, 16, 21, 19, 22, 18])    # read by a gather, not a view
+            runs = torch.tensor([24, 25, 26, 30, 31, 27, 28, 29])          # three runs: written run by run
             kv.write_rows(1, fast, start, k, v)
             kv._write_each(1, each, start, k, v)
             kv.write_rows(1, scattered, start, k, v)
-            for table in (fast, each, scattered):
+            kv.write_rows(1, runs, start, k, v)
+            for table in (fast, each, scattered, runs):
                 got_k, got_v = kv.read_rows(1, table, start + n)
                 assert torch.equal(got_k[:, start:], k) and torch.equal(got_v[:, start:], v), (start, n)
                 first = (start + n - 1) // 32 * 32
