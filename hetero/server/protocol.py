@@ -107,10 +107,10 @@ def sampling(body: dict, chat: bool) -> Sampling:
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -(1 << 63) <= seed < 1 << 64):
         raise bad(f"seed must be an integer in [-2**63, 2**64), got {seed!r}", "seed")
     greedy = temperature == 0
-    kwargs = {"do_sample": not greedy, "top_k": top_k, "repetition_penalty": rep}
-    if not greedy:
-        kwargs.update(temperature=temperature, top_p=top_p)
-    else:
+    kwargs = {"do_sample": not greedy, "repetition_penalty": rep}
+    if not greedy:               # top_k 0: the whole vocabulary (OpenAI's sampling), not transformers' 50
+        kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k)
+    else:                        # no sampling flags: transformers warns about ones set beside greedy
         kwargs.update(temperature=1.0, top_p=1.0)
     if min_tokens:
         kwargs["min_new_tokens"] = min_tokens
