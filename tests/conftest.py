@@ -84,3 +84,18 @@ def llama_gen(llama):
     gen = HeteroGenerator(llama, cpu_workers=2)
     yield gen
     gen.close()
+
+
+class RaisingStreamer:
+    """A streamer whose put() raises `error` at its n-th call (the prompt's is the first)."""
+
+    def __init__(self, n, error):
+        self.n, self.error, self.calls = n, error, 0
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls == self.n:
+            raise self.error
+
+    def end(self):
+        pass

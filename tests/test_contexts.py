@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hetero import CapacityError, HeteroConfig, HeteroGenerator
-from tests.conftest import VOCAB, build_model, our_segments
+from tests.conftest import VOCAB, RaisingStreamer, build_model, our_segments
 
 KW = dict(do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_scores=True)
 
@@ -352,21 +352,10 @@ def test_a_call_that_fails_midway_leaves_the_context_consistent(llama):
     (no half-cached turn), and the next call equals HF over [document, message]."""
     doc, msg = turns(10, 40, 6)
 
-    class Boom:
-        def __init__(self):
-            self.n = 0
-
-        def put(self, value):
-            self.n += 1
-            if self.n == 4:
-                raise KeyboardInterrupt
-
-        def end(self):
-            pass
-
     with HeteroGenerator(llama, cpu_workers=2) as gen, gen.prefill(doc[None]) as ctx:
         with pytest.raises(KeyboardInterrupt):
-            gen.generate(msg[None], context=ctx, max_new_tokens=8, streamer=Boom(), pad_token_id=0)
+            gen.generate(msg[None], context=ctx, max_new_tokens=8, streamer=RaisingStreamer(4, KeyboardInterrupt()),
+                         pad_token_id=0)
         assert ctx.length == 40 and torch.equal(ctx.tokens, doc)
         out = gen.generate(msg[None], context=ctx, max_new_tokens=5, **KW)
         assert torch.equal(out.sequences, hf(llama, torch.cat([doc, msg]), 5).sequences)

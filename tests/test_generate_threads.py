@@ -11,7 +11,7 @@ import torch
 
 from hetero import HeteroConfig, HeteroGenerator
 from hetero.errors import WorkerError
-from tests.conftest import VOCAB, our_segments, padded_batch
+from tests.conftest import VOCAB, RaisingStreamer, our_segments, padded_batch
 
 
 class Gate:
@@ -659,21 +659,9 @@ def test_a_raising_processor_fails_its_own_call_alone(llama, engine_always):
 def test_a_raising_streamer_stops_its_request_in_the_engine(llama, engine_always):
     """A streamer that raises ends its call with that error, as in HF's loop, and its request stops
     at once instead of running to max_new_tokens for nobody."""
-    class Raising:
-        def __init__(self):
-            self.n = 0
-
-        def put(self, value):
-            self.n += 1
-            if self.n == 3:
-                raise KeyError("streamer")
-
-        def end(self):
-            pass
-
     with HeteroGenerator(llama, cpu_workers=1) as gen:
         with pytest.raises(KeyError, match="streamer"):
-            gen.generate(rows(6, 8)[0], max_new_tokens=200, pad_token_id=0, streamer=Raising())
+            gen.generate(rows(6, 8)[0], max_new_tokens=200, pad_token_id=0, streamer=RaisingStreamer(3, KeyError("streamer")))
         eng = gen._engine.engine
         deadline = time.monotonic() + 5
         while eng.has_unfinished and time.monotonic() < deadline:

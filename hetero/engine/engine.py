@@ -37,10 +37,11 @@ import torch
 from hetero import attention
 from hetero.config import HeteroConfig
 from hetero.cpu_attention.planner import StaticPlanner
-from hetero.engine import sampler as sampling, saved as engine_saved
+from hetero.engine import sampler as sampling
 from hetero.engine.kv_hybrid import HybridKVCacheManager
 from hetero.engine.kv_pool import BLOCK_SIZE, BlockPool, KVCacheManager
 from hetero.engine.config import EngineConfig
+from hetero.engine.documents import Documents
 from hetero.engine.pacing import Pacer
 from hetero.engine.paged import PagedKV, pool_sizes
 from hetero.engine.request import Request, RequestStatus
@@ -57,11 +58,10 @@ from hetero.settings import MODEL_DEFAULT, as_int, generation_settings, resolve_
 log = logging.getLogger("hetero")
 
 DEFAULT_MAX_MODEL_LEN = 32768     # tokens per request when the model states no limit
+STALLED_STEPS = 10_000            # steps in a row that compute nothing with requests unfinished: they fail
 
 
-STALLED_STEPS = 10_000       # steps in a row that compute nothing with requests unfinished: they fail
-
-class Engine:
+class Engine(Documents):
     """Continuous batching of requests over `model` (a transformers causal LM, see the module doc)."""
 
     def __init__(self, model, config: EngineConfig | None = None, *, tokenizer=None, adapters: dict | None = None,
@@ -247,68 +247,6 @@ class Engine:
             self.start()
         return stream
 
-    # ---- documents kept in the pool
-    def pin(self, prompt, adapter: str | None = None, request_id: str | None = None) -> RequestStream:
-        """Compute a prompt (a document) and keep its whole 32-token blocks in the pool until
-        unpin(): every later request starting with it reads them (never evicted, never
-        recomputed). Returns its stream: result() waits for it; then `stream.pinned_blocks`."""
-        ids = self._checked_prompt(prompt)
-        if adapter is not None and adapter not in self.adapters:
-            raise AdapterError(f"no adapter named {adapter!r} is loaded (loaded: {self.adapters})")
-        if len(ids) > self.max_model_len:
-            raise CapacityError(f"a prompt of {len(ids)} tokens is past the engine's max_model_len={self.max_model_len}")
-        rid = request_id if request_id is not None else self._new_id("pin")
-        req = Request(rid, ids, 0, adapter=adapter, adapter_key=self.adapter_key(adapter), pin_prompt=True)
-        stream = RequestStream(self, rid, len(ids))
-        stream.prompt_ids, stream.adapter, stream.adapter_key = ids, adapter, req.adapter_key
-        return self._queue(req, None, stream)
-
-    def save_pin(self, stream: RequestStream, path, extra: dict | None = None) -> None:
-        """Write a computed pin()'s blocks to `path` (hetero's saved-context format, atomically);
-        extra: a JSON object kept with it (load_pin returns it)."""
-        self._own_stream(stream, "save_pin")
-        stream.result()
-        engine_saved.save_pin(self, stream, path, extra)
-
-    def load_pin(self, path) -> tuple[RequestStream, dict]:
-        """A document saved by save_pin, loaded into the pool and pinned without computing it: (its
-        stream, finished once loaded; unpin() releases it, and the extra the file keeps). A file
-        from another model or adapter, or corrupted, raises ContextFileError naming the difference."""
-        header, adapter = engine_saved.read(self, path)         # the file's adapter is the one loaded now
-        rid = self._new_id("load")
-        stream = RequestStream(self, rid, header["length"])
-        stream.prompt_ids, stream.adapter = header["tokens"] + header["pending"], adapter
-        stream.adapter_key = self.adapter_key(adapter)             # still that one when the engine loads it
-        self._post(("load", header, adapter, str(path), stream))
-        stream.result()
-        return stream, header.get("extra") or {}
-
-    def adapter_digest(self, name: str | None):
-        """What identifies a loaded adapter's weights in a saved file (None: the base model / not loaded)."""
-        store, _ = self._lora()
-        if name is None or store is None or name not in store.adapters:
-            return None
-        return store.digest(store.adapters[name])
-
-    def pin_kv(self, snapshot, adapter: str | None = None, then=None) -> RequestStream:
-        """Pin a document whose KV another holder has, copied into the pool without computing it.
-        snapshot() runs in the engine thread between two steps and gives (the token ids of whole
-        blocks, a source whose read_rows(layer, 0, n) gives their key and value rows [Hkv, n, D]):
-        a HeteroGenerator Context's tokens and session; then(stream), if given, runs there right
-        after the copy (the source may let its rows go). Returns its stream, finished once pinned
-        (its pinned_blocks); unpin() releases them."""
-        if adapter is not None and adapter not in self.adapters:
-            raise AdapterError(f"no adapter named {adapter!r} is loaded (loaded: {self.adapters})")
-        stream = RequestStream(self, self._new_id("copy"), 0)
-        stream.adapter, stream.adapter_key = adapter, self.adapter_key(adapter)
-        self._post(("copy", snapshot, adapter, then, stream))
-        return stream
-
-    def _own_stream(self, stream, what: str) -> None:
-        if not isinstance(stream, RequestStream) or stream.engine is not self:
-            raise ValueError(f"{what}() takes a stream of this engine's pin(), load_pin() or pin_kv(); got "
-                             f"{'another engine' + chr(39) + 's stream' if isinstance(stream, RequestStream) else repr(stream)}")
-
     def _post(self, item) -> None:
         """An item for the engine thread's inbox (drained at the next step)."""
         with self._lock:
@@ -318,13 +256,6 @@ class Engine:
             self.start()
         else:
             self._drain_inbox()
-
-    def unpin(self, stream: RequestStream) -> None:
-        """Release a pin()'s blocks (at the next step): cached, evicted when the room is needed."""
-        self._own_stream(stream, "unpin")
-        with self._lock:
-            self._inbox.append(("unpin", stream))
-            self._lock.notify_all()
 
     # ---- adapters
     @property
@@ -419,15 +350,12 @@ class Engine:
         for r in [r for r in self.scheduler.requests.values() if r.adapter is not None]:
             if store is None or r.adapter not in store.adapters or self.adapter_key(r.adapter) != r.adapter_key:
                 self.scheduler.abort(r.request_id)              # unloaded (or reloaded) since it was added
-                self._samplers.pop(r.request_id, None)
-                self._streams.pop(r.request_id)._push([], error=AdapterError(
+                self._fail(r.request_id, AdapterError(
                     f"adapter {r.adapter!r} was unloaded (or reloaded with other weights) while the request ran"))
         start = time.perf_counter()
         plan = self.scheduler.schedule(self.pacer.limit(sum(map(is_decoding, self.scheduler.running))))
         for r, why in plan.refused:               # the pins took its room since it was added
-            self._samplers.pop(r.request_id, None)
-            self._streams.pop(r.request_id)._push([], error=CapacityError(
-                f"request {r.request_id!r} needs {r.max_rows} KV rows: {why}"))
+            self._fail(r.request_id, CapacityError(f"request {r.request_id!r} needs {r.max_rows} KV rows: {why}"))
         if plan.empty:
             self._stalled = self._stalled + 1 if self.scheduler.has_unfinished else 0
             if self._stalled >= STALLED_STEPS:    # never seen: a scheduler bug must not hang its callers
@@ -447,13 +375,11 @@ class Engine:
         for r, err in zip(rows, errors):          # a request's own processor or criterion raised: it alone fails
             if err is not None:
                 self.scheduler.abort(r.request_id)
-                self._samplers.pop(r.request_id, None)
-                self._streams.pop(r.request_id)._push([], error=err, own=True)
-        if any(errors):
-            keep = [i for i, err in enumerate(errors) if err is None]
-            rows, tokens, stopped = [rows[i] for i in keep], [tokens[i] for i in keep], [stopped[i] for i in keep]
-        sampled = {r.request_id: t for r, t in zip(rows, tokens)}
-        finished = self.scheduler.update(plan, sampled, {r.request_id for r, st in zip(rows, stopped) if st})
+                self._fail(r.request_id, err, own=True)
+        sampled = {r.request_id: t for r, t, err in zip(rows, tokens, errors) if err is None}
+        stops = {r.request_id for r, st in zip(rows, stopped) if st}
+        rows = [r for r in rows if r.request_id in sampled]
+        finished = self.scheduler.update(plan, sampled, stops)
         done = {r.request_id for r in finished}
         for r in rows:
             if r.request_id not in done:
@@ -489,24 +415,7 @@ class Engine:
             elif item[0] == "unpin":
                 self._unpin(item[1])
             elif item[0] in ("load", "copy"):
-                stream = item[-1]
-                try:
-                    if item[0] == "load":
-                        _, header, adapter, path, _ = item
-                        stream.pinned_blocks = engine_saved.load_into(self, header, adapter, stream.adapter_key,
-                                                                      path, stream.request_id)
-                    else:
-                        _, snapshot, adapter, then, _ = item
-                        tokens, source = snapshot()
-                        stream.prompt_ids = tokens
-                        stream.pinned_blocks = engine_saved.copy_into(self, tokens, source, adapter,
-                                                                      stream.adapter_key, stream.request_id)
-                        if then is not None:
-                            then(stream)
-                except Exception as e:          # the file's or the source's (ContextFileError, ...): as it is
-                    stream._push([], error=e, own=True)
-                else:
-                    stream._push([], "length")
+                self._take_document(item)
             else:
                 r = self.scheduler.abort(item[1])
                 if r is not None:
@@ -523,19 +432,17 @@ class Engine:
             self._unpin(stream)
         stream._push(last, reason)
 
-    def _unpin(self, stream: RequestStream):
-        stream.unpinned = True
-        blocks, stream.pinned_blocks = stream.pinned_blocks, None
-        if blocks:
-            self.kv_manager.unpin(blocks)
+    def _fail(self, rid: str, e: BaseException, own: bool = False):
+        """A request out of the scheduler (aborted, refused) ends with error e (own: its caller's)."""
+        self._samplers.pop(rid, None)
+        self._streams.pop(rid)._push([], error=e, own=own)
 
     def _fail_all(self, e: BaseException):
         """A step raised: every live request fails with it (their blocks freed)."""
         self.runner.stage.clear()
         for rid in list(self.scheduler.requests):
             self.scheduler.abort(rid)
-            self._samplers.pop(rid, None)
-            self._streams.pop(rid)._push([], error=e)
+            self._fail(rid, e)
 
     def start(self):
         """Run steps in a background thread while there is work (idempotent)."""

@@ -154,7 +154,7 @@ class PagedKV:
                 Vl.index_copy_(1, blocks, vb.contiguous().cpu())
             else:
                 if key.is_cuda:                 # the transposes on the GPU, then a copy per run and head
-                    kb, vb = kb.contiguous(), vb.contiguous()
+                    kb, vb = kb.contiguous(), vb.contiguous()     # (synchronous: the pool is not page-locked)
                 for i, lo, cnt in runs:
                     for h in range(Hkv) if key.is_cuda else (slice(None),):
                         Kw[h, lo:lo + cnt].copy_(kb[h, i:i + cnt])
@@ -186,8 +186,9 @@ class PagedKV:
         b0, nb = first // BK, -(-n // BK) - first // BK
         Kl, Vl = self.kv[layer]
         idx = table[b0:b0 + nb]
-        lo = int(idx[0]) if nb else 0
-        if nb and lo >= 0 and int(idx[-1]) - lo == nb - 1 and bool((idx[1:] - idx[:-1] == 1).all()):
+        runs = consecutive_runs(idx)
+        if len(runs) == 1 and runs[0][1] >= 0:
+            lo = runs[0][1]
             K, V = Kl[:, lo:lo + nb], Vl[:, lo:lo + nb]           # a run of consecutive blocks: a view
         else:
             K, V = Kl.index_select(1, idx), Vl.index_select(1, idx)   # [Hkv, nb, Dp, BK], [Hkv, nb, Dp/W, BK, W]

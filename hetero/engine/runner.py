@@ -272,6 +272,6 @@ class ModelRunner:
             name = s.request.adapter
             segs.append((off, off + s.num_new_tokens, None if name is None else store.adapters[name]))
             off += s.num_new_tokens
-        owner = {r: a for r0, r1, a in segs for r in (r1 - 1,)}        # a request's last row -> its adapter
+        owner = {r1 - 1: a for _, r1, a in segs}                        # a request's last row -> its adapter
         kept = [(i, i + 1, owner[row]) for i, row in enumerate(sample or [rows - 1])] if self.keeps_logits else None
         return LoraBatch.packed(store, segs, owner=hooks, kept=kept)
