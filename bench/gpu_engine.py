@@ -5,7 +5,9 @@ L random prompt tokens each (no shared prefix: cold KV, as in a real service's f
 added at once (the saturating load), each asking --new tokens (greedy, eos ignored so both do the
 same work). Systems, each (N, L, system) in a fresh process:
   engine   hetero.Engine: prefill on the GPU in --chunk-token steps, KV in the host's shared-memory
-           pool, decode attention on the CPU workers (every core but one), the dense layers on the GPU
+           pool, decode attention on the CPU workers (every core but one), the dense layers on the GPU;
+           each layer's decode job posted and merged by the GPU (the CUDA transport, CudaDecode)
+  engine_host  the same with the decode jobs' q/k/v and outputs copied by the host (transport="host")
   hf_cb    transformers' ContinuousBatchingManager (init_continuous_batching, its default cache
            sizing: a share of the GPU's free memory), sdpa/paged attention on the GPU
 Per cell: throughput (output tokens / (last token - first add)), TTFT and inter-token p50/p99,
@@ -27,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench.gpu_decode as gd  # noqa: E402
 from bench.common import machine, positive, run_child, write_json  # noqa: E402
 
-SYSTEMS = ("engine", "hf_cb")
+SYSTEMS = ("engine", "engine_host", "hf_cb")
 TARGET = 1.5
 
 
@@ -53,7 +55,7 @@ def metrics(start, token_times, new):
             "itl_p50_s": pct(itl, 50), "itl_p99_s": pct(itl, 99), "complete": all(len(t) == new for t in token_times)}
 
 
-def run_engine(model, ps, args):
+def run_engine(model, ps, args, transport="auto"):
     from hetero import Engine, EngineConfig
     from hetero.engine.kv_pool import BLOCK_SIZE
 
@@ -61,7 +63,8 @@ def run_engine(model, ps, args):
     row = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
     blocks = sum(-(-(len(p) + args.new) // BLOCK_SIZE) for p in ps) + 2 * len(ps)
     ecfg = EngineConfig(max_num_seqs=len(ps), max_num_batched_tokens=args.chunk, long_prefill_chunk=args.chunk,
-                        kv_memory=blocks * BLOCK_SIZE * row, max_model_len=len(ps[0]) + args.new + 64)
+                        kv_memory=blocks * BLOCK_SIZE * row, max_model_len=len(ps[0]) + args.new + 64,
+                        transport=transport)
     t0 = time.monotonic()
     with Engine(model, ecfg) as eng:
         log(f"engine up in {time.monotonic() - t0:.1f} s (pool {eng.kv.num_blocks} blocks)")
@@ -82,7 +85,8 @@ def run_engine(model, ps, args):
             done.set()
         return metrics(start, [s.token_times for s in streams], args.new) | {
             "warmup_s": warm, "steps": eng.steps, "preemptions": eng.scheduler.num_preemptions,
-            "pool_bytes": eng.kv.num_blocks * BLOCK_SIZE * row} | ({"phases": phases} if phases else {})
+            "pool_bytes": eng.kv.num_blocks * BLOCK_SIZE * row, "transport": "cuda" if eng.kv.gpu else "host"} | (
+                {"phases": phases} if phases else {})
 
 
 PHASES = (("runner", "execute"), ("kv", "post_decode"), ("kv", "finish_decode"), ("kv", "write_rows"),
@@ -170,7 +174,10 @@ def one(args):
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     try:
-        res = (run_engine if args.one == "engine" else run_hf_cb)(model, ps, args)
+        if args.one == "hf_cb":
+            res = run_hf_cb(model, ps, args)
+        else:
+            res = run_engine(model, ps, args, "host" if args.one == "engine_host" else "auto")
     except torch.OutOfMemoryError as e:
         res = {"oom": True, "error": str(e)[:300]}
     if args.device == "cuda":
@@ -215,7 +222,7 @@ def main():
             if r.get("phases"):
                 print("  phases (calls, s): " + ", ".join(f"{k} {c} {t:.2f}" for k, (c, t) in r["phases"].items()))
             row[s] = r
-            print(f"{n:3d} x {L:6d} {s:7s} " + (
+            print(f"{n:3d} x {L:6d} {s:11s} " + (
                 f"{r['throughput_tok_s']:8.1f} tok/s  TTFT p50 {r['ttft_p50_s']:.2f} p99 {r['ttft_p99_s']:.2f} s  "
                 f"ITL p50 {r['itl_p50_s'] * 1e3:.0f} p99 {r['itl_p99_s'] * 1e3:.0f} ms  peak GPU "
                 f"{(r.get('peak_gpu_bytes') or 0) / 2**30:.1f} GiB" if "throughput_tok_s" in r else
@@ -226,11 +233,15 @@ def main():
             summary[f"{n}x{L // 1024}K engine / hf_cb throughput"] = (round(x, 2), x >= TARGET)
         elif "throughput_tok_s" in e and "hf_cb" in row:
             summary[f"{n}x{L // 1024}K served by the engine, not by hf_cb"] = (True, True)
+        eh = row.get("engine_host", {})
+        if "throughput_tok_s" in e and "throughput_tok_s" in eh:   # what the CUDA transport gives (no target)
+            summary[f"{n}x{L // 1024}K engine / engine_host throughput"] = (
+                round(e["throughput_tok_s"] / eh["throughput_tok_s"], 2), None)
         rows.append(row)
         write_json(f"{args.out}.json", {"machine": machine(), "shape": args.shape, "new": args.new,
                                         "chunk": args.chunk, "rows": rows, "summary": summary}, args.copy_to)
     for k, (v, met) in summary.items():
-        print(f"  {'MET ' if met else 'MISS'} {k}: {v}")
+        print(f"  {'MET ' if met else '    ' if met is None else 'MISS'} {k}: {v}")
 
 
 if __name__ == "__main__":

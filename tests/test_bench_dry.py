@@ -46,3 +46,16 @@ def test_report_gpu_tables_take_partial_runs(tmp_path, monkeypatch):
     dec, pre_table = report.gpu_decode_table(), report.gpu_prefill_table()
     assert "| gpu_decode_lora | 8K | 40.0 |" in dec and "hetero + LoRA (CUDA)" in dec and "OOM" in dec
     assert "| gpu_prefill_512k | 512K | OOM | - | - | 300.00 (9.00) [2.00] (auto) |" in pre_table
+
+
+def test_gpu_engine_cell_dry_run():
+    """bench/gpu_engine.py's engine_host cell (--phases) serves a tiny model's load and reports
+    its throughput, the transport it used and where its steps' time went."""
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_engine.py"), "--one", "engine_host",
+                        "--shape", "tiny", "--n", "2", "--context", "96", "--new", "3", "--chunk", "64",
+                        "--device", "cpu", "--phases"], capture_output=True, text=True, timeout=180, cwd=ROOT)
+    line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+    assert p.returncode == 0 and line, p.stderr[-2000:]
+    out = json.loads(line[0][len("RESULT "):])
+    assert out["complete"] and out["throughput_tok_s"] > 0 and out["transport"] == "host"
+    assert 0 < out["phases"]["execute"][0] < out["steps"] and out["phases"]["post_decode"][0] > 0   # warm-up untimed

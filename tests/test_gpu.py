@@ -313,15 +313,21 @@ def test_cuda_auto_chunk_on_little_free_memory_matches_hf(monkeypatch):
 
 @pytest.mark.parametrize("model_type,dtype", [("llama", torch.float32), ("qwen2", torch.float32),
                                               ("gemma2", torch.float32), ("gemma3_text", torch.float32)])
-def test_cuda_engine_matches_hf(model_type, dtype):
-    """(Gemma 2 and 3 mix windowed and full layers: the windowed layers' pool of their own.)"""
-    engine_matches_hf(model_type, dtype, "cuda")
+@pytest.mark.parametrize("transport", ["cuda", "host"])
+def test_cuda_engine_matches_hf(model_type, dtype, transport):
+    """(Gemma 2 and 3 mix windowed and full layers: the windowed layers' pool of their own.)
+    "cuda": the GPU posts the decode jobs and merges them (CudaDecode); "host": host copies."""
+    def used(eng):
+        assert (eng.kv.gpu is not None) == (transport == "cuda")
+
+    engine_matches_hf(model_type, dtype, "cuda", transport=transport, hook=used)
 
 
-def engine_matches_hf(model_type, dtype, device):
+def engine_matches_hf(model_type, dtype, device, transport="auto", hook=None):
     """The engine on a CUDA model: requests joining while others decode, a shared document found
     in the pool, and preemption under a small pool each give HF generate's tokens on the GPU for
-    that request alone; every block comes back."""
+    that request alone; every block comes back. hook(engine): called on each engine built (the
+    host build of the CUDA protocol on a CPU: tests/test_engine_transport.py)."""
     from hetero import Engine, EngineConfig
     from tests.test_engine import prompts
 
@@ -332,7 +338,10 @@ def engine_matches_hf(model_type, dtype, device):
     for ps, new, cfg in ((mixed, 8, dict(kv_blocks=64, long_prefill_chunk=16, max_num_batched_tokens=48)),
                          (prompts([60, 50, 70, 40], seed=5), 24,             # 9 blocks: preemption
                           dict(kv_blocks=9, long_prefill_chunk=None, max_num_batched_tokens=64))):
-        with Engine(model, EngineConfig(background=False, cpu_workers=2, max_model_len=256, **cfg)) as eng:
+        with Engine(model, EngineConfig(background=False, cpu_workers=2, max_model_len=256, transport=transport,
+                                        **cfg)) as eng:
+            if hook is not None:
+                hook(eng)
             streams = [eng.add_request(p, new, output_scores=True) for p in ps[:3]]
             for _ in range(3):
                 eng.step()
@@ -350,6 +359,37 @@ def engine_matches_hf(model_type, dtype, device):
             assert s.token_ids == ref.sequences[0, len(p):].tolist(), (model_type, cfg, s.request_id)
             torch.testing.assert_close(torch.stack(s.scores).float().cpu(), torch.cat(ref.scores).float().cpu(),
                                        atol=tol, rtol=tol)
+
+
+def test_cuda_engine_dead_worker_fails_its_requests_within_2s():
+    """A worker killed while the GPU waits on an engine step's decode job: the watchdog releases
+    the stream, the step fails its requests with WorkerDiedError within 2 s, and close() leaves
+    no shared-memory name."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from hetero import Engine, EngineConfig, EngineError
+    from hetero.errors import WorkerDiedError
+    from tests.conftest import our_segments
+    from tests.test_engine import prompts
+
+    before = set(our_segments(os.getpid()))
+    model = build_model("llama", max_position_embeddings=8192)[0].cuda()
+    with Engine(model, EngineConfig(cpu_workers=2, max_model_len=8192, transport="cuda")) as eng:
+        assert eng.kv.gpu is not None
+        streams = [eng.add_request(p, 6000, ignore_eos=True) for p in prompts([40, 300], seed=2)]
+        next(iter(streams[0]))                          # decoding
+        killed = []
+        threading.Timer(0.3, lambda: (os.kill(eng.pool.procs[0].pid, signal.SIGKILL),
+                                      killed.append(time.perf_counter()))).start()
+        for s in streams:
+            with pytest.raises(EngineError, match="worker 0"):
+                s.result(timeout=30)
+            assert isinstance(s.error, WorkerDiedError)
+        assert killed and time.perf_counter() - killed[0] < 2.0
+    assert set(our_segments(os.getpid())) == before
 
 
 def test_cuda_overlapping_generate_calls_join_the_engine_and_match_hf():

@@ -50,6 +50,18 @@ def host_lib():
     return _HOST[0]
 
 
+def host_wait_and_merge(t, s, out, sink):
+    """The stream's wait for transport t's posted job (a spin on hetero_host_released: FIN == UNITS
+    or ABORT), then the merge kernel's loop over s's partials into out (hetero_host_merge)."""
+    words = t.pool.words
+    while not t.lib.hetero_host_released(words.ctypes.data, int(t.iparams[5])):
+        time.sleep(0)
+    merged = torch.empty(out.shape, dtype=torch.float32)
+    t.lib.hetero_host_merge(s.part_o.data_ptr(), s.part_m.data_ptr(), s.part_l.data_ptr(), _p(t.dims), _p(t.iparams),
+                            _p(t.fparams), None if sink is None else sink.data_ptr(), merged.data_ptr())
+    out.copy_(merged)
+
+
 class _Done:
     def query(self):
         return True
@@ -76,16 +88,8 @@ class HostTransport(CudaTransport):
         # the copy-out kernel's index math, on the host (q, k, v: contiguous, the storage dtype)
         self.lib.hetero_host_copy_out(q.data_ptr(), k.data_ptr(), v.data_ptr(), s.q.data_ptr(), s.knew.data_ptr(),
                                       s.vnew.data_ptr(), _p(self.dims), q.element_size())
-        words = self.pool.words
-        self.lib.hetero_host_publish(words.ctypes.data, _p(self.iparams), _p(self.fparams))
-        units = int(self.iparams[5])
-        while not self.lib.hetero_host_released(words.ctypes.data, units):
-            time.sleep(0)
-        merged = torch.empty(out.shape, dtype=torch.float32)
-        self.lib.hetero_host_merge(s.part_o.data_ptr(), s.part_m.data_ptr(), s.part_l.data_ptr(), _p(self.dims),
-                                   _p(self.iparams), _p(self.fparams), None if sink is None else sink.data_ptr(),
-                                   merged.data_ptr())
-        out.copy_(merged)
+        self.lib.hetero_host_publish(self.pool.words.ctypes.data, _p(self.iparams), _p(self.fparams))
+        host_wait_and_merge(self, s, out, sink)
         HostTransport.launches += 1
 
     def _launch_lora_post(self, code, x):

@@ -29,7 +29,8 @@ class BuildError(HeteroError):
 
 def defines():
     words = {"LINE": C.LINE, "CMD": C.CMD, "LAYER": C.LAYER, "QLEN": C.QLEN, "WINDOW": C.WINDOW,
-             "NSPLIT": C.NSPLIT, "PSPLIT": C.PSPLIT, "UNITS": C.UNITS, "F_SCALE": C.F_SCALE, "F_SOFTCAP": C.F_SOFTCAP,
+             "NSPLIT": C.NSPLIT, "PSPLIT": C.PSPLIT, "NGROUPS": C.NGROUPS, "UNITS": C.UNITS,
+             "F_SCALE": C.F_SCALE, "F_SOFTCAP": C.F_SOFTCAP,
              "TICKET": C.TICKET, "FIN": C.FIN, "ABORT": C.ABORT, "DONE_LINE": C.DONE_LINE,
              "CMD_BITS": C.CMD_BITS, "TAG_MASK": C.TAG_MASK, "CMD_ATTN": C.CMD_ATTN, "CMD_LORA_GPU": C.CMD_LORA_GPU,
              "F32": F32, "BF16": BF16, "F16": F16}

@@ -29,8 +29,6 @@ void hetero_host_lora_add(float* out, const float* delta, int64_t rows, int64_t 
     for (int64_t i = 0; i < rows * dout; ++i) out[i] = lora_sum(out[i], delta[row_offset(i, dout, out_stride)]);
 }
 
-static Dims dims_of(const int64_t* d) { return Dims{d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]}; }
-
 // The merge kernel's loop on the host: out [B, T, Hq, D] f32; sinks [Hq] or null.
 void hetero_host_merge(const float* part_o, const float* part_m, const float* part_l, const int64_t* dims,
                        const int64_t* iparams, const double* fparams, const float* sinks, float* out) {

@@ -25,12 +25,13 @@ struct JobParams {
     double scale, softcap;
     int64_t active;     // workers 0..active-1 are posted
     int64_t psplit;     // a shared prefix's splits (their partials: slots 0..psplit-1; the own: psplit..)
+    int64_t ngroups;    // a paged pool's shared-prefix groups this job (the engine's PagedKV; a session's 0)
 };
 
 // JobParams from the host's arrays (signal.cu's entry point and the host build read them alike):
-// iparams = seq, layer, T, window, nsplit, units, active, psplit; fparams = scale, softcap.
+// iparams = seq, layer, T, window, nsplit, units, active, psplit, ngroups; fparams = scale, softcap.
 HD JobParams job_params(const int64_t* i, const double* f) {
-    return JobParams{i[0], i[1], i[2], i[3], i[4], i[5], f[0], f[1], i[6], i[7]};
+    return JobParams{i[0], i[1], i[2], i[3], i[4], i[5], f[0], f[1], i[6], i[7], i[8]};
 }
 
 // The split partials an output row merges: the shared prefix's (slots 0..psplit-1), then the
@@ -43,6 +44,9 @@ HD int64_t merge_slots(const JobParams& p) { return p.psplit + p.nsplit; }
 struct Dims {
     int64_t B, Hq, Hkv, T, D, Tmax, Dp, NS;
 };
+
+// Dims from the host's array (signal.cu's entry points and the host build read it alike).
+HD Dims dims_of(const int64_t* d) { return Dims{d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]}; }
 
 // Element i of a [B, H, T, D] tensor -> its offset in a [B, H, Tmax, Dp] staging array.
 HD int64_t staged_offset(int64_t i, const Dims& s) {
@@ -91,6 +95,7 @@ HD void publish_job(volatile int64_t* ctrl, const JobParams& p) {
     store_word(ctrl, HW_WINDOW, p.window);
     store_word(ctrl, HW_NSPLIT, p.nsplit);
     store_word(ctrl, HW_PSPLIT, p.psplit);
+    store_word(ctrl, HW_NGROUPS, p.ngroups);     // read by a paged pool's workers only
     store_word(ctrl, HW_UNITS, p.units);
     volatile double* f = reinterpret_cast<volatile double*>(ctrl);
     f[HW_F_SCALE] = p.scale;

@@ -7,6 +7,8 @@
 //   wait_job         one thread spins until the job's units are all finished (FIN == UNITS)
 //                    or ABORT is set (the host watchdog, or a worker that failed its job).
 //   merge_partials   the split partials (mapped) -> the attention output [B, T, Hq, D] (device).
+// hetero_attention_step enqueues the three; hetero_attention_post and _finish the first and the
+// last two apart (the engine: its prompt chunks are attended on the device in between).
 // Once ABORT is set, later layers publish nothing and merge zeros (the host raises).
 //
 // Plain CUDA C++ with a C ABI, loaded through ctypes (hetero/cuda/build.py compiles it with
@@ -86,15 +88,22 @@ __global__ void merge_partials(const float* part_o, const float* part_m, const f
             from_f32<T>(aborted ? 0.f : merge_value(o, rows * s.Dp, m, rows, nsplit, M, den, d));
 }
 
+// A layer's first half: q, new k/v -> the staging, then the job published (the workers start).
 template <typename T>
-static cudaError_t step(cudaStream_t stream, const void* q, const void* k, const void* v, void* q_st, void* k_st,
-                        void* v_st, const void* part_o, const void* part_m, const void* part_l, const float* sinks,
-                        void* out, Dims s, volatile int64_t* ctrl, JobParams p, unsigned int* blocks_done) {
+static cudaError_t post(cudaStream_t stream, const void* q, const void* k, const void* v, void* q_st, void* k_st,
+                        void* v_st, Dims s, volatile int64_t* ctrl, JobParams p, unsigned int* blocks_done) {
     int64_t n = (s.B * s.Hq + 2 * s.B * s.Hkv) * s.T * s.D;
     int threads = 256, blocks = (int)((n + threads - 1) / threads);
     blocks = blocks < 1 ? 1 : (blocks > 64 ? 64 : blocks);
     copy_out_signal<T><<<blocks, threads, 0, stream>>>((const T*)q, (const T*)k, (const T*)v, (float*)q_st,
                                                        (T*)k_st, (T*)v_st, s, ctrl, p, blocks_done);
+    return cudaGetLastError();
+}
+
+// Its second half: wait for the job's units, merge the partials into `out`.
+template <typename T>
+static cudaError_t finish(cudaStream_t stream, const void* part_o, const void* part_m, const void* part_l,
+                          const float* sinks, void* out, Dims s, const volatile int64_t* ctrl, JobParams p) {
     wait_job<<<1, 1, 0, stream>>>(ctrl, p.units);
     int mthreads = s.D < 128 ? 64 : 128;
     merge_partials<T><<<(unsigned)(s.B * s.T * s.Hq), mthreads, 0, stream>>>(   // prefix and own splits
@@ -198,22 +207,47 @@ int hetero_lora_finish(void* stream, int dtype, void* out, const void* delta, in
 }
 
 
-// One layer's attention round trip, enqueued on `stream`. dtype: kernel.F32 / BF16 / F16 codes.
-int hetero_attention_step(void* stream, int dtype, const void* q, const void* k, const void* v, void* q_st,
-                          void* k_st, void* v_st, const void* part_o, const void* part_m, const void* part_l,
-                          const float* sinks, void* out, const int64_t* dims, void* ctrl, const int64_t* iparams,
+// A layer's round trip in two halves (the engine's decode tokens, hetero.engine.paged: the model's
+// device attends a step's prompt chunks while the workers run): post, then finish.
+int hetero_attention_post(void* stream, int dtype, const void* q, const void* k, const void* v, void* q_st,
+                          void* k_st, void* v_st, const int64_t* dims, void* ctrl, const int64_t* iparams,
                           const double* fparams, void* blocks_done) {
-    Dims s{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7]};
-    JobParams p = job_params(iparams, fparams);
+    const Dims s = dims_of(dims);
+    const JobParams p = job_params(iparams, fparams);
     cudaStream_t st = (cudaStream_t)stream;
     volatile int64_t* c = (volatile int64_t*)ctrl;
     unsigned int* bd = (unsigned int*)blocks_done;
     switch (dtype) {
-        case HW_F32: return step<float>(st, q, k, v, q_st, k_st, v_st, part_o, part_m, part_l, sinks, out, s, c, p, bd);
-        case HW_BF16: return step<__nv_bfloat16>(st, q, k, v, q_st, k_st, v_st, part_o, part_m, part_l, sinks, out, s, c, p, bd);
-        case HW_F16: return step<__half>(st, q, k, v, q_st, k_st, v_st, part_o, part_m, part_l, sinks, out, s, c, p, bd);
+        case HW_F32: return post<float>(st, q, k, v, q_st, k_st, v_st, s, c, p, bd);
+        case HW_BF16: return post<__nv_bfloat16>(st, q, k, v, q_st, k_st, v_st, s, c, p, bd);
+        case HW_F16: return post<__half>(st, q, k, v, q_st, k_st, v_st, s, c, p, bd);
     }
     return (int)cudaErrorInvalidValue;
+}
+
+int hetero_attention_finish(void* stream, int dtype, const void* part_o, const void* part_m, const void* part_l,
+                            const float* sinks, void* out, const int64_t* dims, const void* ctrl,
+                            const int64_t* iparams, const double* fparams) {
+    const Dims s = dims_of(dims);
+    const JobParams p = job_params(iparams, fparams);
+    cudaStream_t st = (cudaStream_t)stream;
+    const volatile int64_t* c = (const volatile int64_t*)ctrl;
+    switch (dtype) {
+        case HW_F32: return finish<float>(st, part_o, part_m, part_l, sinks, out, s, c, p);
+        case HW_BF16: return finish<__nv_bfloat16>(st, part_o, part_m, part_l, sinks, out, s, c, p);
+        case HW_F16: return finish<__half>(st, part_o, part_m, part_l, sinks, out, s, c, p);
+    }
+    return (int)cudaErrorInvalidValue;
+}
+
+// One layer's attention round trip, enqueued on `stream` (both halves). dtype: kernel.F32 / BF16 / F16 codes.
+int hetero_attention_step(void* stream, int dtype, const void* q, const void* k, const void* v, void* q_st,
+                          void* k_st, void* v_st, const void* part_o, const void* part_m, const void* part_l,
+                          const float* sinks, void* out, const int64_t* dims, void* ctrl, const int64_t* iparams,
+                          const double* fparams, void* blocks_done) {
+    int rc = hetero_attention_post(stream, dtype, q, k, v, q_st, k_st, v_st, dims, ctrl, iparams, fparams, blocks_done);
+    return rc != 0 ? rc : hetero_attention_finish(stream, dtype, part_o, part_m, part_l, sinks, out, dims, ctrl,
+                                                  iparams, fparams);
 }
 
 // Page-lock [ptr, ptr + nbytes) (portable, mapped) and give its device address.

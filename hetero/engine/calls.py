@@ -24,6 +24,7 @@ each needs it.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 
@@ -124,7 +125,10 @@ class GeneratorEngine:
                         g = ref()
                         return (g._store, g._hooks) if g is not None and g._store is not None else (None, None)
 
-                    self.engine = Engine(model, self.config, pool=pool, planner=lambda: ref()._ensure_planner(pool),
+                    config = self.config      # a CUDA model's decode round trip: the generator's choice
+                    if config.transport == "auto":
+                        config = dataclasses.replace(config, transport=gen.config.transport)
+                    self.engine = Engine(model, config, pool=pool, planner=lambda: ref()._ensure_planner(pool),
                                          step_guard=lambda: calls.turn(model), lora=lora)
                 except (UnsupportedModelError, CapacityError) as err:
                     self.refused = str(err)

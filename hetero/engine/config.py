@@ -34,6 +34,10 @@ class EngineConfig:
     prefill_stage_memory: int | None = None   # bytes of the model's device that keep a chunked prompt's rows
                                               # between its chunks (runner.PrefillStage); None: on a GPU a
                                               # quarter of its free memory at start, on the CPU 0 (off)
+    transport: str = "auto"                   # a CUDA model's decode jobs: "auto": the CUDA extension (the GPU
+                                              # posts them and merges their results, hetero.ipc.cuda_transport)
+                                              # where it can be used, else host copies; "cuda": the extension or
+                                              # an error; "host": host copies
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -53,5 +57,7 @@ class EngineConfig:
         if isinstance(self.ram_fraction, bool) or not isinstance(self.ram_fraction, (int, float)) or \
                 not 0 < self.ram_fraction <= 1:
             raise ValueError(f"EngineConfig.ram_fraction must be in (0, 1], got {self.ram_fraction!r}")
+        if self.transport not in ("auto", "cuda", "host"):
+            raise ValueError(f"EngineConfig.transport must be 'auto', 'cuda' or 'host', got {self.transport!r}")
         if not hasattr(self.policy, "sort_key"):
             raise ValueError(f"EngineConfig.policy must have a sort_key method (a Policy), got {self.policy!r}")

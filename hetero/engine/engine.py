@@ -114,6 +114,8 @@ class Engine(Documents):
             table = -(-self.max_model_len // BLOCK_SIZE)     # a table's entries (under a ring, the -1s too)
             self.kv = PagedKV(pool, spec, num_blocks, table if self.window else min(table, num_blocks),
                               config.max_num_seqs, planner=planner or StaticPlanner(pool.n), ring_blocks=ring_blocks)
+            if model.device.type == "cuda":
+                self.kv.use_gpu(model.device, config.transport)
             if ring_blocks:                   # windowed and full layers: a pool each (Gemma 2/3, gpt-oss, ...)
                 self.kv_manager = HybridKVCacheManager(BlockPool(num_blocks), BlockPool(ring_blocks), self.window)
             else:

@@ -20,6 +20,11 @@ the blocks its window still sees.
                  by the unit that reads its block)       the workers; the parent (read_rows)
   part_o/m/l     the workers and the parent (units)      the parent (merge)
 
+On a CUDA model whose extension can be used (`gpu`: hetero.ipc.cuda_transport.CudaDecode), the
+GPU writes q/knew/vnew and publishes each layer's job itself, the workers alone take its units,
+and the GPU merges their partials: the host enqueues a step's layers without waiting for any
+(one synchronization a step, end_step); staging and partials are page-locked and mapped for that.
+
 A block read by several decoding requests (refcount > 1: a shared document) is read once per
 step for all of them: requests whose tables start with the same blocks form a group whose
 common blocks are attended in shared-prefix units (kernel.run_prefix_unit), at most
@@ -36,8 +41,9 @@ from hetero.cpu_attention import kernel
 from hetero.cpu_attention.kernel import BF16
 from hetero.cpu_attention.planner import StaticPlanner
 from hetero.cpu_attention.simd import BK, W
-from hetero.errors import CapacityError
+from hetero.errors import CapacityError, UnsupportedModelError
 from hetero.ipc import control as C, shm
+from hetero.ipc.cuda_transport import CudaDecode
 from hetero.ipc.transport import merge_partials
 from hetero.offload.arena import SessionLayout, layer_slots, slots_of
 from hetero.offload.session import STORAGE_CODES
@@ -77,6 +83,7 @@ class PagedKV:
             self.kv = [(Kr[i, 0], Vr[i, 0]) if r else (K[i, 0], V[i, 0])    # [Hkv, NB, Dp, BK], [Hkv, NB, Dp/W, BK, W]
                        for r, i in layer_slots(self.ringed)]
             self.part_o, self.part_m, self.part_l = (torch.from_numpy(v[n]) for n in ("part_o", "part_m", "part_l"))
+            self.lengths = v["lengths"]             # the layout's first array (a CudaDecode maps from it)
             rows = spec.q_heads // spec.kv_heads
             self._job = (v["q"], v["knew"], v["vnew"], v["K"], v["V"], v["Kr"], v["Vr"],
                          slots_of(self.ringed), v["tables"], v["rtables"],
@@ -92,6 +99,7 @@ class PagedKV:
         self.n = 0                    # decode requests this step (begin_decode)
         self.ngroups = self.nactive = self.nsplit = self.psplit = 0
         self._inflight = None         # (seq, nactive, units) of the layer's job between post and finish
+        self.gpu = None               # a CudaDecode (use_gpu): the GPU posts and merges the decode jobs
 
     @property
     def num_blocks(self) -> int:
@@ -104,6 +112,22 @@ class PagedKV:
     def _storage(self, arr):
         t = torch.from_numpy(arr)
         return t if arr.dtype == np.float32 else t.view(self.spec.dtype)
+
+    def use_gpu(self, device, want: str = "auto") -> None:
+        """A CUDA model's decode jobs through the extension (want: EngineConfig.transport; "auto"
+        falls back to host copies where it cannot be used, with one log line saying why)."""
+        if want == "host":
+            return
+        self.gpu = CudaDecode.open(self.pool, self, device, quiet=want == "cuda")
+        if self.gpu is None and want == "cuda":
+            raise UnsupportedModelError(f"EngineConfig.transport='cuda': the CUDA extension is unavailable "
+                                        f"({CudaDecode.why})")
+
+    def end_step(self) -> None:
+        """After a step's forward (or its failure): with a GPU posting, wait for it (raises a worker's
+        failure it saw)."""
+        if self.gpu is not None:
+            self.gpu.end_step()
 
     def open(self):
         """Map the pool in the workers (CMD_OPEN); the session they had mapped is unmapped."""
@@ -233,7 +257,7 @@ class PagedKV:
         v["skip"][:n] = 0
         v["order"][:n] = np.argsort(-L, kind="stable")
         self.ngroups = self._group(L, tables)
-        parent = True
+        parent = self.gpu is None                  # the GPU's jobs: the workers alone take units
         own = L - v["pstart"][:n]
         self.nactive, self.nsplit = self.planner.plan(own, 1, self.layout, parent)
         self.psplit = 0
@@ -277,21 +301,28 @@ class PagedKV:
         """Stage the decode tokens' q [n, Hq, D] and new k/v [n, Hkv, D] of `layer` and publish its
         job; the workers run it while the caller computes the prefill chunks (finish_decode)."""
         n, D = self.n, query.shape[-1]
+        ng, psplit = (0, 0) if window else (self.ngroups, self.psplit)    # a window reads its own rows only
+        units = ng * self.spec.kv_heads * psplit + n * self.spec.kv_heads * self.nsplit
+        if self.gpu is not None:                   # enqueued on the stream; the GPU publishes the job
+            self.gpu.post(self, layer, query, key, value, window=window, scale=scale, softcap=softcap,
+                          nsplit=self.nsplit, psplit=psplit, ngroups=ng, workers=self.nactive, units=units)
+            return
         self.pool.drain()                          # no job may still read the staging area
         self.q[:n, :, 0, :D].copy_(query)          # columns D..Dp-1 stay zero
         self.knew[:n, :, 0, :D].copy_(key)
         self.vnew[:n, :, 0, :D].copy_(value)
-        ng, psplit = (0, 0) if window else (self.ngroups, self.psplit)    # a window reads its own rows only
         w, f = self.pool.words, self.pool.floats
         w[C.LAYER], w[C.QLEN], w[C.WINDOW], w[C.NSPLIT] = layer, 1, window, self.nsplit
         w[C.PSPLIT], w[C.NGROUPS] = psplit, ng
         f[C.F_SCALE], f[C.F_SOFTCAP] = scale, softcap
-        units = ng * self.spec.kv_heads * psplit + n * self.spec.kv_heads * self.nsplit
         seq = self.pool.submit(C.CMD_ATTN, self.nactive, units, self._share)
         self._inflight = (seq, self.nactive, units, psplit)
 
     def finish_decode(self, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """Take units, wait for the posted job and merge: [n, Hq, D] f32 (CPU)."""
+        """Take units, wait for the posted job and merge: [n, Hq, D] f32 (CPU); with a GPU posting,
+        the wait and the merge enqueued: [n, Hq, D] on the GPU, the model's dtype."""
+        if self.gpu is not None:
+            return self.gpu.finish(self, sinks)
         seq, nactive, units, psplit = self._inflight
         self._inflight = None
         self.pool.wait(seq, nactive, units, self._share)
@@ -309,6 +340,12 @@ class PagedKV:
     def close(self):
         """Unmap in the workers and unlink. Idempotent; safe after a worker died."""
         failed = None
+        if self.gpu is not None:                  # its page locks, before the segment goes
+            gpu, self.gpu = self.gpu, None
+            try:
+                gpu.close()
+            except BaseException as e:
+                failed = e
         if self.opened:
             self.opened = False
             if self.pool.session is self:
@@ -317,7 +354,7 @@ class PagedKV:
                     try:
                         self.pool.run(C.CMD_CLOSE)
                     except BaseException as e:    # the segment is still unlinked below
-                        failed = e
+                        failed = failed or e
         self.q = self.knew = self.vnew = self.kv = self.part_o = self.part_m = self.part_l = None
         self.v = self._job = None
         if getattr(self, "seg", None) is not None:

@@ -252,6 +252,7 @@ class ModelRunner:
         finally:
             active_batch.reset(lora)
             attention.active_session.reset(token)
+            self.kv.end_step()                   # a GPU's decode jobs: the step's one synchronization
         for r, c in chunks:                  # the stage holds the chunk's rows now; a finished prompt's go
             if c.stage is not None:
                 c.stage.rows = c.start + c.n

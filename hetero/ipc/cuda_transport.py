@@ -8,6 +8,9 @@ hetero.ipc.transport for the seam it implements.
                  A step's length update waits for the step's end event, at the next step (the one
                  synchronization per token, which HF's generate loop makes anyway). LoRA decode
                  deltas take the same road (lora_begin / lora_end).
+  CudaDecode     the engine's decode tokens (hetero.engine.paged.PagedKV on a CUDA model): the
+                 same round trip in two halves per layer, post (copy-out + signal) and finish
+                 (wait + merge), with the step's prompt chunks attended on the device between.
   Watchdog       a host thread that releases the stream (ABORT) when a worker dies or stalls
                  (a worker that fails a job writes ABORT itself; the watchdog reports it);
                  the error is raised at the next call.
@@ -109,6 +112,9 @@ class _Lib:
             vp, i64p, f64p = ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_double)
             lib.hetero_attention_step.argtypes = [vp, ctypes.c_int, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp,
                                                   i64p, vp, i64p, f64p, vp]
+            lib.hetero_attention_post.argtypes = [vp, ctypes.c_int, vp, vp, vp, vp, vp, vp, i64p, vp, i64p, f64p,
+                                                  vp]
+            lib.hetero_attention_finish.argtypes = [vp, ctypes.c_int, vp, vp, vp, vp, vp, i64p, vp, i64p, f64p]
             lib.hetero_lora_post.argtypes = [vp, ctypes.c_int, vp, vp, ctypes.c_int64, vp, vp, i64p, vp]
             lib.hetero_lora_finish.argtypes = [vp, ctypes.c_int, vp, vp, ctypes.c_int64, vp, i64p]
             lib.hetero_register.argtypes = [vp, ctypes.c_size_t, ctypes.POINTER(vp)]
@@ -158,7 +164,9 @@ class CudaTransport:
                             cls.why.splitlines()[0])
             return None
 
-    def __init__(self, lib, pool, session, device=None, lora=None):
+    def __init__(self, lib, pool, session, device=None, lora=None, start=True):
+        """session: a KVSession, or a PagedKV (the layout's arrays from `lengths` to `part_l` are
+        page-locked and mapped). start: the workers spin and the watchdog runs from now (begin)."""
         self.lib, self.pool, self.device = lib, pool, device    # the model's GPU: every call runs on it
         self.lora = lora                        # the generator's AdapterStore: its staging is mapped too
         self.lparams = np.zeros(6, np.int64)    # a LoRA job's seq, rows, din, site, dout, parts (LoraParams)
@@ -168,16 +176,36 @@ class CudaTransport:
         lay = session.layout
         self.dims = np.array([0, lay.q_heads, lay.kv_heads, 0, session.spec.head_dim, lay.tmax, lay.dpad,
                               lay.nparts], np.int64)          # B, Hq, Hkv, T, D, Tmax, Dp, NS (signal.cu)
-        self.iparams = np.zeros(8, np.int64)    # seq, layer, T, window, nsplit, units, active, psplit (JobParams)
+        self.iparams = np.zeros(9, np.int64)    # seq, layer, T, window, nsplit, units, active, psplit, ngroups
+                                                # (JobParams)
         self.fparams = np.zeros(2, np.float64)  # scale, softcap
         self._args = tuple(map(_ptr, (self.dims, self.iparams, self.fparams, self.lparams)))   # ctypes pointers, once
         try:
             self._map(session)
-            pool.keep_awake(True)               # the GPU posts GO: the workers must not sleep
-            self.watchdog = Watchdog(pool)
+            if start:
+                self.begin()
         except BaseException:
             self.close()
             raise
+
+    def begin(self):
+        """The GPU may post jobs from now: the workers spin (it cannot wake a sleeper), the
+        watchdog watches."""
+        self.pool.keep_awake(True)
+        self.watchdog = Watchdog(self.pool)
+
+    def end(self):
+        """The GPU posts no more (its stream drained): stop the watchdog and the spinning; raise
+        the watchdog's error, if any."""
+        err = None
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            err = self.watchdog.error
+            self.watchdog = None
+        if self.pool.words is not None:
+            self.pool.keep_awake(False)
+        if err is not None:
+            raise err
 
     # ---- the device-specific parts (tests replace them with the host build of protocol.h)
     def _map(self, session):
@@ -291,7 +319,7 @@ class CudaTransport:
         sink = None if sinks is None else self._sink(job.layer, sinks)
         self.pool.seq += 1
         active = min(self.pool.n, job.workers + 1)   # no parent taker here: its share goes to a worker
-        self.iparams[:] = (self.pool.seq, job.layer, T, job.window, job.nsplit, job.units, active, job.psplit)
+        self.iparams[:] = (self.pool.seq, job.layer, T, job.window, job.nsplit, job.units, active, job.psplit, 0)
         self.fparams[:] = (job.scale, job.softcap)
         self.dims[0], self.dims[3] = B, T
         self._launch(s, q, k, v, out, sink)
@@ -331,16 +359,83 @@ class CudaTransport:
     def close(self):
         """Wait for the GPU's jobs, stop the watchdog, release the page locks. Idempotent. Raises
         the watchdog's error, if any (a worker died, stalled or failed a job during the call)."""
-        err = None
         try:
             self._drain()
         finally:
-            if self.watchdog is not None:
-                self.watchdog.stop()
-                err = self.watchdog.error
-                self.watchdog = None
-            if self.pool.words is not None:
-                self.pool.keep_awake(False)
-            self._unmap()
-        if err is not None:
-            raise err
+            try:
+                self.end()
+            finally:
+                self._unmap()
+
+
+class CudaDecode(CudaTransport):
+    """See the module docstring. Build with `CudaDecode.open(pool, kv, device)` (None where the
+    extension cannot be used). The page locks last as long as the pool's segment; the workers spin
+    and the watchdog runs only from a step's first post to its end_step (between two steps a
+    generator's call may run its own sessions on the same workers)."""
+
+    def __init__(self, lib, pool, kv, device=None, lora=None):
+        if lora is not None:            # the engine's adapters run on the model's device
+            raise ValueError("CudaDecode carries no LoRA jobs")
+        super().__init__(lib, pool, kv, device, start=False)
+        self.open_job = None            # (layer, rows) of a posted job not yet finished
+
+    def post(self, kv, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, window: int,
+             scale: float, softcap: float, nsplit: int, psplit: int, ngroups: int, workers: int, units: int):
+        """Enqueue the copy of q [n, Hq, D] and new k/v [n, Hkv, D] (the device) into kv's staging
+        and the job's publication (kv: the PagedKV whose staging is mapped; its tables written)."""
+        if self.watchdog is None:
+            self.begin()
+        self.watchdog.check()
+        dt = kv.spec.dtype
+        q, k, v = (t.to(dt).contiguous() for t in (query, key, value))
+        n = q.shape[0]
+        self.pool.seq += 1
+        active = min(self.pool.n, workers + 1)       # no parent taker: its share goes to a worker
+        self.iparams[:] = (self.pool.seq, layer, 1, window, nsplit, units, active, psplit, ngroups)
+        self.fparams[:] = (scale, softcap)
+        self.dims[0], self.dims[3] = n, 1
+        self._launch_post(kv, q, k, v)
+        self.open_job = (layer, n)
+
+    def finish(self, kv, sinks: torch.Tensor | None) -> torch.Tensor:
+        """Enqueue the wait for the posted job and the merge: [n, Hq, D] (the device, the model's dtype)."""
+        layer, n = self.open_job
+        self.open_job = None
+        out = torch.empty(n, 1, kv.spec.q_heads, kv.spec.head_dim, dtype=kv.spec.dtype, device=self.device)
+        self._launch_finish(kv, out, None if sinks is None else self._sink(layer, sinks))
+        return out.view(n, kv.spec.q_heads, kv.spec.head_dim)
+
+    def end_step(self):
+        """The step's forward is over (or raised): wait for the stream, and for a job posted but
+        never finished (the forward raised between the halves), then stop the watchdog and the
+        spinning. Raises the watchdog's error (a worker died, stalled or failed a job)."""
+        if self.watchdog is None:
+            return
+        try:
+            self._drain()
+            if self.open_job is not None:            # no merge waits for it: the host does
+                units = int(self.iparams[5])
+                w = self.pool.words
+                while not (w[C.FIN] == units or w[C.ABORT] or self.watchdog.error):
+                    time.sleep(0.0002)
+                self.open_job = None
+        finally:
+            self.end()
+
+    def _launch_post(self, kv, q, k, v):
+        stream = torch.cuda.current_stream(q.device).cuda_stream
+        with torch.cuda.device(q.device):
+            rc = self.lib.hetero_attention_post(
+                stream, kv.layout.code, q.data_ptr(), k.data_ptr(), v.data_ptr(), self.dev["q"], self.dev["knew"],
+                self.dev["vnew"], self._args[0], self.ctrl_dev, self._args[1], self._args[2], self.counter)
+        self._call(rc, "the decode job's launch")
+
+    def _launch_finish(self, kv, out, sink):
+        stream = torch.cuda.current_stream(out.device).cuda_stream
+        with torch.cuda.device(out.device):
+            rc = self.lib.hetero_attention_finish(
+                stream, kv.layout.code, self.dev["part_o"], self.dev["part_m"], self.dev["part_l"],
+                None if sink is None else sink.data_ptr(), out.data_ptr(), self._args[0], self.ctrl_dev,
+                self._args[1], self._args[2])
+        self._call(rc, "the decode job's merge launch")

@@ -1,0 +1,256 @@
+"""The engine's decode jobs through the CUDA transport's protocol (hetero.ipc.cuda_transport.CudaDecode)
+on every machine: its device parts replaced by the host build of hetero/cuda/protocol.h (HostDecode
+below, as tests/test_transport.py's HostTransport for a generator's sessions). The same C code the
+GPU kernels run copies each layer's decode tokens into the pool's staging, publishes the job to the
+real workers (NGROUPS included: a paged pool's shared-prefix groups), waits on FIN or ABORT and
+merges the partials, while the step's prompt chunks are attended in between. So the two halves,
+the workers-only plan, the per-step spinning and watchdog and their failures are checked without a
+GPU; the CUDA source must compile and export the halves wherever nvcc exists."""
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from hetero import Engine, EngineConfig
+from hetero.cuda import build
+from hetero.engine import runner as runner_mod
+from hetero.errors import WorkerDiedError, WorkerError
+from hetero.ipc import control as C
+from hetero.ipc.cuda_transport import CudaDecode, _ptr as _p
+from hetero.model_spec import inspect_model
+from tests.conftest import build_model, our_segments
+from tests.test_engine import assert_exact, prompts, run
+from tests.test_gpu import engine_matches_hf
+from tests.test_kernel import FixedPlan
+from tests.test_transport import host_lib, host_wait_and_merge
+
+
+class HostDecode(CudaDecode):
+    """CudaDecode with signal.cu's kernels done on the host by protocol.h's code: the copy-out
+    into the pool's staging (hetero_host_copy_out), the publication (hetero_host_publish), the
+    stream's wait (a spin on hetero_host_released) and the merge (hetero_host_merge). `during`,
+    if set, is called with the job's index before each publication (what a step looks like then)."""
+
+    def __init__(self, pool, kv, during=None):
+        super().__init__(host_lib(), pool, kv)
+        self.jobs, self.during = [], during
+
+    def _map(self, session):
+        pass
+
+    def _drain(self):
+        pass
+
+    def _unmap(self):
+        pass
+
+    def _launch_post(self, kv, q, k, v):
+        self.lib.hetero_host_copy_out(q.data_ptr(), k.data_ptr(), v.data_ptr(), kv.q.data_ptr(), kv.knew.data_ptr(),
+                                      kv.vnew.data_ptr(), _p(self.dims), q.element_size())
+        if self.during is not None:
+            self.during(len(self.jobs))
+        self.lib.hetero_host_publish(self.pool.words.ctypes.data, _p(self.iparams), _p(self.fparams))
+        self.jobs.append(self.iparams.copy())
+
+    def _launch_finish(self, kv, out, sink):
+        host_wait_and_merge(self, kv, out, sink)
+
+
+def host_decode(engine, during=None) -> HostDecode:
+    """The engine's decode jobs through HostDecode from its next step; the parent's share of units
+    counted (it takes none: the GPU's jobs are the workers')."""
+    engine.kv.gpu = HostDecode(engine.pool, engine.kv, during)
+    engine.kv.parent_units = 0
+    share = engine.kv._share
+
+    def counted(seq):
+        engine.kv.parent_units += 1
+        share(seq)
+
+    engine.kv._share = counted
+    return engine.kv.gpu
+
+
+def make(model, **cfg):
+    base = dict(kv_blocks=48, long_prefill_chunk=16, max_num_batched_tokens=40, background=False, cpu_workers=2,
+                max_model_len=256)
+    return Engine(model, EngineConfig(**{**base, **cfg}))
+
+
+@pytest.mark.parametrize("model_type,dtype", [("llama", torch.float32), ("gemma2", torch.float32),
+                                              ("gemma3_text", torch.float32)])
+def test_engine_decode_through_the_cuda_protocol_matches_hf(model_type, dtype):
+    """Requests joining while others decode, a shared document (its blocks read once per step: a
+    job's NGROUPS), prompt chunks attended between a layer's post and finish, preemption under a
+    small pool: HF generate's tokens for each request alone, scores close. Gemma 2 / 3: windowed
+    layers in a pool of their own (their jobs without groups), soft-capping (Gemma 2)."""
+    made = []
+
+    def hook(eng):
+        made.append((eng.kv, host_decode(eng)))
+
+    engine_matches_hf(model_type, dtype, "cpu", hook=hook)
+    for kv, gpu in made:
+        assert gpu.jobs and kv.parent_units == 0              # the workers took every unit
+        assert all(j[6] >= 1 for j in gpu.jobs)                # posted to at least one worker
+    jobs = made[0][1].jobs                                     # the mixed load: a shared document
+    assert any(j[8] > 0 for j in jobs)                         # groups published in NGROUPS
+    windows = {int(j[1]) for j in jobs if j[3] > 0}            # windowed layers: no groups
+    assert all(j[8] == 0 for j in jobs if j[3] > 0)
+    assert bool(windows) == (model_type in ("gemma2", "gemma3_text"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_job_posted_by_the_protocol_equals_the_hosts(dtype):
+    """One layer's decode job over the pool, for two requests sharing their first blocks (a group)
+    and one of its own, posted and merged by the protocol (HostDecode) and by the host (post_decode /
+    finish_decode's CPU path) with the same plan: equal outputs (bf16: q widened, k/v copied as
+    bits into the staging), in the model's dtype."""
+    model = build_model("llama", dtype=dtype)[0]
+    s = inspect_model(model)
+    g = torch.Generator().manual_seed(0)
+    with make(model) as eng:
+        kv = eng.kv
+        kv.planner = FixedPlan(1, 2)
+        kv.ensure_open()
+        lengths = [70, 81, 40]
+        tables = [[0, 1, 2], [0, 1, 3], [4, 5]]             # the first two share blocks 0 and 1
+        for table, n in zip(tables, lengths):
+            for layer in range(s.layers):
+                kv.write_rows(layer, torch.tensor(table), 0, torch.randn(s.kv_heads, n, s.head_dim, generator=g).to(dtype),
+                              torch.randn(s.kv_heads, n, s.head_dim, generator=g).to(dtype))
+        q = torch.randn(3, s.q_heads, s.head_dim, generator=g).to(dtype)
+        k, v = (torch.randn(3, s.kv_heads, s.head_dim, generator=g).to(dtype) for _ in range(2))
+        outs = []
+        for gpu in (None, HostDecode(eng.pool, kv)):
+            kv.gpu = gpu
+            kv.begin_decode(lengths, tables)
+            assert kv.ngroups == 1
+            kv.post_decode(1, q, k, v, 0, s.head_dim ** -0.5, 0.0)
+            outs.append(kv.finish_decode().to(dtype))
+            kv.end_step()
+        assert gpu.jobs[0][8] == 1 and gpu.jobs[0][6] == 2      # NGROUPS; workers 0..1 posted (no parent)
+        kv.gpu = None
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
+
+
+def test_each_step_spins_and_watches_only_while_it_runs(llama):
+    """Workers spin (AWAKE) and the watchdog runs from a step's first decode job to its end; between
+    steps they may sleep and nothing watches (a generator's call may use the pool then)."""
+    seen = []
+    with make(llama) as eng:
+        gpu = host_decode(eng, during=lambda i: seen.append((int(eng.pool.words[C.AWAKE]),
+                                                             gpu.watchdog is not None)))
+        streams = [eng.add_request(p, 6, output_scores=True) for p in prompts([20, 45], seed=7)]
+        while not all(s.finished for s in streams):
+            eng.step()
+            assert eng.pool.words[C.AWAKE] == 0 and gpu.watchdog is None and gpu.open_job is None
+        for s, p in zip(streams, prompts([20, 45], seed=7)):
+            assert_exact(llama, s, p, 6)
+    assert seen and all(x == (1, True) for x in seen)
+
+
+@pytest.mark.parametrize("how", ["stopped", "killed"])
+def test_a_worker_failing_a_gpu_posted_job_fails_the_step_within_seconds(llama, how):
+    """A worker stopped (no progress for worker_timeout) or killed while a step's decode job waits
+    on it: the watchdog releases the wait, the step raises (WorkerError / WorkerDiedError) within
+    seconds and fails its requests; close() leaves no segment."""
+    before = set(our_segments(os.getpid()))
+    eng = make(llama, cpu_workers=1, worker_timeout=0.5)
+    victim = eng.pool.procs[0]
+    try:
+        s = eng.add_request(prompts([40], seed=8)[0], 20)
+        while not s.token_ids:
+            eng.step()                           # decoding: the next steps post jobs
+
+        def fault(i):
+            if i == 3:
+                os.kill(victim.pid, signal.SIGSTOP if how == "stopped" else signal.SIGKILL)
+
+        host_decode(eng, during=fault)
+        t0 = time.perf_counter()
+        with pytest.raises(WorkerError if how == "stopped" else WorkerDiedError):
+            run(eng, [s])
+        assert time.perf_counter() - t0 < 3.0
+        assert s.finished and isinstance(s.error, WorkerError)
+        assert eng.pool.words[C.ABORT] == 1 and eng.kv.gpu.watchdog is None
+    finally:
+        if how == "stopped" and victim.poll() is None:
+            os.kill(victim.pid, signal.SIGCONT)
+        eng.close()
+    assert set(our_segments(os.getpid())) == before
+
+
+def test_a_forward_raising_between_the_halves_waits_for_the_posted_job(llama, monkeypatch):
+    """A step whose forward raises after a layer's decode job was posted but before its merge:
+    end_step waits for the workers to finish it (they must not read a staging the next job
+    rewrites), the pool stays usable, and later requests are exact."""
+    with make(llama) as eng:
+        gpu = host_decode(eng)
+        s = eng.add_request(prompts([40], seed=9)[0], 10)
+        while not s.token_ids:
+            eng.step()
+        real = runner_mod.chunk_attention
+        monkeypatch.setattr(runner_mod, "chunk_attention", lambda *a, **k: (_ for _ in ()).throw(
+            RuntimeError("boom in a prompt chunk")))
+        s2 = eng.add_request(prompts([30], seed=10)[0], 4)     # a chunk beside s's decode token
+        with pytest.raises(RuntimeError, match="boom"):
+            eng.step()
+        assert gpu.open_job is None and gpu.watchdog is None
+        assert eng.pool.words[C.FIN] == gpu.jobs[-1][5]       # the posted job's units all finished
+        assert s.error is not None and s2.error is not None and eng.pool.alive
+        monkeypatch.setattr(runner_mod, "chunk_attention", real)
+        p = prompts([25, 50], seed=11)
+        streams = [eng.add_request(x, 6, output_scores=True) for x in p]
+        run(eng, streams)
+        for st, x in zip(streams, p):
+            assert_exact(llama, st, x, 6)
+
+
+def test_use_gpu_opens_the_extension_or_says_why(llama, monkeypatch, caplog):
+    """PagedKV.use_gpu: CudaDecode.open builds the transport where the extension loads (its
+    device parts replaced: the host library, no page locks); where it cannot load, "cuda" raises
+    naming why and "auto" keeps host copies with one log line; "host" never tries."""
+    from hetero.errors import UnsupportedModelError
+    from hetero.ipc import cuda_transport as ct
+
+    monkeypatch.setattr(ct.CudaTransport, "_said", set())      # the reasons logged so far in this process
+    with make(llama) as eng:
+        kv = eng.kv
+        kv.use_gpu(torch.device("cpu"), "host")
+        assert kv.gpu is None
+        with pytest.raises(UnsupportedModelError, match="EngineConfig.transport='cuda'"):
+            kv.use_gpu(torch.device("cpu"), "cuda")        # no CUDA device here: the reason is named
+        with caplog.at_level("WARNING", logger="hetero"):
+            kv.use_gpu(torch.device("cpu"), "auto")
+        assert kv.gpu is None and "CUDA transport unavailable" in caplog.text
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+        monkeypatch.setattr(ct._Lib, "load", classmethod(lambda cls, arch: host_lib()))
+        monkeypatch.setattr(CudaDecode, "_map", lambda self, session: None)
+        kv.use_gpu(torch.device("cpu"), "cuda")
+        assert isinstance(kv.gpu, CudaDecode) and kv.gpu.watchdog is None     # no spinning before a step
+        assert list(kv.gpu.dims[1:]) == [kv.layout.q_heads, kv.layout.kv_heads, 0, kv.spec.head_dim, 1,
+                                         kv.layout.dpad, kv.layout.nparts]
+        monkeypatch.setattr(CudaDecode, "_drain", lambda self: None)
+        monkeypatch.setattr(CudaDecode, "_unmap", lambda self: None)
+
+
+def test_engine_transport_config_is_checked():
+    with pytest.raises(ValueError, match="EngineConfig.transport must be"):
+        EngineConfig(transport="gpu")
+
+
+def test_cuda_library_loads_with_the_engine_halves():
+    """signal.cu builds as the shared library CudaDecode loads (no GPU needed to load it), and
+    _Lib.load declares every entry point: the halves, the whole step, LoRA's, the page locks."""
+    from hetero.ipc.cuda_transport import _Lib
+
+    if build.nvcc() is None:
+        pytest.skip("nvcc not found")
+    lib = _Lib.load(90)
+    for name in ("hetero_attention_post", "hetero_attention_finish", "hetero_attention_step", "hetero_lora_post",
+                 "hetero_lora_finish", "hetero_register", "hetero_unregister", "hetero_counter_alloc"):
+        assert getattr(lib, name).argtypes, name
