@@ -410,6 +410,22 @@ def test_prefill_stage_budget_and_drops():
     assert not st.entries and st.used == 0
 
 
+def write_each(kv, layer, table, start, key, value):
+    """What PagedKV.write_rows must do, row by row: a scatter through the table (the reference)."""
+    from hetero.cpu_attention.kernel import BF16
+    from hetero.cpu_attention.simd import BK, W
+
+    Hkv, n, D = key.shape
+    Dp, P = kv.layout.dpad, 2 if kv.layout.code == BF16 else 1
+    j = torch.arange(start, start + n)
+    blk, col = table[j // BK], j % BK
+    Kl, Vl = kv.kv[layer]
+    key, value = (torch.nn.functional.pad(t.to(Kl.dtype), (0, Dp - D)) for t in (key, value))
+    # K [Hkv, NB, Dp/P, BK, P][:, blk, :, col] and V [Hkv, NB, Dp/W, BK, W][:, blk, :, col]: [n, Hkv, ...]
+    Kl.view(Hkv, -1, Dp // P, BK, P)[:, blk, :, col] = key.transpose(0, 1).reshape(n, Hkv, Dp // P, P)
+    Vl[:, blk, :, col] = value.transpose(0, 1).reshape(n, Hkv, Dp // W, W)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [16, 24])
 def test_rows_written_by_whole_blocks_equal_the_row_scatter(dtype, head_dim):
@@ -428,7 +444,7 @@ def test_rows_written_by_whole_blocks_equal_the_row_scatter(dtype, head_dim):
             scattered = torch.tensor([20, 17, 23, 16, 21, 19, 22, 18])    # read by a gather, not a view
             runs = torch.tensor([24, 25, 26, 30, 31, 27, 28, 29])          # three runs: written run by run
             kv.write_rows(1, fast, start, k, v)
-            kv._write_each(1, each, start, k, v)
+            write_each(kv, 1, each, start, k, v)
             kv.write_rows(1, scattered, start, k, v)
             kv.write_rows(1, runs, start, k, v)
             for table in (fast, each, scattered, runs):

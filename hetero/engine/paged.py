@@ -184,22 +184,22 @@ class PagedKV:
                         Kw[h, lo:lo + cnt].copy_(kb[h, i:i + cnt])
                         Vl[h, lo:lo + cnt].copy_(vb[h, i:i + cnt])
         for lo, hi in ((start, a), (max(a, b), start + n)):             # the partial blocks at either end
-            if hi > lo:
-                self._write_each(layer, table, lo, key[:, lo - start:hi - start], value[:, lo - start:hi - start])
+            if hi > lo:                                                # (rows lo..hi-1 lie in one block)
+                self._write_within(layer, int(table[lo // BK]), lo % BK, key[:, lo - start:hi - start],
+                                   value[:, lo - start:hi - start])
 
-    def _write_each(self, layer: int, table: torch.Tensor, start: int, key: torch.Tensor, value: torch.Tensor):
-        """write_rows row by row (a scatter through the table)."""
-        Hkv, n, D = key.shape
+    def _write_within(self, layer: int, block: int, col: int, key: torch.Tensor, value: torch.Tensor):
+        """Rows of one block from column `col` on (key/value [Hkv, m, D], any device): a strided copy
+        each (a question's rows after a document's whole blocks; the cheap way, not an index scatter)."""
+        Hkv, m, D = key.shape
         Dp, P = self.layout.dpad, 2 if self.layout.code == BF16 else 1
-        j = torch.arange(start, start + n)
-        blk, col = table[j // BK], j % BK
         Kl, Vl = self.kv[layer]
         key, value = key.to("cpu", Kl.dtype), value.to("cpu", Vl.dtype)
         if D != Dp:                                   # zero columns D..Dp-1
             key, value = F.pad(key, (0, Dp - D)), F.pad(value, (0, Dp - D))
-        # K [Hkv, NB, Dp/P, BK, P][:, blk, :, col] and V [Hkv, NB, Dp/W, BK, W][:, blk, :, col]: [n, Hkv, ...]
-        Kl.view(Hkv, -1, Dp // P, BK, P)[:, blk, :, col] = key.transpose(0, 1).reshape(n, Hkv, Dp // P, P)
-        Vl[:, blk, :, col] = value.transpose(0, 1).reshape(n, Hkv, Dp // W, W)
+        # K [Hkv, NB, Dp/P, BK, P][:, block, :, col:col+m] and V [Hkv, NB, Dp/W, BK, W][:, block, :, col:col+m]
+        Kl.view(Hkv, -1, Dp // P, BK, P)[:, block, :, col:col + m] = key.view(Hkv, m, Dp // P, P).transpose(1, 2)
+        Vl[:, block, :, col:col + m] = value.view(Hkv, m, Dp // W, W).transpose(1, 2)
 
     def read_rows(self, layer: int, table: torch.Tensor, n: int, first: int = 0,
                   new: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
