@@ -40,6 +40,12 @@ class HostDecode(CudaDecode):
     def _map(self, session):
         pass
 
+    def _lock_ctrl(self):                    # the control segment's page lock: a step's, here a flag
+        self.ctrl_dev = self.pool.words.ctypes.data
+
+    def _unlock_ctrl(self):
+        self.ctrl_dev = None
+
     def _drain(self):
         pass
 
@@ -59,18 +65,19 @@ class HostDecode(CudaDecode):
 
 
 def host_decode(engine, during=None) -> HostDecode:
-    """The engine's decode jobs through HostDecode from its next step; the parent's share of units
-    counted (it takes none: the GPU's jobs are the workers')."""
-    engine.kv.gpu = HostDecode(engine.pool, engine.kv, during)
-    engine.kv.parent_units = 0
-    share = engine.kv._share
+    """The engine's decode jobs through HostDecode from its next step; the plans asked for recorded
+    in kv.parents (whether the parent takes units: never, the GPU's jobs are the workers')."""
+    kv = engine.kv
+    kv.gpu = HostDecode(engine.pool, kv, during)
+    kv.parents = []
+    planner, plan = kv.planner, kv.planner.plan
 
-    def counted(seq):
-        engine.kv.parent_units += 1
-        share(seq)
+    def recorded(lengths, T, layout, parent=True):
+        kv.parents.append(parent)
+        return plan(lengths, T, layout, parent)
 
-    engine.kv._share = counted
-    return engine.kv.gpu
+    planner.plan = recorded
+    return kv.gpu
 
 
 def make(model, **cfg):
@@ -93,8 +100,7 @@ def test_engine_decode_through_the_cuda_protocol_matches_hf(model_type, dtype):
 
     engine_matches_hf(model_type, dtype, "cpu", hook=hook)
     for kv, gpu in made:
-        assert gpu.jobs and kv.parent_units == 0              # the workers took every unit
-        assert all(j[6] >= 1 for j in gpu.jobs)                # posted to at least one worker
+        assert gpu.jobs and kv.parents and not any(kv.parents)   # planned for the workers alone
     jobs = made[0][1].jobs                                     # the mixed load: a shared document
     assert any(j[8] > 0 for j in jobs)                         # groups published in NGROUPS
     windows = {int(j[1]) for j in jobs if j[3] > 0}            # windowed layers: no groups
@@ -137,20 +143,39 @@ def test_a_decode_job_posted_by_the_protocol_equals_the_hosts(dtype):
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
 
 
-def test_each_step_spins_and_watches_only_while_it_runs(llama):
-    """Workers spin (AWAKE) and the watchdog runs from a step's first decode job to its end; between
-    steps they may sleep and nothing watches (a generator's call may use the pool then)."""
+def test_each_step_spins_watches_and_locks_only_while_it_runs(llama):
+    """Workers spin (AWAKE), the watchdog runs and the control segment is page-locked from a step's
+    first decode job to its end; between steps they may sleep, nothing watches and nothing is
+    locked (a generator's call may use the pool then, locking the same segment)."""
     seen = []
     with make(llama) as eng:
-        gpu = host_decode(eng, during=lambda i: seen.append((int(eng.pool.words[C.AWAKE]),
-                                                             gpu.watchdog is not None)))
+        gpu = host_decode(eng, during=lambda i: seen.append((int(eng.pool.words[C.AWAKE]), gpu.watchdog is not None,
+                                                             gpu.ctrl_dev is not None)))
         streams = [eng.add_request(p, 6, output_scores=True) for p in prompts([20, 45], seed=7)]
         while not all(s.finished for s in streams):
             eng.step()
             assert eng.pool.words[C.AWAKE] == 0 and gpu.watchdog is None and gpu.open_job is None
+            assert gpu.ctrl_dev is None
         for s, p in zip(streams, prompts([20, 45], seed=7)):
             assert_exact(llama, s, p, 6)
-    assert seen and all(x == (1, True) for x in seen)
+    assert seen and all(x == (1, True, True) for x in seen)
+
+
+def test_a_failed_open_leaves_another_transports_spinning_alone(llama):
+    """A CudaDecode whose setup fails (here its page locks) does not stop the workers' spinning that
+    another transport (a generator call's, running meanwhile) started and still needs."""
+    with make(llama) as eng:
+        eng.kv.ensure_open()
+        eng.pool.keep_awake(True)                        # a generator call's CudaTransport, say
+
+        class Failing(HostDecode):
+            def _map(self, session):
+                raise RuntimeError("cudaHostRegister failed")
+
+        with pytest.raises(RuntimeError, match="cudaHostRegister"):
+            Failing(eng.pool, eng.kv)
+        assert eng.pool.words[C.AWAKE] == 1
+        eng.pool.keep_awake(False)
 
 
 @pytest.mark.parametrize("how", ["stopped", "killed"])
@@ -184,25 +209,33 @@ def test_a_worker_failing_a_gpu_posted_job_fails_the_step_within_seconds(llama, 
     assert set(our_segments(os.getpid())) == before
 
 
-def test_a_forward_raising_between_the_halves_waits_for_the_posted_job(llama, monkeypatch):
-    """A step whose forward raises after a layer's decode job was posted but before its merge:
-    end_step waits for the workers to finish it (they must not read a staging the next job
-    rewrites), the pool stays usable, and later requests are exact."""
+@pytest.mark.parametrize("where", ["chunk attention", "merge launch"])
+def test_a_step_raising_between_the_halves_waits_for_the_posted_job(llama, monkeypatch, where):
+    """A step that raises after a layer's decode job was posted but before anything waits for it
+    (a prompt chunk's attention, or the merge's launch itself): end_step waits for the workers to
+    finish it (they must not read a staging the next step rewrites), the pool stays usable, and
+    later requests are exact."""
+    def boom(*a, **k):
+        raise RuntimeError(f"boom in the {where}")
+
     with make(llama) as eng:
         gpu = host_decode(eng)
         s = eng.add_request(prompts([40], seed=9)[0], 10)
         while not s.token_ids:
             eng.step()
         real = runner_mod.chunk_attention
-        monkeypatch.setattr(runner_mod, "chunk_attention", lambda *a, **k: (_ for _ in ()).throw(
-            RuntimeError("boom in a prompt chunk")))
+        if where == "chunk attention":
+            monkeypatch.setattr(runner_mod, "chunk_attention", boom)
+        else:
+            monkeypatch.setattr(gpu, "_launch_finish", boom)
         s2 = eng.add_request(prompts([30], seed=10)[0], 4)     # a chunk beside s's decode token
         with pytest.raises(RuntimeError, match="boom"):
             eng.step()
-        assert gpu.open_job is None and gpu.watchdog is None
+        assert gpu.open_job is None and gpu.watchdog is None and gpu.ctrl_dev is None
         assert eng.pool.words[C.FIN] == gpu.jobs[-1][5]       # the posted job's units all finished
         assert s.error is not None and s2.error is not None and eng.pool.alive
         monkeypatch.setattr(runner_mod, "chunk_attention", real)
+        monkeypatch.undo()
         p = prompts([25, 50], seed=11)
         streams = [eng.add_request(x, 6, output_scores=True) for x in p]
         run(eng, streams)
@@ -243,14 +276,22 @@ def test_engine_transport_config_is_checked():
         EngineConfig(transport="gpu")
 
 
-def test_cuda_library_loads_with_the_engine_halves():
-    """signal.cu builds as the shared library CudaDecode loads (no GPU needed to load it), and
-    _Lib.load declares every entry point: the halves, the whole step, LoRA's, the page locks."""
+def test_cuda_library_loads_and_its_declarations_match_the_source():
+    """signal.cu builds as the shared library the transports load (no GPU needed to load it), and
+    _Lib.load declares every C entry point with as many arguments as the source gives it (ctypes
+    would pass a wrong count silently)."""
+    import re
+
     from hetero.ipc.cuda_transport import _Lib
 
     if build.nvcc() is None:
         pytest.skip("nvcc not found")
     lib = _Lib.load(90)
-    for name in ("hetero_attention_post", "hetero_attention_finish", "hetero_attention_step", "hetero_lora_post",
-                 "hetero_lora_finish", "hetero_register", "hetero_unregister", "hetero_counter_alloc"):
-        assert getattr(lib, name).argtypes, name
+    src = open(os.path.join(os.path.dirname(build.__file__), "signal.cu")).read()
+    extern = src[src.index('extern "C" {'):]
+    found = re.findall(r"^\S.*?\b(hetero_\w+)\(([^)]*)\)\s*{", extern, re.M | re.S)
+    assert {n for n, _ in found} >= {"hetero_attention_post", "hetero_attention_finish", "hetero_attention_step",
+                                      "hetero_lora_post", "hetero_lora_finish", "hetero_register"}
+    for name, params in found:
+        n = len([p for p in params.split(",") if p.strip() and p.strip() != "void"])
+        assert len(getattr(lib, name).argtypes) == n, name

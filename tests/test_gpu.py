@@ -367,7 +367,6 @@ def test_cuda_engine_dead_worker_fails_its_requests_within_2s():
     no shared-memory name."""
     import os
     import signal
-    import threading
     import time
 
     from hetero import Engine, EngineConfig, EngineError
@@ -377,25 +376,33 @@ def test_cuda_engine_dead_worker_fails_its_requests_within_2s():
 
     before = set(our_segments(os.getpid()))
     model = build_model("llama", max_position_embeddings=8192)[0].cuda()
+    killed = []
+
+    def kill(*_):                 # inside a step, after layer 0's job was posted: the GPU then waits
+        if len(killed) == 0 and eng.steps >= 20:
+            os.kill(eng.pool.procs[0].pid, signal.SIGKILL)
+            eng.pool.procs[0].wait()        # dead before the watchdog's next look (no later step's ping finds it)
+            killed.append(time.perf_counter())
+
+    model.model.layers[1].register_forward_pre_hook(kill)
     with Engine(model, EngineConfig(cpu_workers=2, max_model_len=8192, transport="cuda")) as eng:
         assert eng.kv.gpu is not None
         streams = [eng.add_request(p, 6000, ignore_eos=True) for p in prompts([40, 300], seed=2)]
-        next(iter(streams[0]))                          # decoding
-        killed = []
-        threading.Timer(0.3, lambda: (os.kill(eng.pool.procs[0].pid, signal.SIGKILL),
-                                      killed.append(time.perf_counter()))).start()
         for s in streams:
             with pytest.raises(EngineError, match="worker 0"):
-                s.result(timeout=30)
-            assert isinstance(s.error, WorkerDiedError)
+                s.result(timeout=60)
+            assert isinstance(s.error, WorkerDiedError) and "while the GPU waited" in str(s.error)
         assert killed and time.perf_counter() - killed[0] < 2.0
     assert set(our_segments(os.getpid())) == before
 
 
-def test_cuda_overlapping_generate_calls_join_the_engine_and_match_hf():
+def test_cuda_overlapping_generate_calls_join_the_engine_and_match_hf(caplog, monkeypatch):
     """generate() from several threads on a CUDA model's generator: the calls join the engine's
     batch and return HF generate's sequences, on the GPU."""
+    import logging
     import threading
+
+    from hetero.ipc.cuda_transport import CudaTransport
 
     model = build_model("llama")[0].cuda()
     g = torch.Generator().manual_seed(0)
@@ -404,10 +411,15 @@ def test_cuda_overlapping_generate_calls_join_the_engine_and_match_hf():
     with HeteroGenerator(model, cpu_workers=2) as gen:
         ths = [threading.Thread(target=lambda i=i, x=x: out.setdefault(i, gen.generate(
             x, max_new_tokens=6 + i, pad_token_id=0))) for i, x in enumerate(xs)]
-        for th in ths:
-            th.start()
-        for th in ths:
-            th.join(120)
+        with caplog.at_level(logging.WARNING, logger="hetero"), monkeypatch.context() as m:
+            m.setattr(CudaTransport, "_said", set())
+            for th in ths:
+                th.start()
+            for th in ths:
+                th.join(120)
+            assert gen._engine.engine is not None and gen._engine.engine.kv.gpu is not None    # the engine's: CUDA
+            gen.generate(xs[0], max_new_tokens=3, pad_token_id=0)            # HF's loop after: CUDA too
+        assert "CUDA transport unavailable" not in caplog.text
     for i, x in enumerate(xs):
         assert out[i].device == x.device
         ref = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=6 + i, pad_token_id=0)

@@ -121,6 +121,7 @@ class _Lib:
             lib.hetero_unregister.argtypes = [vp]
             lib.hetero_counter_alloc.argtypes = [ctypes.POINTER(vp)]
             lib.hetero_counter_free.argtypes = [vp]
+            lib.hetero_error_string.argtypes = [ctypes.c_int]
             lib.hetero_error_string.restype = ctypes.c_char_p
             cls._cache[arch] = lib
         return cls._cache[arch]
@@ -146,6 +147,7 @@ class CudaTransport:
     returns None (and logs why, once) when the extension cannot be built or loaded."""
     name = "cuda"
     parent_takes_units = False   # the host thread enqueues the GPU's work: one more worker takes its share
+    ctrl_for_life = True         # the control segment page-locked from open to close (CudaDecode: per step)
     why = None           # why the last open() failed
     _said = set()
 
@@ -171,6 +173,7 @@ class CudaTransport:
         self.lora = lora                        # the generator's AdapterStore: its staging is mapped too
         self.lparams = np.zeros(6, np.int64)    # a LoRA job's seq, rows, din, site, dout, parts (LoraParams)
         self._regs, self.watchdog, self.counter = [], None, None
+        self._awake = False                     # begin() set the workers spinning (end() stops them)
         self.pending, self.step_end = 0, None    # rows of a step whose end the host has not seen
         self._kv, self._sinks = None, {}
         lay = session.layout
@@ -191,21 +194,31 @@ class CudaTransport:
     def begin(self):
         """The GPU may post jobs from now: the workers spin (it cannot wake a sleeper), the
         watchdog watches."""
-        self.pool.keep_awake(True)
-        self.watchdog = Watchdog(self.pool)
+        self._awake = True
+        try:
+            self.pool.keep_awake(True)
+            self.watchdog = Watchdog(self.pool)
+        except BaseException:
+            self._sleep()
+            raise
 
     def end(self):
-        """The GPU posts no more (its stream drained): stop the watchdog and the spinning; raise
+        """The GPU posts no more (its stream drained): stop the watchdog and the spinning this
+        transport started (another's, e.g. a generator call's beside a failed open, stays); raise
         the watchdog's error, if any."""
         err = None
         if self.watchdog is not None:
             self.watchdog.stop()
             err = self.watchdog.error
             self.watchdog = None
-        if self.pool.words is not None:
-            self.pool.keep_awake(False)
+        self._sleep()
         if err is not None:
             raise err
+
+    def _sleep(self):
+        if self._awake and self.pool.words is not None:
+            self.pool.keep_awake(False)
+        self._awake = False
 
     # ---- the device-specific parts (tests replace them with the host build of protocol.h)
     def _map(self, session):
@@ -214,7 +227,8 @@ class CudaTransport:
             self._map_on_device(session)
 
     def _map_on_device(self, session):
-        self.ctrl_dev = self._register(self.pool.words.ctypes.data, self.pool.words.nbytes)
+        if self.ctrl_for_life:
+            self.ctrl_dev = self._register(self.pool.words.ctypes.data, self.pool.words.nbytes)
         offs, _ = session.layout.offsets()
         if offs["lengths"][0] != 0:
             raise RuntimeError("the session layout must start with its lengths array")
@@ -374,11 +388,44 @@ class CudaDecode(CudaTransport):
     and the watchdog runs only from a step's first post to its end_step (between two steps a
     generator's call may run its own sessions on the same workers)."""
 
+    ctrl_for_life = False   # a generator's calls lock the same control segment between two steps (CUDA
+                            # refuses a second lock of a range): locked from a step's first post to its end
+
     def __init__(self, lib, pool, kv, device=None, lora=None):
         if lora is not None:            # the engine's adapters run on the model's device
             raise ValueError("CudaDecode carries no LoRA jobs")
+        self.ctrl_dev = None
         super().__init__(lib, pool, kv, device, start=False)
-        self.open_job = None            # (layer, rows) of a posted job not yet finished
+        self.open_job = None            # (layer, rows) of a posted job whose finish is not enqueued
+        self.posted = None              # (seq, units) of the step's last posted job
+
+    def begin(self):
+        self._lock_ctrl()
+        try:
+            super().begin()
+        except BaseException:
+            self._unlock_ctrl()
+            raise
+
+    def end(self):
+        try:
+            super().end()
+        finally:
+            self._unlock_ctrl()
+
+    def _lock_ctrl(self):
+        """Page-lock the pool's control segment for the step (its device address: ctrl_dev)."""
+        d = ctypes.c_void_p()
+        with torch.cuda.device(self.device):
+            self._call(self.lib.hetero_register(ctypes.c_void_p(self.pool.words.ctypes.data), self.pool.words.nbytes,
+                                                ctypes.byref(d)), "cudaHostRegister")
+        self.ctrl_dev = d.value
+
+    def _unlock_ctrl(self):
+        if self.ctrl_dev is not None:
+            self.ctrl_dev = None
+            with torch.cuda.device(self.device):
+                self.lib.hetero_unregister(ctypes.c_void_p(self.pool.words.ctypes.data))
 
     def post(self, kv, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, window: int,
              scale: float, softcap: float, nsplit: int, psplit: int, ngroups: int, workers: int, units: int):
@@ -395,32 +442,40 @@ class CudaDecode(CudaTransport):
         self.iparams[:] = (self.pool.seq, layer, 1, window, nsplit, units, active, psplit, ngroups)
         self.fparams[:] = (scale, softcap)
         self.dims[0], self.dims[3] = n, 1
+        self.posted = (self.pool.seq, units)         # before the launch: end_step waits for it if it went out
         self._launch_post(kv, q, k, v)
         self.open_job = (layer, n)
 
     def finish(self, kv, sinks: torch.Tensor | None) -> torch.Tensor:
         """Enqueue the wait for the posted job and the merge: [n, Hq, D] (the device, the model's dtype)."""
         layer, n = self.open_job
-        self.open_job = None
         out = torch.empty(n, 1, kv.spec.q_heads, kv.spec.head_dim, dtype=kv.spec.dtype, device=self.device)
         self._launch_finish(kv, out, None if sinks is None else self._sink(layer, sinks))
+        self.open_job = None
         return out.view(n, kv.spec.q_heads, kv.spec.head_dim)
 
     def end_step(self):
-        """The step's forward is over (or raised): wait for the stream, and for a job posted but
-        never finished (the forward raised between the halves), then stop the watchdog and the
-        spinning. Raises the watchdog's error (a worker died, stalled or failed a job)."""
+        """The step's forward is over (or raised): wait for the stream, then for the workers to
+        finish the last job the GPU published (a forward that raised between the halves left
+        nothing on the stream waiting for it; the next step rewrites what they read), then stop
+        the watchdog and the spinning. Raises the watchdog's error (a worker died, stalled or
+        failed a job); a CUDA error here leaves the pool broken (what the stream ran is unknown)."""
         if self.watchdog is None:
             return
         try:
-            self._drain()
-            if self.open_job is not None:            # no merge waits for it: the host does
-                units = int(self.iparams[5])
+            try:
+                self._drain()
+            except BaseException as e:
+                self.pool.broken = f"a CUDA error while the GPU posted the workers' jobs ({e})"
+                raise
+            if self.posted is not None:
+                seq, units = self.posted
                 w = self.pool.words
-                while not (w[C.FIN] == units or w[C.ABORT] or self.watchdog.error):
+                while int(w[C.TICKET]) >> 32 == C.ticket_tag(seq) and w[C.FIN] != units and not w[C.ABORT] \
+                        and self.watchdog.error is None:
                     time.sleep(0.0002)
-                self.open_job = None
         finally:
+            self.open_job = self.posted = None
             self.end()
 
     def _launch_post(self, kv, q, k, v):
