@@ -62,7 +62,8 @@ def command(system, port, args):
     threads = str(len(os.sched_getaffinity(0)))
     if system in ("hetero", "hetero-paced"):
         return [sys.executable, "-m", "hetero.cli", "serve", "--port", str(port), "--max-num-seqs", "32",
-                "--max-num-batched-tokens", str(args.budget), "--context-memory", "2G", "--log-level", "warning"] + \
+                "--max-num-batched-tokens", str(args.budget), "--context-memory", "2G", "--log-level", "warning",
+                "--dtype", getattr(args, "dtype", "fp32")] + \
             (["--cpu-workers", str(args.cpu_workers)] if getattr(args, "cpu_workers", None) else []) + \
             (["--step-time-target", str(args.step_target)] if system == "hetero-paced" else [])
     if system in REPLICA_SYSTEMS:
@@ -233,6 +234,7 @@ def main():
     ap.add_argument("--replicas", action="store_true", help="the replica rows (r1, r2, r2-pow2) instead of the peers")
     ap.add_argument("--llama-server", default=shutil.which("llama-server"))
     ap.add_argument("--budget", type=int, default=256, help="hetero's tokens per engine step")
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="hetero's weights and KV")
     ap.add_argument("--step-target", type=float, default=0.12, help="hetero-paced's --step-time-target (s)")
     ap.add_argument("--slo-ttft", type=float, default=2.0)
     ap.add_argument("--slo-itl", type=float, default=0.2)

@@ -1,5 +1,6 @@
 """What `hetero serve`'s HTTP layer costs, and the time to first token over a long pinned or cached
-document, on the real SmolLM2-135M-Instruct (fp32) and this machine's cores.
+document, on the real SmolLM2-135M-Instruct (--dtype fp32 or bf16: weights and KV) and this
+machine's cores.
 
 overhead  The same batch of requests (--requests chat prompts of ~--prompt tokens, --new tokens
           each, greedy, eos ignored) submitted all at once, in rounds that alternate between
@@ -14,7 +15,7 @@ pinned    One `hetero serve`: a --doc-token document pinned (POST /v1/contexts, 
           automatic prefix cache: the document sent once as a plain prompt, then questions
           whose prompt is document + question.
 
-    python bench/serve_overhead.py [--rounds 3] [--requests 16] [--new 64] [--doc 4096]
+    python bench/serve_overhead.py [--rounds 3] [--requests 16] [--new 64] [--doc 4096] [--dtype bf16]
 """
 import argparse
 import asyncio
@@ -51,7 +52,7 @@ class Serve(Server):
     """bench/serve.py's hetero server at this budget (its --cpu-workers when given)."""
 
     def __init__(self, args):
-        super().__init__("hetero", argparse.Namespace(budget=BUDGET, cpu_workers=args.cpu_workers))
+        super().__init__("hetero", argparse.Namespace(budget=BUDGET, cpu_workers=args.cpu_workers, dtype=args.dtype))
 
 
 def http_batch(url, prompts, new):
@@ -173,6 +174,7 @@ def main():
     ap.add_argument("--doc", type=int, default=4096)
     ap.add_argument("--questions", type=int, default=20)
     ap.add_argument("--cpu-workers", type=int, default=None)
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="weights and KV, both systems")
     ap.add_argument("--parts", nargs="+", default=["overhead", "pinned"], choices=["overhead", "pinned"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="serve_overhead.json")
@@ -180,7 +182,7 @@ def main():
 
     from hetero.models import load_smollm2
 
-    model, tok = load_smollm2(torch.float32)
+    model, tok = load_smollm2(torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     res = {"machine": machine(), "args": vars(args), "budget": BUDGET}
     if "overhead" in args.parts:
         res["overhead"] = overhead(args, model, tok)

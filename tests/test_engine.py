@@ -669,6 +669,22 @@ def test_dead_worker_fails_requests_within_seconds_and_close_cleans_up(llama):
     assert set(our_segments(os.getpid())) == before
 
 
+def test_a_closed_engine_keeps_no_view_of_its_pool(llama):
+    """close() unmaps the pool's segment even while the caller still holds the engine (and so its
+    PagedKV): no view of it is left alive (one would keep the mapping, and warn)."""
+    import warnings
+
+    eng = make(llama)
+    s = eng.add_request(prompts([40])[0], 3)
+    run(eng, [s])
+    kv, name = eng.kv, eng.kv.seg.name
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)
+        eng.close()
+    with open("/proc/self/maps") as f:
+        assert name not in f.read() and kv.seg.mm is None
+
+
 def test_close_aborts_unfinished_and_leaves_no_segments(llama):
     before = set(our_segments(os.getpid()))
     eng = make(llama, background=True)

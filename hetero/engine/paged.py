@@ -355,7 +355,7 @@ class PagedKV:
                         self.pool.run(C.CMD_CLOSE)
                     except BaseException as e:    # the segment is still unlinked below
                         failed = failed or e
-        self.q = self.knew = self.vnew = self.kv = self.part_o = self.part_m = self.part_l = None
+        self.q = self.knew = self.vnew = self.kv = self.part_o = self.part_m = self.part_l = self.lengths = None
         self.v = self._job = None
         if getattr(self, "seg", None) is not None:
             self.seg.close()
