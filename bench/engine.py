@@ -422,7 +422,7 @@ def summary(cells):
         out[name] = [round(value, 3), met]
 
     for dtype in sorted({c["dtype"] for c in cells}):
-        eng, ser, hf = (by.get((dtype, "inf", s)) for s in SYSTEMS[:3])
+        eng, ser, hf = (by.get((dtype, "inf", s)) for s in ("engine", "serial", "hf_cb"))
         llama = next((c for (d, r, s), c in by.items() if r == "inf" and s == "llama"), None)
         if eng and ser:
             put(f"{dtype} saturated throughput, engine / serial", eng["throughput_tok_s"] / ser["throughput_tok_s"],

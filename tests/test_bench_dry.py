@@ -59,3 +59,20 @@ def test_gpu_engine_cell_dry_run():
     out = json.loads(line[0][len("RESULT "):])
     assert out["complete"] and out["throughput_tok_s"] > 0 and out["transport"] == "host"
     assert 0 < out["phases"]["execute"][0] < out["steps"] and out["phases"]["post_decode"][0] > 0   # warm-up untimed
+
+
+def test_engine_summary_takes_each_ratio_from_its_systems_cells(monkeypatch):
+    """bench/engine.py's summary divides by the cells of the systems it names (engine_paced, listed
+    beside them, is none of its peers)."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    from engine import summary
+
+    def cell(system, tps, ttft):
+        return {"dtype": "float32", "rate": "inf", "system": system, "throughput_tok_s": tps, "cached_ttft_p50": ttft,
+                "kv_peak_bytes": 1, "kv_private_bytes": 4}
+
+    out = summary([cell("engine", 60.0, 1.0), cell("engine_paced", 50.0, 2.0), cell("serial", 20.0, 5.0),
+                   cell("hf_cb", 10.0, 4.0)])
+    assert out["float32 saturated throughput, engine / serial"] == [3.0, True]
+    assert out["float32 saturated throughput, engine / hf_cb"] == [6.0, None]
+    assert out["float32 saturated cached-document TTFT p50, engine / best peer"] == [0.25, True]
