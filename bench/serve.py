@@ -8,13 +8,13 @@ system) cell starts a fresh server (caches cold) and warms it with two requests 
 (not timed).
 
 Systems (each skipped, and said so, where it is not installed):
-  hetero      hetero serve (this repository), fp32 weights, one CPU worker per core but one
+  hetero      hetero serve (this repository), --dtype weights (fp32 or bf16), one CPU worker per core but one
   hetero-paced  the same with --step-time-target (--step-target s): prompt chunks paced beside
               decodes (named in --systems only)
   llama       llama.cpp's C++ llama-server (continuous batching, 8 slots, prompt cache) on the same
               model's GGUF (Q4_1: 4-bit weights), --llama-server PATH (built from the
               llama-cpp-python source distribution's vendored llama.cpp, cmake target llama-server)
-  hf          transformers serve --continuous-batching on the same fp32 weights
+  hf          transformers serve --continuous-batching on the same weights (--dtype: fp32 or bf16)
 With --replicas, hetero serve --replicas on a local Ray instance instead (a fresh context store
 per cell):
   r1          one replica on half the cores (taskset)
@@ -80,7 +80,8 @@ def command(system, port, args):
     here = os.path.join(os.path.dirname(sys.executable), "transformers")      # this venv's, else the PATH's
     return [here if os.path.exists(here) else shutil.which("transformers") or "transformers", "serve",
             os.path.join(model_cache_dir(), "smollm2-135m-instruct-fp32"), "--continuous-batching",
-            "--port", str(port), "--device", "cpu", "--dtype", "float32"]
+            "--port", str(port), "--device", "cpu", "--dtype", "bfloat16" if getattr(args, "dtype", "fp32") == "bf16" else
+            "float32"]
 
 
 class Server:
