@@ -134,7 +134,8 @@ class StepAttention(UpdateOrder):
         out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=query.dtype, device=query.device)
         d = self.decode_rows
         if d is not None:                        # the workers run while the chunks are attended here
-            self.kv.post_decode(layer, q[:, d].transpose(0, 1), k[:, d].transpose(0, 1), v[:, d].transpose(0, 1),
+            # [n, H, D] gathered contiguous (one copy each: the GPU's copy-out reads them as they are)
+            self.kv.post_decode(layer, q.transpose(0, 1)[d], k.transpose(0, 1)[d], v.transpose(0, 1)[d],
                                 window or 0, scale, softcap or 0.0)
         ringed = self.kv.ringed[layer]            # a windowed layer in a pool of its own
         for c in self.chunks:

@@ -248,15 +248,18 @@ class CudaTransport:
     def _lock_staging(self, base):
         """Page-lock and map the adapter store's staging once (kept across calls: released by the
         store when it replaces or closes it); its device address."""
-        d = ctypes.c_void_p()
-        size = -(-self.lora.staging.size // PAGE) * PAGE
-        self._call(self.lib.hetero_register(ctypes.c_void_p(base), size, ctypes.byref(d)), "cudaHostRegister")
-        return d.value
+        return self._page_lock(base, -(-self.lora.staging.size // PAGE) * PAGE)
 
     def _register(self, ptr, nbytes):
+        """_page_lock, released at close (_unmap)."""
+        d = self._page_lock(ptr, nbytes)
+        self._regs.append(ptr)
+        return d
+
+    def _page_lock(self, ptr, nbytes):
+        """Page-lock and map [ptr, ptr + nbytes) (the current device); its device address."""
         d = ctypes.c_void_p()
         self._call(self.lib.hetero_register(ctypes.c_void_p(ptr), nbytes, ctypes.byref(d)), "cudaHostRegister")
-        self._regs.append(ptr)
         return d.value
 
     def _launch(self, s, q, k, v, out, sink):
@@ -397,7 +400,6 @@ class CudaDecode(CudaTransport):
         self.ctrl_dev = None
         super().__init__(lib, pool, kv, device, start=False)
         self.open_job = None            # (layer, rows) of a posted job whose finish is not enqueued
-        self.posted = None              # (seq, units) of the step's last posted job
 
     def begin(self):
         self._lock_ctrl()
@@ -415,11 +417,8 @@ class CudaDecode(CudaTransport):
 
     def _lock_ctrl(self):
         """Page-lock the pool's control segment for the step (its device address: ctrl_dev)."""
-        d = ctypes.c_void_p()
         with torch.cuda.device(self.device):
-            self._call(self.lib.hetero_register(ctypes.c_void_p(self.pool.words.ctypes.data), self.pool.words.nbytes,
-                                                ctypes.byref(d)), "cudaHostRegister")
-        self.ctrl_dev = d.value
+            self.ctrl_dev = self._page_lock(self.pool.words.ctypes.data, self.pool.words.nbytes)
 
     def _unlock_ctrl(self):
         if self.ctrl_dev is not None:
@@ -442,7 +441,6 @@ class CudaDecode(CudaTransport):
         self.iparams[:] = (self.pool.seq, layer, 1, window, nsplit, units, active, psplit, ngroups)
         self.fparams[:] = (scale, softcap)
         self.dims[0], self.dims[3] = n, 1
-        self.posted = (self.pool.seq, units)         # before the launch: end_step waits for it if it went out
         self._launch_post(kv, q, k, v)
         self.open_job = (layer, n)
 
@@ -468,14 +466,13 @@ class CudaDecode(CudaTransport):
             except BaseException as e:
                 self.pool.broken = f"a CUDA error while the GPU posted the workers' jobs ({e})"
                 raise
-            if self.posted is not None:
-                seq, units = self.posted
-                w = self.pool.words
-                while int(w[C.TICKET]) >> 32 == C.ticket_tag(seq) and w[C.FIN] != units and not w[C.ABORT] \
-                        and self.watchdog.error is None:
-                    time.sleep(0.0002)
+            # the step's last job (its params stay in iparams); one never published has no ticket
+            seq, units, w = int(self.iparams[0]), int(self.iparams[5]), self.pool.words
+            while int(w[C.TICKET]) >> 32 == C.ticket_tag(seq) and w[C.FIN] != units and not w[C.ABORT] \
+                    and self.watchdog.error is None:
+                time.sleep(0.0002)
         finally:
-            self.open_job = self.posted = None
+            self.open_job = None
             self.end()
 
     def _launch_post(self, kv, q, k, v):
