@@ -397,29 +397,41 @@ def test_cuda_engine_dead_worker_fails_its_requests_within_2s():
 
 
 def test_cuda_overlapping_generate_calls_join_the_engine_and_match_hf(caplog, monkeypatch):
-    """generate() from several threads on a CUDA model's generator: the calls join the engine's
-    batch and return HF generate's sequences, on the GPU."""
+    """generate() from several threads on a CUDA model's generator: while a first call holds HF's
+    loop (a streamer gate), the others join the engine's batch, and every call returns HF generate's
+    sequences, on the GPU."""
     import logging
     import threading
 
     from hetero.ipc.cuda_transport import CudaTransport
+    from tests.test_generate_threads import Gate, wait_for_engine
 
     model = build_model("llama")[0].cuda()
     g = torch.Generator().manual_seed(0)
-    xs = [torch.randint(3, 100, (1, n), generator=g).cuda() for n in (30, 5, 44, 17)]
+    first, *xs = [torch.randint(3, 100, (1, n), generator=g).cuda() for n in (12, 30, 5, 44, 17)]
     out = {}
     with HeteroGenerator(model, cpu_workers=2) as gen:
-        ths = [threading.Thread(target=lambda i=i, x=x: out.setdefault(i, gen.generate(
-            x, max_new_tokens=6 + i, pad_token_id=0))) for i, x in enumerate(xs)]
+        gate = Gate()
         with caplog.at_level(logging.WARNING, logger="hetero"), monkeypatch.context() as m:
             m.setattr(CudaTransport, "_said", set())
+            t = threading.Thread(target=lambda: out.setdefault("first", gen.generate(
+                first, max_new_tokens=6, pad_token_id=0, streamer=gate)))
+            t.start()
+            assert gate.started.wait(60)                     # the first call holds HF's loop
+            ths = [threading.Thread(target=lambda i=i, x=x: out.setdefault(i, gen.generate(
+                x, max_new_tokens=6 + i, pad_token_id=0))) for i, x in enumerate(xs)]
             for th in ths:
                 th.start()
-            for th in ths:
+            engine = wait_for_engine(gen, len(xs))           # queued in the engine meanwhile
+            assert engine.kv.gpu is not None                 # the engine's decode jobs: CUDA
+            gate.release.set()
+            for th in [t, *ths]:
                 th.join(120)
-            assert gen._engine.engine is not None and gen._engine.engine.kv.gpu is not None    # the engine's: CUDA
+            assert engine.steps > 0 and engine.kv_manager.num_used_blocks == 0
             gen.generate(xs[0], max_new_tokens=3, pad_token_id=0)            # HF's loop after: CUDA too
         assert "CUDA transport unavailable" not in caplog.text
+    assert torch.equal(out["first"], model.generate(first, attention_mask=torch.ones_like(first), max_new_tokens=6,
+                                                    pad_token_id=0))
     for i, x in enumerate(xs):
         assert out[i].device == x.device
         ref = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=6 + i, pad_token_id=0)
