@@ -59,6 +59,7 @@ def test_gpu_engine_cell_dry_run():
     out = json.loads(line[0][len("RESULT "):])
     assert out["complete"] and out["throughput_tok_s"] > 0 and out["transport"] == "host"
     assert 0 < out["phases"]["execute"][0] < out["steps"] and out["phases"]["post_decode"][0] > 0   # warm-up untimed
+    assert out["dma_copies"] == out["sync_copies"] == 0 and out["pin_s"] is None    # a CPU model: no page locks
 
 
 def test_engine_summary_takes_each_ratio_from_its_systems_cells(monkeypatch):

@@ -271,6 +271,64 @@ def test_use_gpu_opens_the_extension_or_says_why(llama, monkeypatch, caplog):
         monkeypatch.setattr(CudaDecode, "_unmap", lambda self: None)
 
 
+@pytest.mark.parametrize("refuse", [False, True])
+def test_a_pool_is_page_locked_chunk_by_chunk_as_a_gpu_s_copies_touch_it(llama, refuse):
+    """PagedKV.pin (a CUDA model's engine): the pool's K/V get locked in page-aligned chunks as
+    write_rows's copies first touch them, each chunk once, never past its array; a copy is cut
+    at the chunks' bounds into pieces, each within one lock (RangePins.copy_in: the pieces' DMAs
+    put the same bytes as one copy); close() releases every lock before the unmap. A driver that
+    refuses stops the locking, and copies go whole and synchronous."""
+    from hetero.offload.pinning import PAGE
+    from tests.test_engine import make
+
+    locked, unlocked = [], []
+
+    def register(ptr, nbytes):
+        assert ptr % PAGE == 0 and nbytes % PAGE == 0 and nbytes > 0
+        assert all(ptr + nbytes <= p or p + n <= ptr for p, n in locked), "a page locked twice"
+        if refuse:
+            return False
+        locked.append((ptr, nbytes))
+        return True
+
+    eng = make(llama, kv_blocks=24)
+    try:
+        kv = eng.kv
+        kv.pin("cpu", register, unlocked.append)
+        pins = kv._pins
+        pins.chunk = 2 * PAGE                                   # small chunks: bounds inside a layer
+        arrays = [(t.data_ptr(), t.numel() * t.element_size()) for t in (kv.K, kv.V) if t.numel()]
+        K0 = kv.kv[0][0]                                        # layer 0's K [Hkv, NB, Dp, BK]
+        blk = K0[0, 0].numel() * K0.element_size()
+        one = pins.lock(K0[0, 1].data_ptr(), blk)               # a block inside one chunk
+        span = K0[0].data_ptr() + 5 * pins.chunk - blk // 2     # straddling a bound: two new chunks
+        if refuse:
+            assert one is None and pins.refused and not locked
+            assert pins.lock(span, blk) is None                 # nothing more tried
+        else:
+            assert one == [(0, blk)] and len(locked) == 1
+            assert pins.lock(K0[0, 1].data_ptr(), blk) == [(0, blk)] and len(locked) == 1   # once
+            assert pins.lock(span, blk) == [(0, blk // 2), (blk // 2, blk // 2)] and len(locked) == 3
+            last, n = arrays[-1]                                # an array's last bytes: its chunk
+            assert pins.lock(last + n - 8, 8) == [(0, 8)]       # ends at the array's last page
+            a, m = locked[-1]
+            assert a + m == last + -(-n // PAGE) * PAGE
+            assert pins.lock(last + n + 10 * PAGE, 8) is None   # past the arrays: no lock
+        # a run of blocks across chunk bounds, copied in pieces: the bytes of one copy
+        dst = K0[1, 2:9]
+        src = torch.randn(dst.shape).to(dst.dtype)
+        assert pins.copy_in(dst, src) is (not refuse)
+        assert torch.equal(dst, src)
+        ps = prompts([40, 70, 9], seed=6)
+        streams = [eng.add_request(p, 6, output_scores=True) for p in ps]
+        run(eng, streams)
+        for s, p in zip(streams, ps):
+            assert_exact(llama, s, p, 6)
+    finally:
+        eng.close()
+    assert sorted(unlocked) == sorted(p for p, _ in locked) and not pins.locked
+
+
 def test_engine_transport_config_is_checked():
     with pytest.raises(ValueError, match="EngineConfig.transport must be"):
         EngineConfig(transport="gpu")

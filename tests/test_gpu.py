@@ -349,10 +349,15 @@ def engine_matches_hf(model_type, dtype, device, transport="auto", hook=None):
             while not all(s.finished for s in streams):
                 eng.step()
             assert eng.kv_manager.num_used_blocks == 0
+            pins = eng.kv._pins
+            if torch.device(device).type == "cuda":      # prompt rows went in as DMAs (PagedKV.pin)
+                assert pins is not None and not pins.refused and pins.locked
+                assert eng.kv.dma_copies > 0 and eng.kv.sync_copies == 0
             if cfg["kv_blocks"] == 9:
                 assert eng.scheduler.num_preemptions > 0
             else:
                 assert eng.kv_manager.prefix_hits > 0
+        assert pins is None or not pins.locked            # released at close
         for s, p in zip(streams, ps):
             ref = model.generate(torch.tensor([p], device=device), max_new_tokens=new, pad_token_id=0,
                                  do_sample=False, output_scores=True, return_dict_in_generate=True)

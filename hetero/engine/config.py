@@ -33,7 +33,7 @@ class EngineConfig:
                                               # shrink to fit it, as measured (hetero.engine.pacing); None: off
     prefill_stage_memory: int | None = None   # bytes of the model's device that keep a chunked prompt's rows
                                               # between its chunks (runner.PrefillStage); None: on a GPU a
-                                              # quarter of its free memory at start, on the CPU 0 (off)
+                                              # quarter of its free memory at start, on the CPU 256 MiB
     transport: str = "auto"                   # a CUDA model's decode jobs: "auto": the CUDA extension (the GPU
                                               # posts them and merges their results, hetero.ipc.cuda_transport)
                                               # where it can be used, else host copies; "cuda": the extension or

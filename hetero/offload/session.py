@@ -449,7 +449,7 @@ class KVSession(UpdateOrder):
         (hetero.offload.pinning). Where the driver refuses, copies stay correct through pageable
         memory (one log line). Released at close."""
         if self._pins is None:
-            self._pins = ArenaPins(self, _cuda_register, lambda ptr: torch.cuda.cudart().cudaHostUnregister(ptr))
+            self._pins = ArenaPins(self, _cuda_register, _cuda_unregister)
         self._pins.pin(layer)
 
     @property
@@ -500,6 +500,13 @@ def _cuda_register(ptr, nbytes):
         log.info("hetero: cudaHostRegister of %d bytes failed (%s)", nbytes, err)
         return False
     return True
+
+
+def _cuda_unregister(ptr):
+    err = torch.cuda.cudart().cudaHostUnregister(ptr)
+    if int(err) != 0:
+        _clear_cuda_error()                    # else torch's next launch check would raise it
+        log.info("hetero: cudaHostUnregister failed (%s)", err)
 
 
 def _clear_cuda_error():
