@@ -366,6 +366,40 @@ def engine_matches_hf(model_type, dtype, device, transport="auto", hook=None):
                                        atol=tol, rtol=tol)
 
 
+def test_cuda_engine_step_raising_after_its_dmas_leaves_the_pool_exact(monkeypatch):
+    """A step that raises on a CUDA model after its prompt rows went into the pool as DMAs (the
+    second layer's chunk attention): end_step waits for them, the step's requests fail, and the
+    blocks they held, given to later requests, serve HF generate's tokens."""
+    from hetero import Engine, EngineConfig
+    from hetero.engine import runner as runner_mod
+    from tests.test_engine import prompts
+
+    model = build_model("llama")[0].cuda()
+    real, calls = runner_mod.chunk_attention, []
+
+    def boom(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("boom after the first layer's DMAs")
+        return real(*a, **k)
+
+    with Engine(model, EngineConfig(background=False, cpu_workers=2, max_model_len=256, kv_blocks=12)) as eng:
+        monkeypatch.setattr(runner_mod, "chunk_attention", boom)
+        s = eng.add_request(prompts([200], seed=12)[0], 4)
+        with pytest.raises(RuntimeError, match="boom"):
+            eng.step()
+        monkeypatch.undo()
+        assert s.error is not None and eng.kv.dma_copies > 0 and eng.kv._dma_on is None
+        ps = prompts([150, 90], seed=13)
+        streams = [eng.add_request(p, 6) for p in ps]
+        while not all(x.finished for x in streams):
+            eng.step()
+        assert eng.kv.sync_copies == 0
+    for x, p in zip(streams, ps):
+        ref = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert x.token_ids == ref[0, len(p):].tolist()
+
+
 def test_cuda_engine_dead_worker_fails_its_requests_within_2s():
     """A worker killed while the GPU waits on an engine step's decode job: the watchdog releases
     the stream, the step fails its requests with WorkerDiedError within 2 s, and close() leaves
