@@ -121,6 +121,7 @@ class StepAttention(UpdateOrder):
         self.decode_rows, self.chunks = decode_rows, chunks
         self.pending = [False] * spec.layers
         self._new = None
+        self.masks = {}                          # the chunks' masks, made at the first layer (chunk_attention)
 
     def begin_forward(self):
         pass
@@ -149,7 +150,8 @@ class StepAttention(UpdateOrder):
             elif c.start:
                 kc, vc = self.kv.read_rows(layer, table, c.start, first, new=(kc, vc))
             self.kv.write_rows(layer, table, c.start, k[:, rows], v[:, rows])
-            out[rows] = chunk_attention(q[:, rows], kc, vc, c.start, window or 0, scale, softcap, sinks, first)
+            out[rows] = chunk_attention(q[:, rows], kc, vc, c.start, window or 0, scale, softcap, sinks, first,
+                                        self.masks)
         if d is not None:
             out[d] = self.kv.finish_decode(sinks).to(out.device, out.dtype)
         return out.unsqueeze(0)
@@ -171,26 +173,23 @@ class StepAttention(UpdateOrder):
         return K[:, c.first:end], V[:, c.first:end]
 
 
-def chunk_attention(q, k, v, start, window, scale, softcap=None, sinks=None, first=0):
+def chunk_attention(q, k, v, start, window, scale, softcap=None, sinks=None, first=0, masks=None):
     """Causal attention of q [Hq, n, D] (positions start..start+n-1) over k/v [Hkv, start+n-first, D]
-    (rows first..start+n-1), with a sliding window of `window` keys (0: none) -> [n, Hq, D]."""
+    (rows first..start+n-1), with a sliding window of `window` keys (0: none) -> [n, Hq, D].
+    masks: a dict keeping the masks made, for the step's other layers (every layer alike)."""
     n, total = q.shape[1], k.shape[1]
-    mask = None
-    if start or window:
-        i = torch.arange(start, start + n, device=q.device)[:, None]
-        j = torch.arange(first, first + total, device=q.device)[None, :]
-        mask = j <= i
-        if window:
-            mask &= i - j < window
+    key = (start, n, first, total, window, q.dtype, q.device, bool(softcap or sinks is not None))
+    if masks is not None and key in masks:
+        mask = masks[key]
+    else:
+        mask = _chunk_mask(q, start, n, first, total, window, softcap or sinks is not None)
+        if masks is not None:
+            masks[key] = mask
     if softcap or sinks is not None:
         o, _ = attention.eager_attention(None, q[None], k[None], v[None], mask, scale, softcap, sinks)
         return o[0]                                         # [n, Hq, D]
     G = q.shape[0] // k.shape[0]
     gqa = G > 1 and q.device.type == "cpu"
-    if mask is not None and q.device.type == "cpu":
-        # additive: the CPU's flash kernel turns a bool mask into this on every call (the same bits;
-        # a 16-row chunk over 1.7K keys 1.0 -> 0.8 ms in bf16 on the 2-core VM)
-        mask = torch.zeros_like(mask, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
     if G > 1 and not gqa:
         # CUDA: keys repeated, the path measured on the GPU (with a mask and enable_gqa, sdpa may
         # fall back to its math kernel, which holds [Hq, n, start+n] scores). The CPU's flash
@@ -200,6 +199,22 @@ def chunk_attention(q, k, v, start, window, scale, softcap=None, sinks=None, fir
     o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None and n > 1,
                                        scale=scale, enable_gqa=gqa)
     return o[0].transpose(0, 1)
+
+
+def _chunk_mask(q, start, n, first, total, window, eager):
+    """The chunk's mask (None: plain causal): boolean for the eager path; on the CPU's sdpa additive
+    (its flash kernel turns a boolean mask into this on every call: the same bits; a 16-row chunk
+    over 1.7K keys 1.0 -> 0.8 ms in bf16 on the 2-core VM)."""
+    mask = None
+    if start or window:
+        i = torch.arange(start, start + n, device=q.device)[:, None]
+        j = torch.arange(first, first + total, device=q.device)[None, :]
+        mask = j <= i
+        if window:
+            mask &= i - j < window
+    if mask is not None and not eager and q.device.type == "cpu":
+        mask = torch.zeros_like(mask, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
+    return mask
 
 
 class ModelRunner:
