@@ -659,4 +659,6 @@ def test_idle_workers_leave_with_their_parent(how):
     assert len(pids) == 2
     gone = lambda pid: not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"  # noqa: E731
     assert _until(lambda: all(map(gone, pids)), 5.0)
-    assert _until(lambda: _nothing_of(out.stdout.split()[0]), 5.0)       # the killed one's lock too
+    owner = out.stdout.split()[0]
+    assert _until(lambda: _nothing_of(owner), 10.0), [     # the killed one's lock too (what is left, if not)
+        n for n in shm.list_ours() if n.startswith((f"{shm.PREFIX}{owner}_", f"{shm.LOCK_PREFIX}{owner}_"))]
