@@ -155,7 +155,7 @@ class Worker:
             if name:
                 shm.unlink(name)
         shm.unlink(self.ctrl.name)
-        shm.sweep_owner(self.ctrl.name)   # the rest of the dead parent's names, its lock included
+        shm.sweep_owner(self.ctrl.name, wait=5.0)   # the rest of the dead parent's names, its lock included
 
     def run(self) -> bool:
         """Serve jobs until EXIT (True) or the parent's death (False)."""
@@ -332,7 +332,7 @@ def next_pool(parent_pid, last_ctrl):
                 time.sleep(0.01)
             break
     if os.getppid() != parent_pid:
-        shm.sweep_owner(last_ctrl)
+        shm.sweep_owner(last_ctrl, wait=5.0)      # its lock may outlive the pipe for a moment
     return None
 
 

@@ -349,6 +349,40 @@ print(bad, *pids, flush=True)
 """
 
 
+DYING_OWNER = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+from hetero.ipc import shm
+seg = shm.Segment(shm.new_name("t"), 64, create=True)
+print(seg.name, flush=True)
+sys.stdin.readline()
+time.sleep(0.4)
+os._exit(0)                      # no exit handler: its names stay, its lock is released
+"""
+
+
+def test_a_sweep_told_to_wait_takes_a_dying_owner_s_names_once_its_lock_is_free():
+    """sweep_owner(wait=...): a worker that saw its parent's pipe close may sweep while the parent
+    still holds its lock; it tries again until the lock is free, then removes every name (the
+    lock too); without the wait, a live owner's names are kept."""
+    p = subprocess.Popen([sys.executable, "-c", DYING_OWNER.format(root=ROOT)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        name = p.stdout.readline().strip()
+        assert shm.sweep_owner(name) == []                       # alive: nothing removed
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        t = time.monotonic()
+        removed = shm.sweep_owner(name, wait=5.0)
+        assert time.monotonic() - t >= 0.3 and p.wait(5) == 0
+        assert name.lstrip("/") in removed and any(n.startswith(shm.LOCK_PREFIX) for n in removed)
+        assert _nothing_of(str(p.pid))
+    finally:
+        p.kill()
+        p.wait()
+        shm.sweep_stale()
+
+
 def test_concurrent_sweeps_never_remove_a_live_owner():
     churn = subprocess.Popen([sys.executable, "-c", CHURN.format(root=ROOT, seconds=3)],
                              stdout=subprocess.PIPE, text=True)

@@ -17,6 +17,7 @@ import os
 import re
 import secrets
 import threading
+import time
 import warnings
 
 import numpy as np
@@ -327,8 +328,17 @@ def sweep_stale(shm_dir=SHM_DIR):
     return removed
 
 
-def sweep_owner(name, shm_dir=SHM_DIR):
+def sweep_owner(name, shm_dir=SHM_DIR, wait: float = 0.0):
     """Remove all names of the owner of segment `name` (with or without its leading "/") if that
-    owner is provably dead; for a worker whose parent died. Returns the names removed."""
+    owner is provably dead; for a worker whose parent died. Returns the names removed. wait: try
+    again for up to that many seconds while the owner's lock is still there (held by an owner
+    that is still dying, or by another sweeper)."""
     m = _SEG_RE.match(name.lstrip("/"))
-    return _sweep_owner(m.group(1), list_ours(shm_dir), shm_dir) if m else []
+    if not m:
+        return []
+    removed, deadline = [], time.monotonic() + wait
+    while True:
+        removed += _sweep_owner(m.group(1), list_ours(shm_dir), shm_dir)
+        if not os.path.exists(os.path.join(shm_dir, LOCK_PREFIX + m.group(1))) or time.monotonic() >= deadline:
+            return removed
+        time.sleep(0.05)
