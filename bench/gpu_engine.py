@@ -86,7 +86,7 @@ def run_engine(model, ps, args, transport="auto"):
         return metrics(start, [s.token_times for s in streams], args.new) | {
             "warmup_s": warm, "steps": eng.steps, "preemptions": eng.scheduler.num_preemptions,
             "pool_bytes": eng.kv.num_blocks * BLOCK_SIZE * row, "transport": "cuda" if eng.kv.gpu else "host",
-            # the prompt rows' copies into the pool: as DMAs (PagedKV.pin) or waited for; page-locking's host time
+            # the prompt rows' copies into the pool: as DMAs (PagedKV.lock_pages) or waited for; page-locking's host time
             "dma_copies": eng.kv.dma_copies, "sync_copies": eng.kv.sync_copies,
             "pin_s": eng.kv._pins.seconds if eng.kv._pins is not None else None} | (
                 {"phases": phases} if phases else {})

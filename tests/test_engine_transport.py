@@ -273,7 +273,7 @@ def test_use_gpu_opens_the_extension_or_says_why(llama, monkeypatch, caplog):
 
 @pytest.mark.parametrize("refuse", [False, True])
 def test_a_pool_is_page_locked_chunk_by_chunk_as_a_gpu_s_copies_touch_it(llama, refuse):
-    """PagedKV.pin (a CUDA model's engine): the pool's K/V get locked in page-aligned chunks as
+    """PagedKV.lock_pages (a CUDA model's engine): the pool's K/V get locked in page-aligned chunks as
     write_rows's copies first touch them, each chunk once, never past its array; a copy is cut
     at the chunks' bounds into pieces, each within one lock (RangePins.copy_in: the pieces' DMAs
     put the same bytes as one copy); close() releases every lock before the unmap. A driver that
@@ -294,7 +294,7 @@ def test_a_pool_is_page_locked_chunk_by_chunk_as_a_gpu_s_copies_touch_it(llama, 
     eng = make(llama, kv_blocks=24)
     try:
         kv = eng.kv
-        kv.pin("cpu", register, unlocked.append)
+        kv.lock_pages("cpu", register, unlocked.append)
         pins = kv._pins
         pins.chunk = 2 * PAGE                                   # small chunks: bounds inside a layer
         arrays = [(t.data_ptr(), t.numel() * t.element_size()) for t in (kv.K, kv.V) if t.numel()]

@@ -350,7 +350,7 @@ def engine_matches_hf(model_type, dtype, device, transport="auto", hook=None):
                 eng.step()
             assert eng.kv_manager.num_used_blocks == 0
             pins = eng.kv._pins
-            if torch.device(device).type == "cuda":      # prompt rows went in as DMAs (PagedKV.pin)
+            if torch.device(device).type == "cuda":      # prompt rows went in as DMAs (PagedKV.lock_pages)
                 assert pins is not None and not pins.refused and pins.locked
                 assert eng.kv.dma_copies > 0 and eng.kv.sync_copies == 0
             if cfg["kv_blocks"] == 9:

@@ -116,7 +116,7 @@ class Engine(Documents):
                               config.max_num_seqs, planner=planner or StaticPlanner(pool.n), ring_blocks=ring_blocks)
             if model.device.type == "cuda":
                 self.kv.use_gpu(model.device, config.transport)
-                self.kv.pin(model.device)     # prompt rows go into the pool as DMAs
+                self.kv.lock_pages(model.device)     # prompt rows go into the pool as DMAs
             if ring_blocks:                   # windowed and full layers: a pool each (Gemma 2/3, gpt-oss, ...)
                 self.kv_manager = HybridKVCacheManager(BlockPool(num_blocks), BlockPool(ring_blocks), self.window)
             else:

@@ -35,6 +35,9 @@ common blocks are attended in shared-prefix units (kernel.run_prefix_unit), at m
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import numpy as np
 import psutil
 import torch
@@ -74,7 +77,7 @@ class PagedKV:
         self.planner = planner or StaticPlanner(pool.n)     # or a callable: resolved by ensure_open
         self.opened = False
         self.gpu = None               # a CudaDecode (use_gpu): the GPU posts and merges the decode jobs
-        self._pins = None             # the K/V page locks (pin): a GPU's prompt rows then go as DMAs
+        self._pins = None             # the K/V page locks (lock_pages): a GPU's prompt rows then go as DMAs
         self._dma_on = None           # the device whose stream holds this step's DMAs into K/V (end_step)
         self.dma_copies = self.sync_copies = 0    # write_rows's copies from a GPU, as DMAs or waited for
         shm.warn_if_small_pages(self.layout.nbytes)
@@ -134,25 +137,21 @@ class PagedKV:
         """After a step's forward (or its failure): with a GPU posting, wait for it (raises a worker's
         failure it saw); with prompt rows copied in as DMAs, wait for them (the workers and the next
         step read those blocks; a failed step's blocks may be given to another request)."""
-        failed = None
         try:
             if self.gpu is not None:
                 self.gpu.end_step()
-        except BaseException as e:                # raised after the wait below (a worker's, first)
-            failed = e
-        self._wait_dmas(failed)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the worker's failure is the one to raise
+                self._wait_dmas()
+            raise
+        self._wait_dmas()
 
-    def _wait_dmas(self, failed=None):
+    def _wait_dmas(self):
         dev, self._dma_on = self._dma_on, None
-        try:
-            if dev is not None:
-                torch.cuda.current_stream(dev).synchronize()
-        except BaseException as e:
-            failed = failed or e
-        if failed is not None:
-            raise failed
+        if dev is not None:
+            torch.cuda.current_stream(dev).synchronize()
 
-    def pin(self, device, register=None, unregister=None) -> None:
+    def lock_pages(self, device, register=None, unregister=None) -> None:
         """Have write_rows's whole-block copies from a GPU go as DMAs: the pool's K/V page-locked
         (cudaHostRegister, portable) in 64 MiB chunks as the copies first touch them
         (hetero.offload.pinning.RangePins), the copies enqueued without waiting and waited for at
@@ -161,15 +160,9 @@ class PagedKV:
         Released at close. register/unregister: the tests' recording ones (else cudaHostRegister /
         Unregister with `device` current)."""
         if self._pins is None:
-            def on_device(fn):
-                def call(*a):
-                    with torch.cuda.device(device):
-                        return fn(*a)
-                return call
-
             arrays = [(t.data_ptr(), t.numel() * t.element_size()) for t in (self.K, self.V, self.Kr, self.Vr)]
-            self._pins = RangePins(arrays, register or on_device(_cuda_register),
-                                   unregister or on_device(_cuda_unregister))
+            self._pins = RangePins(arrays, register or functools.partial(_cuda_register, device=device),
+                                   unregister or functools.partial(_cuda_unregister, device=device))
 
     def open(self):
         """Map the pool in the workers (CMD_OPEN); the session they had mapped is unmapped."""
@@ -219,7 +212,7 @@ class PagedKV:
                 Kw.index_copy_(1, blocks, kb.contiguous().cpu())
                 Vl.index_copy_(1, blocks, vb.contiguous().cpu())
             else:
-                pins = self._pins if key.is_cuda else None   # page-locked (pin): DMAs, waited for at end_step
+                pins = self._pins if key.is_cuda else None   # page-locked (lock_pages): DMAs, waited for at end_step
                 if key.is_cuda:                 # the transposes on the GPU, then a copy per run and head
                     kb, vb = kb.contiguous(), vb.contiguous()
                 for i, lo, cnt in runs:

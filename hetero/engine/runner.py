@@ -178,14 +178,14 @@ def chunk_attention(q, k, v, start, window, scale, softcap=None, sinks=None, fir
     (rows first..start+n-1), with a sliding window of `window` keys (0: none) -> [n, Hq, D].
     masks: a dict keeping the masks made, for the step's other layers (every layer alike)."""
     n, total = q.shape[1], k.shape[1]
-    key = (start, n, first, total, window, q.dtype, q.device, bool(softcap or sinks is not None))
-    if masks is not None and key in masks:
-        mask = masks[key]
-    else:
-        mask = _chunk_mask(q, start, n, first, total, window, softcap or sinks is not None)
+    eager = bool(softcap or sinks is not None)
+    key = (start, n, first, total, window, q.dtype, q.device, eager)
+    mask = masks.get(key) if masks is not None else None
+    if mask is None:
+        mask = _chunk_mask(q, start, n, first, total, window, eager)
         if masks is not None:
             masks[key] = mask
-    if softcap or sinks is not None:
+    if eager:
         o, _ = attention.eager_attention(None, q[None], k[None], v[None], mask, scale, softcap, sinks)
         return o[0]                                         # [n, Hq, D]
     G = q.shape[0] // k.shape[0]
@@ -227,7 +227,7 @@ class ModelRunner:
         self.model, self.spec, self.kv, self.lora = model, spec, kv, lora
         self.device = model.device
         if stage_memory is None:         # on the CPU: a later chunk then reads no cached rows back from the
-            # pool (a paced step's 16-token chunk over a 1.5K document: 80 -> 70 ms on the 2-core VM)
+            # pool (a paced step's 16-token chunk over a 1.5K document: 91 -> 80 ms on the 2-core VM)
             stage_memory = torch.cuda.mem_get_info(self.device)[0] // 4 if self.device.type == "cuda" else CPU_STAGE
         self.stage = PrefillStage(spec, stage_memory)
         self.keeps_logits = model._supports_logits_to_keep()
@@ -260,8 +260,6 @@ class ModelRunner:
                 sample.append(off + n - 1)
             off += n
         self.kv.ensure_open()
-        if chunks and self.device.type == "cuda":
-            self.kv.pin()                        # once: prompt rows into the pool as DMAs (PagedKV.pin)
         self.kv.begin_decode(lengths, tables, rtables if apart else None)
         dev = self.device
         rows = torch.tensor(decode, device=dev) if decode else None

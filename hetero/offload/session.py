@@ -492,9 +492,11 @@ class KVSession(UpdateOrder):
             raise failed
 
 
-def _cuda_register(ptr, nbytes):
-    """cudaHostRegister (portable) of [ptr, ptr + nbytes); False where the driver refuses."""
-    err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 1)          # 1: portable
+def _cuda_register(ptr, nbytes, device=None):
+    """cudaHostRegister (portable) of [ptr, ptr + nbytes) (with `device` current, if given); False
+    where the driver refuses."""
+    with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 1)      # 1: portable
     if int(err) != 0:
         _clear_cuda_error()                    # else torch's next launch check would raise it
         log.info("hetero: cudaHostRegister of %d bytes failed (%s)", nbytes, err)
@@ -502,8 +504,9 @@ def _cuda_register(ptr, nbytes):
     return True
 
 
-def _cuda_unregister(ptr):
-    err = torch.cuda.cudart().cudaHostUnregister(ptr)
+def _cuda_unregister(ptr, device=None):
+    with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+        err = torch.cuda.cudart().cudaHostUnregister(ptr)
     if int(err) != 0:
         _clear_cuda_error()                    # else torch's next launch check would raise it
         log.info("hetero: cudaHostUnregister failed (%s)", err)
