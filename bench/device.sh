@@ -9,7 +9,7 @@
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 \
 #     --platform manylinux1_x86_64 -c constraints.txt -d .whl posix_ipc fastapi uvicorn openai prometheus_client
 # Then with the device tool: run(command="bash bench/device.sh", carry=[".whl"]).
-# STEPS picks the parts (default all): STEPS="gpu gpu_decode gpu_prefill gpu_engine probe kernel attention ipc contexts" bash bench/device.sh.
+# STEPS picks the parts (default all): STEPS="gpu gpu_decode gpu_prefill gpu_engine prefix_rows probe kernel attention ipc contexts" bash bench/device.sh.
 # A device call is limited to 10 minutes: run one step per call (STEPS=gpu, then STEPS=gpu_decode, ...);
 # gpu_decode writes its JSON after every row, so a run cut by the limit still returns what it measured
 # (GPU_DECODE_ARGS="--contexts 8192 65536" narrows it; "--systems hetero hetero_all" A/Bs the planner against
@@ -26,6 +26,7 @@
 # gpu_engine (the engine vs transformers' continuous batching, bench/gpu_engine.py): one load per call, each
 # cell a fresh 8B model, e.g. GPU_ENGINE_ARGS="--loads 8x32768 --timeout 200" (8x32K: engine 60 s, transformers 90 s
 # plus ~20 s start each; 16x32K engine 125 s); "--systems engine --phases" times the parts of its steps.
+# prefix_rows (bench/prefix_rows.py): 12 questions over a pinned 32K document, 8B shape, ~2 minutes.
 # At most 8 files come back from $OUT: one log per step and one JSON per benchmark.
 set -uo pipefail
 OUT=${OUT:-/tmp/hetero_device}
@@ -68,6 +69,9 @@ for step in ${STEPS:-gpu gpu_decode gpu_prefill probe kernel attention ipc conte
             python3 bench/gpu_prefill.py --copy-to "$OUT" ${GPU_PREFILL_ARGS:-} 2>&1 | tee "$OUT/gpu_prefill.log" || rc=1 ;;
         gpu_engine)   # the engine (KV and decode attention on the host) vs transformers' continuous batching on the GPU
             python3 bench/gpu_engine.py --copy-to "$OUT" ${GPU_ENGINE_ARGS:-} 2>&1 | tee "$OUT/gpu_engine.log" || rc=1 ;;
+        prefix_rows)  # questions over a pinned 32K document: its rows kept on the GPU vs read back (PrefixRows)
+            python3 bench/prefix_rows.py --shape llama3-8b --device cuda --doc 32768 --questions 12 --chunk 8192 \
+                --out prefix_rows_gpu.json --copy-to "$OUT" ${PREFIX_ROWS_ARGS:-} 2>&1 | tee "$OUT/prefix_rows.log" || rc=1 ;;
         probe)        # the host: cudaHostRegister cost and adjacent slices; the strided host copy's GB/s (#14)
             python3 bench/host_probe.py --copy-to "$OUT" 2>&1 | tee "$OUT/host_probe.log" || rc=1 ;;
         contexts)     # CPU only, on the host's 16 cores: 8 questions sharing a 16K context vs private copies

@@ -65,7 +65,8 @@ def command(system, port, args):
                 "--max-num-batched-tokens", str(args.budget), "--context-memory", "2G", "--log-level", "warning",
                 "--dtype", getattr(args, "dtype", "fp32")] + \
             (["--cpu-workers", str(args.cpu_workers)] if getattr(args, "cpu_workers", None) else []) + \
-            (["--step-time-target", str(args.step_target)] if system == "hetero-paced" else [])
+            (["--step-time-target", str(args.step_target)] if system == "hetero-paced" else []) + \
+            (["--prefix-rows-memory", args.prefix_rows] if getattr(args, "prefix_rows", None) else [])
     if system in REPLICA_SYSTEMS:
         n = 1 if system == "r1" else 2
         cores = sorted(os.sched_getaffinity(0))

@@ -52,7 +52,8 @@ class Serve(Server):
     """bench/serve.py's hetero server at this budget (its --cpu-workers when given)."""
 
     def __init__(self, args):
-        super().__init__("hetero", argparse.Namespace(budget=BUDGET, cpu_workers=args.cpu_workers, dtype=args.dtype))
+        super().__init__("hetero", argparse.Namespace(budget=BUDGET, cpu_workers=args.cpu_workers, dtype=args.dtype,
+                                                      prefix_rows=getattr(args, "prefix_rows", None)))
 
 
 def http_batch(url, prompts, new):
@@ -181,6 +182,10 @@ def main():
     ap.add_argument("--cpu-workers", type=int, default=None)
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="weights and KV, both systems")
     ap.add_argument("--parts", nargs="+", default=["overhead", "pinned"], choices=["overhead", "pinned"])
+    ap.add_argument("--prefix-rows", nargs="+", default=[None], metavar="SIZE", help="the pinned part once per "
+                    "value of hetero serve --prefix-rows-memory, in turn, --ab-rounds times (e.g. 0 512M: documents' "
+                    "rows read back each time, then kept)")
+    ap.add_argument("--ab-rounds", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="serve_overhead.json")
     args = ap.parse_args()
@@ -195,11 +200,16 @@ def main():
         print(f"HTTP / in-process throughput: median {o['ratio_median']:.3f} "
               f"[{o['ratio_min']:.3f}, {o['ratio_max']:.3f}] over {args.rounds} rounds")
     if "pinned" in args.parts:
-        res["pinned"] = p = pinned(args, tok)
-        print(f"{args.doc}-token document: pinned TTFT p50 {p['pinned_ttft_p50'] * 1e3:.0f} ms, p99 "
-              f"{p['pinned_ttft_p99'] * 1e3:.0f} ms; prefix-cached p50 {p['cached_ttft_p50'] * 1e3:.0f} ms, p99 "
-              f"{p['cached_ttft_p99'] * 1e3:.0f} ms (the pin's prefill {p['pin_prefill_s']:.1f} s, "
-              f"a cold prompt's TTFT {p['cold_ttft_s']:.1f} s)")
+        runs = []
+        for _ in range(args.ab_rounds):
+            for value in args.prefix_rows:
+                p = pinned(argparse.Namespace(**{**vars(args), "prefix_rows": value}), tok)
+                runs.append(p | {"prefix_rows_memory": value})
+                print(f"{args.doc}-token document (--prefix-rows-memory {value or 'default'}): pinned TTFT p50 "
+                      f"{p['pinned_ttft_p50'] * 1e3:.0f} ms, p99 {p['pinned_ttft_p99'] * 1e3:.0f} ms; prefix-cached "
+                      f"p50 {p['cached_ttft_p50'] * 1e3:.0f} ms, p99 {p['cached_ttft_p99'] * 1e3:.0f} ms (the pin's "
+                      f"prefill {p['pin_prefill_s']:.1f} s, a cold prompt's TTFT {p['cold_ttft_s']:.1f} s)", flush=True)
+        res["pinned"] = runs[0] if len(runs) == 1 else runs
     write_json(args.out, res)
 
 

@@ -381,6 +381,106 @@ def test_prefill_stage_keeps_chunked_prompts_rows_between_chunks(llama):
         assert_exact(llama, s, ps[0])
 
 
+def test_a_cached_document_s_rows_stay_on_the_device_for_its_questions(llama):
+    """PrefixRows: a cached document's rows are read back from the pool by its first question (seen
+    once), kept by its second (several in one step), and later questions attend over them, also
+    ones longer than the room after them and one in two chunks (its stage seeded from them); once
+    the document is computed again (the cache reset), the rows kept no longer match the pool and
+    are read again. The same bits as reading back every time, and exact vs HF. A pinned
+    document's rows are kept from its first question."""
+    layers = llama.config.num_hidden_layers
+    doc = prompts([100], seed=21)[0]                       # 96 rows in whole blocks
+    qs = prompts([7, 3, 12, 4, 20, 45, 9, 11], seed=22)  # 3 and 4 tokens: in the room; the others copy
+    got = {}
+    for memory in (0, None):
+        with make(llama, prefix_rows_memory=memory, long_prefill_chunk=32, max_num_batched_tokens=64) as eng:
+            rows = eng.runner.prefix_rows
+            rows.slack = 8                                 # room for 8 rows: 4 document rows + a 3- or 4-token question
+            run(eng, [eng.add_request(doc, NEW)])          # the document cached
+            reads = counting_reads(eng)
+            streams = [eng.add_request(doc + qs[0], NEW, output_scores=True)]
+            run(eng, streams)                              # seen once: read back
+            together = [eng.add_request(doc + q, NEW, output_scores=True) for q in qs[1:4]]
+            run(eng, together)                             # kept by the first, read from there by the others
+            streams += together
+            if memory is None:
+                assert reads == [96] * layers * 2 and (rows.misses, rows.hits) == (1, 2)
+                (entry,) = rows.entries.values()
+                assert entry.size == 96 + 8 and rows.used == entry.size * rows.row_bytes
+            streams.append(eng.add_request(doc + qs[4], NEW, output_scores=True))
+            streams.append(eng.add_request(doc + qs[5], NEW, output_scores=True))   # 49 rows: two chunks, staged
+            run(eng, streams[-2:])
+            if memory is None:
+                assert reads == [96] * layers * 2 and rows.hits == 4
+            eng.reset_prefix_cache()
+            run(eng, [eng.add_request(doc, NEW)])          # computed again: new blocks
+            streams.append(eng.add_request(doc + qs[6], NEW, output_scores=True))
+            run(eng, streams[-1:])
+            if memory is None:
+                assert rows.stale == 1 and rows.misses == 2 and len(rows.entries) == 1
+                assert reads == [96] * layers * 3          # read again, kept again (it was seen)
+            else:
+                assert reads == [96] * layers * 7 and not rows.entries
+            got[memory] = [torch.stack(s.scores) for s in streams]
+            for s, q in zip(streams, qs):
+                assert_exact(llama, s, doc + q)
+            pdoc = prompts([70], seed=23)[0]
+            pin = eng.pin(pdoc)
+            pin.result()
+            asked = [eng.add_request(pdoc + q, NEW, output_scores=True) for q in qs[:2]]
+            run(eng, asked)
+            for s, q in zip(asked, qs):
+                assert_exact(llama, s, pdoc + q)
+            if memory is None:
+                assert (rows.misses, rows.hits) == (3, 5)   # pinned: kept from its first question
+            eng.unpin(pin)
+            eng.step()
+            assert_idle(eng)
+        assert not eng.runner.prefix_rows.entries           # dropped at close
+    assert all(torch.equal(a, b) for a, b in zip(got[0], got[None]))
+
+
+def test_prefix_rows_budget_evicts_the_least_recently_used():
+    """PrefixRows' bookkeeping over a real BlockPool: an entry on a second sighting (or at once for
+    pinned blocks), least recently used out under the budget but never one this step handed out,
+    and an entry whose blocks were taken again since (new content) dropped as stale."""
+    from types import SimpleNamespace
+
+    from hetero.engine.kv_pool import BlockPool
+    from hetero.engine.prefix_rows import PrefixRows
+
+    pool = BlockPool(16)
+    a_blocks, b_blocks, c_blocks = pool.take(3), pool.take(2), pool.take(3)
+    rows = PrefixRows(SimpleNamespace(layers=2, kv_heads=2, head_dim=4, dtype=torch.float32), 250 * 128, slack=10)
+    assert rows.row_bytes == 2 * 2 * 2 * 4 * 4
+    rows.begin_step()
+    assert rows.find(b"a", a_blocks, pool) is None and rows.misses == 0    # seen once
+    a = rows.find(b"a", a_blocks, pool)
+    assert a is not None and a.n == 96 and rows.used == 106 * 128 and rows.misses == 1
+    pool.pin(b_blocks)
+    b = rows.find(b"b", b_blocks, pool)                                     # pinned: kept at once
+    assert b is not None and rows.used == (106 + 74) * 128
+    rows.begin_step()
+    assert rows.find(b"a", a_blocks, pool) is a and rows.find(b"b", b_blocks, pool) is b and rows.hits == 2
+    rows.find(b"c", c_blocks, pool)
+    assert rows.find(b"c", c_blocks, pool) is None                        # a and b are this step's: no room
+    rows.begin_step()
+    rows.find(b"a", a_blocks, pool)
+    c = rows.find(b"c", c_blocks, pool)                                     # b (least recent, not this step's) goes
+    assert list(rows.entries) == [b"a", b"c"] and rows.used == 212 * 128 and c is not None
+    big = pool.take(8)
+    rows.find(b"d", big, pool)
+    assert rows.find(b"d", big, pool) is None and list(rows.entries) == [b"a", b"c"]   # never fits
+    pool.release(a_blocks)                                                  # a's blocks taken again: new content
+    assert sorted(pool.take(3)) == sorted(a_blocks)
+    rows.begin_step()
+    fresh = rows.find(b"a", a_blocks, pool)
+    assert fresh is not None and fresh is not a and rows.stale == 1
+    assert rows.find(b"a", c_blocks, pool) is not fresh and rows.stale == 2   # other blocks, same key
+    rows.clear()
+    assert not rows.entries and not rows.seen and rows.used == 0
+
+
 def test_prefill_stage_budget_and_drops():
     """PrefillStage's bookkeeping: an entry only while more chunks follow and within the budget,
     reused only for the chunk right after its rows, dropped (its bytes back) when the request stops

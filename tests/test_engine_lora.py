@@ -184,3 +184,30 @@ def test_an_lm_head_adapter_reaches_its_own_request_when_prompts_end_together(tm
         finally:
             store.copy_gate.set()
     assert_peft(pm, streams, rows, names)
+
+
+def test_a_document_s_kept_rows_are_per_adapter(tmp_path):
+    """One document's rows kept on the device (PrefixRows) under each adapter apart: questions
+    over it under "legal", "code" and the base model each read their own, exact vs peft; after
+    other weights are loaded as "legal", its questions never find the old rows."""
+    base, pm, _ = make_adapters("llama", tmp_path)
+    doc = list(range(3, 3 + 70))                           # 64 rows in whole blocks
+    qs = [[5, 9, 11], [7, 4], [12, 13, 14, 15]]
+    names = ["legal", "code", None]
+    dirs = {n: str(tmp_path / n) for n in ("legal", "code")}
+    with Engine(base, config(long_prefill_chunk=16, max_num_batched_tokens=40), adapters=dirs) as eng:
+        for n in names:
+            run(eng, [eng.add_request(doc, NEW, adapter=n)])
+        streams = [eng.add_request(doc + q, NEW, adapter=n, output_scores=True) for q in qs for n in names]
+        run(eng, streams)
+        rows = eng.runner.prefix_rows
+        # per adapter: the first question reads back (seen once), the second keeps, the third finds
+        assert len(rows.entries) == 3 and rows.misses == 3 and rows.hits == 3
+        eng.unload_adapter("legal")
+        eng.load_adapter("legal", tmp_path / "code")
+        run(eng, [eng.add_request(doc, NEW, adapter="legal")])
+        again = [eng.add_request(doc + q, NEW, adapter="legal", output_scores=True) for q in qs[:2]]
+        run(eng, again)
+        assert rows.misses == 4 and rows.hits == 3 and len(rows.entries) == 4 and rows.stale == 0
+    assert_peft(pm, streams + again, [doc + q for q in qs for _ in names] + [doc + q for q in qs[:2]],
+                names * 3 + ["code", "code"])

@@ -357,6 +357,9 @@ def engine_matches_hf(model_type, dtype, device, transport="auto", hook=None):
                 assert eng.scheduler.num_preemptions > 0
             else:
                 assert eng.kv_manager.prefix_hits > 0
+                rows = eng.runner.prefix_rows             # the document's rows kept on the model's device
+                assert rows.misses > 0 and all(K.device == model.device for e in rows.entries.values()
+                                               for K, _ in e.layers.values())
         assert pins is None or not pins.locked            # released at close
         for s, p in zip(streams, ps):
             ref = model.generate(torch.tensor([p], device=device), max_new_tokens=new, pad_token_id=0,

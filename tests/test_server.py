@@ -345,6 +345,28 @@ def test_a_bad_step_time_target_is_named(text, capsys):
     assert e.value.code == 2 and "--step-time-target" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text", ["-1", "lots", "0.5"])
+def test_a_bad_prefix_rows_memory_is_named(text, capsys):
+    from hetero.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--prefix-rows-memory", text])
+    assert e.value.code == 2 and "--prefix-rows-memory" in capsys.readouterr().err
+
+
+def test_prefix_rows_memory_reaches_the_engine_s_config():
+    import argparse
+
+    from hetero import EngineConfig
+    from hetero.server.main import add_arguments, engine_options
+
+    p = argparse.ArgumentParser()
+    add_arguments(p, int)
+    for text, want in (("0", 0), ("0M", 0), ("64M", 64 << 20), (None, None)):
+        args = p.parse_args([] if text is None else ["--prefix-rows-memory", text])
+        assert EngineConfig(**engine_options(args)).prefix_rows_memory == want
+
+
 def tiny_model_dir(path, device="cpu"):
     """A tiny random Llama and a word-level tokenizer saved as a model directory for --model:
     (directory, the model on `device`, its tokenizer)."""

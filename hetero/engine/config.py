@@ -34,6 +34,10 @@ class EngineConfig:
     prefill_stage_memory: int | None = None   # bytes of the model's device that keep a chunked prompt's rows
                                               # between its chunks (runner.PrefillStage); None: on a GPU a
                                               # quarter of its free memory at start, on the CPU 256 MiB
+    prefix_rows_memory: int | None = None     # bytes of the model's device that keep cached prefixes' rows (a pinned
+                                              # or cached document's) for the chunks that continue them
+                                              # (hetero.engine.prefix_rows); None: an eighth of a GPU's free
+                                              # memory at start, on the CPU 512 MiB; 0: read back every time
     transport: str = "auto"                   # a CUDA model's decode jobs: "auto": the CUDA extension (the GPU
                                               # posts them and merges their results, hetero.ipc.cuda_transport)
                                               # where it can be used, else host copies; "cuda": the extension or
@@ -44,11 +48,10 @@ class EngineConfig:
             _positive(name, getattr(self, name), allow_none=False)
         for name in ("long_prefill_chunk", "max_model_len", "kv_blocks", "kv_memory", "cpu_workers"):
             _positive(name, getattr(self, name))
-        if self.prefill_stage_memory is not None and (isinstance(self.prefill_stage_memory, bool) or
-                                                      not isinstance(self.prefill_stage_memory, int) or
-                                                      self.prefill_stage_memory < 0):
-            raise ValueError(f"EngineConfig.prefill_stage_memory must be an int >= 0 or None, "
-                             f"got {self.prefill_stage_memory!r}")
+        for name in ("prefill_stage_memory", "prefix_rows_memory"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"EngineConfig.{name} must be an int >= 0 or None, got {value!r}")
         if self.step_time_target is not None and (isinstance(self.step_time_target, bool) or
                                                   not isinstance(self.step_time_target, (int, float)) or
                                                   not 0 < self.step_time_target < float("inf")):

@@ -134,7 +134,9 @@ class Engine(Documents):
                 policy.rank_of = self.adapter_rank
             self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                        config.long_prefill_chunk, policy), self.kv_manager)
-            self.runner = ModelRunner(model, spec, self.kv, lora=lora, stage_memory=config.prefill_stage_memory)
+            self.runner = ModelRunner(model, spec, self.kv, lora=lora, stage_memory=config.prefill_stage_memory,
+                                     prefix_memory=config.prefix_rows_memory,
+                                     blocks=getattr(self.kv_manager, "full", self.kv_manager).pool)
         except BaseException:
             self._release(guard=False)        # the caller holds the pool (a generator's lock) while it builds one
             raise
@@ -442,7 +444,7 @@ class Engine(Documents):
 
     def _fail_all(self, e: BaseException):
         """A step raised: every live request fails with it (their blocks freed)."""
-        self.runner.stage.clear()
+        self.runner.clear()
         for rid in list(self.scheduler.requests):
             self.scheduler.abort(rid)
             self._fail(rid, e)
@@ -506,7 +508,7 @@ class Engine(Documents):
         finally:
             self.kv = None
             if getattr(self, "runner", None) is not None:
-                self.runner.stage.clear()
+                self.runner.clear()
             if self._own_pool:
                 self.pool.close()
 

@@ -15,6 +15,7 @@ request's rows go to.
   BlockPool.pins [N] int32       BlockPool (pin/unpin)    check_invariants; a Context's owner
   BlockPool.hashes, .cached      BlockPool                KVCacheManager (prefix lookups)
   BlockPool.free, .evictable     BlockPool                KVCacheManager (accounting)
+  BlockPool.born [N] int64       BlockPool.take           PrefixRows (rows kept still the pool's)
   Request.block_table            KVCacheManager           the runner -> the workers (row j of a
                                                           request is in block table[j // 32])
 
@@ -80,6 +81,8 @@ class BlockPool:
         self.cached: dict[bytes, int] = {}                  # hash -> the block holding that content
         self.free: deque[int] = deque(range(num_blocks))    # refcount 0, no hash
         self.evictable: OrderedDict[int, None] = OrderedDict()  # refcount 0, hashed; oldest first
+        self.born = np.zeros(num_blocks, np.int64)         # when each block was last taken (a count of
+        self._taken = 0                                     # takes): its content is the same while this is
 
     @property
     def num_free_blocks(self) -> int:
@@ -112,6 +115,8 @@ class BlockPool:
                 del self.cached[self.hashes[b]]
                 self.hashes[b] = None
             self.refcount[b] = 1
+            self._taken += 1
+            self.born[b] = self._taken
             out.append(b)
         return sorted(out)
 

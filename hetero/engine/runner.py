@@ -20,13 +20,17 @@ later chunk and layer: on a GPU a gather on the host and a copy over PCIe, quadr
 prompt. PrefillStage keeps them on the model's device instead, between the request's chunks,
 within a memory budget (EngineConfig.prefill_stage_memory); a request that does not fit reads
 back as before. The pool stays the only home of the KV: the stage is a copy, dropped once the
-prompt is done (or the request preempted or gone).
+prompt is done (or the request preempted or gone). A chunk that continues a prefix found in the
+prefix cache (a question over a pinned or cached document) takes its rows from PrefixRows
+(hetero.engine.prefix_rows), kept there by the first chunk over them, instead of reading them back.
 
   object        written by                          read by
   StepAttention  ModelRunner.execute (per step)      hetero.attention (per layer of the forward)
   its _new      HeteroCache.update (stage_kv)        attend (the same layer, next)
   PrefillStage   attend (a chunk's rows, per layer)  attend (the request's next chunk);
                  entries: ModelRunner.execute        entries dropped by execute
+  PrefixRows     attend (a prefix's rows, per layer, chunks over the same prefix, any step
+                 and each chunk's rows in its room)
 """
 from __future__ import annotations
 
@@ -40,11 +44,13 @@ from hetero.adapters.hooks import LoraBatch, active_batch
 from hetero.compat import forward_cache_kwarg
 from hetero.engine.kv_pool import BLOCK_SIZE
 from hetero.engine.paged import PagedKV
+from hetero.engine.prefix_rows import PrefixRows, _Rows
 from hetero.engine.request import RequestStatus
 from hetero.engine.scheduler import SchedulerOutput
 from hetero.offload.cache import HeteroCache, UpdateOrder
 
 CPU_STAGE = 256 << 20       # PrefillStage's default bytes on the CPU
+CPU_PREFIX_ROWS = 512 << 20   # PrefixRows' default bytes on the CPU (a 4K document of SmolLM2-135M: 94 MB in bf16)
 
 
 @dataclass
@@ -58,6 +64,7 @@ class _Chunk:
     wfirst: int = 0                      # and the first row it holds
     stage: _Staged | None = None   # the request's rows kept on the device (PrefillStage)
     staged: bool = False           # stage holds rows 0..start-1 already (else: read them from the pool)
+    prefix: _Rows | None = None    # rows 0..start-1 kept on the device (a cached prefix: PrefixRows)
 
 
 class _Staged:
@@ -147,6 +154,8 @@ class StepAttention(UpdateOrder):
             table, first = (c.wtable, c.wfirst) if ringed else (c.table, c.first)
             if c.stage is not None and not ringed:
                 kc, vc = self._staged(layer, c, kc, vc)
+            elif c.prefix is not None and not ringed:
+                kc, vc = self._prefixed(layer, c, kc, vc)
             elif c.start:
                 kc, vc = self.kv.read_rows(layer, table, c.start, first, new=(kc, vc))
             self.kv.write_rows(layer, table, c.start, k[:, rows], v[:, rows])
@@ -167,10 +176,36 @@ class StepAttention(UpdateOrder):
         K, V = st
         end = c.start + c.n
         if c.start > c.first and not c.staged:
-            ck, cv = self.kv.read_rows(layer, c.table, c.start, c.first)
+            if c.prefix is not None:
+                ck, cv = (t[:, :c.start] for t in self._prefix(layer, c, kc))
+            else:
+                ck, cv = self.kv.read_rows(layer, c.table, c.start, c.first)
             K[:, c.first:c.start], V[:, c.first:c.start] = ck, cv
         K[:, c.start:end], V[:, c.start:end] = kc, vc
         return K[:, c.first:end], V[:, c.first:end]
+
+    def _prefix(self, layer, c: _Chunk, kc):
+        """c's cached prefix's buffers in PrefixRows, (K, V) [Hkv, start + room, D] on the device, rows
+        0..start-1 filled: read back from the pool by the first chunk over them at this layer."""
+        e = c.prefix
+        st = e.layers.get(layer)
+        if st is None:
+            k, v = self.kv.read_rows(layer, c.table, c.start)
+            Hkv, _, D = kc.shape
+            K, V = kc.new_empty(Hkv, e.size, D), kc.new_empty(Hkv, e.size, D)
+            K[:, :e.n], V[:, :e.n] = k, v
+            st = e.layers[layer] = (K, V)           # kept only once filled (a step may raise before)
+        return st
+
+    def _prefixed(self, layer, c: _Chunk, kc, vc):
+        """The chunk's keys/values over rows 0..start+n-1: its cached prefix's rows and, in the room
+        after them, its own (one view); a chunk longer than the room: a copy of both."""
+        K, V = self._prefix(layer, c, kc)
+        end = c.start + c.n
+        if end > c.prefix.size:
+            return torch.cat([K[:, :c.start], kc], 1), torch.cat([V[:, :c.start], vc], 1)
+        K[:, c.start:end], V[:, c.start:end] = kc, vc
+        return K[:, :end], V[:, :end]
 
 
 def chunk_attention(q, k, v, start, window, scale, softcap=None, sinks=None, first=0, masks=None):
@@ -220,16 +255,26 @@ def _chunk_mask(q, start, n, first, total, window, eager):
 class ModelRunner:
     """Runs a SchedulerOutput through the model: one forward, logits of the sampling rows."""
 
-    def __init__(self, model, spec, kv: PagedKV, lora=None, stage_memory: int | None = None):
+    def __init__(self, model, spec, kv: PagedKV, lora=None, stage_memory: int | None = None,
+                 prefix_memory: int | None = None, blocks=None):
         """lora: a callable giving (AdapterStore, LoraHooks) or (None, None): the adapters
         requests name (hetero.engine.adapters). stage_memory: PrefillStage's budget in bytes
-        (None: a quarter of a GPU's free memory, CPU_STAGE on the CPU)."""
+        (None: a quarter of a GPU's free memory, CPU_STAGE on the CPU); prefix_memory:
+        PrefixRows' (None: an eighth of a GPU's free memory, CPU_PREFIX_ROWS on the CPU); blocks:
+        the BlockPool of the full-attention layers' pool (its born stamps; None: no PrefixRows)."""
         self.model, self.spec, self.kv, self.lora = model, spec, kv, lora
         self.device = model.device
+        cuda = self.device.type == "cuda" and (stage_memory is None or prefix_memory is None)
+        free = torch.cuda.mem_get_info(self.device)[0] if cuda else None
         if stage_memory is None:         # on the CPU: a later chunk then reads no cached rows back from the
             # pool (a paced step's 16-token chunk over a 1.5K document: 91 -> 80 ms on the 2-core VM)
-            stage_memory = torch.cuda.mem_get_info(self.device)[0] // 4 if self.device.type == "cuda" else CPU_STAGE
+            stage_memory = CPU_STAGE if free is None else free // 4
+        if prefix_memory is None:
+            prefix_memory = CPU_PREFIX_ROWS if free is None else free // 8
         self.stage = PrefillStage(spec, stage_memory)
+        self.blocks = blocks
+        self.prefix_rows = PrefixRows(spec, prefix_memory if blocks is not None else 0,
+                                      layers=sum(not r for r in kv.ringed))
         self.keeps_logits = model._supports_logits_to_keep()
         self.cache_kwarg = forward_cache_kwarg(model.forward)
 
@@ -241,6 +286,7 @@ class ModelRunner:
         apart = any(self.kv.ringed)               # the windowed layers' pool kept apart
         off = 0
         self.stage.prune()
+        self.prefix_rows.begin_step()
         for s in plan.scheduled:
             r, n = s.request, s.num_new_tokens
             tokens += r.tokens(s.start, s.start + n)
@@ -255,6 +301,10 @@ class ModelRunner:
                 if apart:
                     c.wtable, c.wfirst = torch.tensor(r.window_table, dtype=torch.int64), r.window_start * BLOCK_SIZE
                 c.stage, c.staged = self.stage.chunk(r, s.start, n)
+                k = s.start // BLOCK_SIZE
+                if 0 < s.start <= r.num_cached_tokens and not s.start % BLOCK_SIZE and not c.first and \
+                        self.prefix_rows.budget:
+                    c.prefix = self.prefix_rows.find(r.block_hashes[k - 1], r.block_table[:k], self.blocks)
                 chunks.append((r, c))
             if s.samples:
                 sample.append(off + n - 1)
@@ -283,6 +333,11 @@ class ModelRunner:
                     self.stage.drop(r)
         logits = out.logits[0] if self.keeps_logits else out.logits[0, keep]
         return logits[:len(sample)].float()
+
+    def clear(self) -> None:
+        """The rows kept on the device dropped (a failed step, the engine closing)."""
+        self.stage.clear()
+        self.prefix_rows.clear()
 
     def _lora_batch(self, plan: SchedulerOutput, sample: list[int], rows: int):
         """The step's packed LoraBatch: each request's rows with its adapter, and the rows the LM

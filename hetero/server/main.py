@@ -19,15 +19,20 @@ from hetero.errors import MissingDependencyError
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.I)
 
 
-def size(text: str) -> int:
-    """argparse type: bytes, with an optional K/M/G/T suffix (powers of 1024)."""
+def size(text: str, zero: bool = False) -> int:
+    """argparse type: bytes, with an optional K/M/G/T suffix (powers of 1024); zero: 0 allowed."""
     m = SIZE.match(text)
     if not m:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 512M, 8G)")
     value = float(m.group(1)) * 1024 ** " KMGT".index((m.group(2) or " ").upper())
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size")
+    if value < 1 and not (zero and value == 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size{' or 0' if zero else ''}")
     return int(value)
+
+
+def size_or_zero(text: str) -> int:
+    """argparse type: size(), or 0 (0, 0M, ...)."""
+    return size(text, zero=True)
 
 
 def seconds(text: str) -> float:
@@ -100,6 +105,9 @@ def add_arguments(p: argparse.ArgumentParser, positive):
     p.add_argument("--step-time-target", type=seconds, default=None, metavar="SECONDS", help="while requests decode, "
                    "prompt chunks shrink so that a step takes about this long (their inter-token latency), as "
                    "measured; new documents then take longer to their first token. Default: no target")
+    p.add_argument("--prefix-rows-memory", type=size_or_zero, default=None, metavar="SIZE", help="memory of the "
+                   "model's device that keeps cached and pinned documents' rows for the questions that continue "
+                   "them (default: 512M on the CPU, an eighth of a GPU's free memory; 0: read them back each time)")
     p.add_argument("--cpu-workers", type=positive, default=None)
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests may finish "
                                                                         "after SIGTERM")
@@ -223,7 +231,8 @@ def engine_options(args) -> dict:
     """EngineConfig's fields from the command's arguments (one engine, or each replica's)."""
     return dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 long_prefill_chunk=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                kv_memory=args.context_memory, cpu_workers=args.cpu_workers, step_time_target=args.step_time_target)
+                kv_memory=args.context_memory, cpu_workers=args.cpu_workers, step_time_target=args.step_time_target,
+                prefix_rows_memory=args.prefix_rows_memory)
 
 
 def resolve_device(device: str) -> str:
