@@ -287,3 +287,19 @@ def test_autoscaling_takes_ray_s_reading_and_not_beside_replicas(capsys):
     assert autoscaling('{"max_replicas": "4", "upscale_delay_s": 0}') == {"max_replicas": 4, "upscale_delay_s": 0.0}
     assert main(["serve", "--replicas", "2", "--autoscaling", '{"max_replicas": 2}']) == 2
     assert "not both" in capsys.readouterr().err
+
+
+def test_replicas_sharing_a_gpu_size_their_rows_from_their_share():
+    """A replica on half of a GPU keeps rows (PrefillStage, PrefixRows) within its half less its
+    weights, not within the free memory it sees at start; options given are kept; a whole GPU
+    leaves the engine's own defaults."""
+    from hetero import EngineConfig
+    from hetero.server.replicas import shared_gpu_budgets
+
+    G = 1 << 30
+    half = shared_gpu_budgets({"max_num_seqs": 8}, 80 * G, 0.5, 16 * G)
+    assert half == {"max_num_seqs": 8, "prefill_stage_memory": 6 * G, "prefix_rows_memory": 3 * G}
+    EngineConfig(**half)
+    assert shared_gpu_budgets({"prefix_rows_memory": 0}, 80 * G, 0.5, 16 * G)["prefix_rows_memory"] == 0
+    assert shared_gpu_budgets({}, 80 * G, 0.25, 30 * G) == {"prefill_stage_memory": 0, "prefix_rows_memory": 0}
+    assert shared_gpu_budgets({"max_num_seqs": 8}, 80 * G, 1.0, 16 * G) == {"max_num_seqs": 8}

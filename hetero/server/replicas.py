@@ -115,11 +115,23 @@ class DocumentRouter(RequestRouter):
                                          for r in ranked[1:])
 
 
+def shared_gpu_budgets(engine: dict, total: int, share: float, allocated: int) -> dict:
+    """EngineConfig's options for a replica on `share` of a GPU of `total` bytes, its weights
+    `allocated` there: the device memory it keeps rows in (PrefillStage, PrefixRows), unless set,
+    from its share of the GPU, not from the free memory it sees at start (what the replicas after
+    it see too)."""
+    if share >= 1:
+        return engine
+    free = max(int(total * share) - allocated, 0)
+    defaults = {"prefill_stage_memory": free // 4, "prefix_rows_memory": free // 8}   # the runner's fractions
+    return {**engine, **{k: v for k, v in defaults.items() if engine.get(k) is None}}
+
+
 class HeteroReplica:
     """One engine on its share of the cores (Ray Serve deployment class)."""
 
     def __init__(self, model: str | None, dtype: str, engine: dict, store: str, cores_per_replica: int | None = None,
-                 served_model_name: str | None = None, device: str = "cpu"):
+                 served_model_name: str | None = None, device: str = "cpu", gpu_share: float = 1.0):
         import torch
 
         from hetero.engine.config import EngineConfig
@@ -135,6 +147,9 @@ class HeteroReplica:
             os.sched_setaffinity(0, share)
             torch.set_num_threads(len(share))
         m, tok, served = load(model, dtype, device)         # "cuda": the GPU Ray gave this replica
+        if m.device.type == "cuda":
+            engine = shared_gpu_budgets(engine, torch.cuda.get_device_properties(m.device).total_memory, gpu_share,
+                                        torch.cuda.memory_allocated(m.device))
         # the adapters: the store's list (build() writes --adapters there; a replica Ray starts later
         # takes what the API has made of it since)
         self.state = ServerState(m, tok, model_name=served_model_name or served, engine_config=EngineConfig(**engine),
@@ -526,7 +541,7 @@ def build(*, replicas: int = 2, model: str | None = None, dtype: str = "fp32", e
         graceful_shutdown_timeout_s=30,
         ray_actor_options={"num_cpus": cores_per_replica or 1, "num_gpus": gpus_per_replica},
         **router, **scaling,
-    ).bind(model, dtype, engine, store, cores_per_replica, served_model_name, device)
+    ).bind(model, dtype, engine, store, cores_per_replica, served_model_name, device, gpus_per_replica or 1.0)
     ingress = serve.deployment(serve.ingress()(Ingress), name="HeteroIngress", num_replicas=1,
                                max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
     most = autoscaling_config.get("max_replicas", 1) if autoscaling_config else replicas     # Ray's default: 1
