@@ -270,7 +270,9 @@ def test_a_named_context_survives_a_restart(smol, tmp_path):
         r = s.client().chat.completions.create(model=NAME, messages=question, max_tokens=12, temperature=0,
                                                extra_body={"context": "doc"})
         assert r.choices[0].message.content == want
-        assert s.metrics()["hetero_prefix_cache_hit_rate"] > 0.8
+        m1 = s.metrics()
+        assert m1["hetero_prefix_cache_hit_rate"] > 0.8
+        assert m1["hetero_prefix_rows_bytes"] > 0 and m1["hetero_prefix_rows_hits"] == 0   # kept for the next question
         doc_len = len(tok.apply_chat_template(doc, tokenize=True, return_dict=True)["input_ids"])
         assert r.usage.prompt_tokens_details.cached_tokens == doc_len // 32 * 32      # the document's whole blocks
         assert httpx.delete(s.url + "/v1/contexts/doc", headers=h).status_code == 200

@@ -170,6 +170,10 @@ class ServerState(Front):
             "hetero_kv_blocks_total": ("KV pool blocks", kv.num_blocks),
             "hetero_prefix_cache_hit_rate": ("prompt tokens found in the prefix cache / prompt tokens looked up",
                                              kv.prefix_hits / max(kv.prefix_queries, 1)),
+            "hetero_prefix_rows_bytes": ("bytes of the model's device keeping pinned or cached documents' rows for "
+                                         "their questions", e.runner.prefix_rows.used),
+            "hetero_prefix_rows_hits": ("prompt chunks that attended over a document's kept rows, since start",
+                                        e.runner.prefix_rows.hits),
             "hetero_contexts": ("named contexts pinned in the pool", len(self.contexts)),
             "hetero_engine_restarts": ("engines replaced after a failure (a dead worker)", self.restarts),
         }
