@@ -22,7 +22,8 @@ within a memory budget (EngineConfig.prefill_stage_memory); a request that does 
 back as before. The pool stays the only home of the KV: the stage is a copy, dropped once the
 prompt is done (or the request preempted or gone). A chunk that continues a prefix found in the
 prefix cache (a question over a pinned or cached document) takes its rows from PrefixRows
-(hetero.engine.prefix_rows), kept there by the first chunk over them, instead of reading them back.
+(hetero.engine.prefix_rows), kept there for a pinned prefix or one seen before, instead of
+reading them back.
 
   object        written by                          read by
   StepAttention  ModelRunner.execute (per step)      hetero.attention (per layer of the forward)
