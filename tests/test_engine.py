@@ -470,7 +470,17 @@ def test_prefix_rows_budget_evicts_the_least_recently_used():
     assert list(rows.entries) == [b"a", b"c"] and rows.used == 212 * 128 and c is not None
     big = pool.take(8)
     rows.find(b"d", big, pool)
-    assert rows.find(b"d", big, pool) is None and list(rows.entries) == [b"a", b"c"]   # never fits
+    assert rows.find(b"d", big, pool) is None and list(rows.entries) == [b"a", b"c"]   # never fits: none evicted
+    rows.begin_step()
+    assert rows.find(b"c", c_blocks, pool) is c                             # c is this step's
+    pool.pin(big[:5])
+    assert rows.find(b"e", big[:5], pool) is None                          # 170 fits only if c went too
+    assert list(rows.entries) == [b"a", b"c"] and rows.used == 212 * 128   # so a stays
+    rows.begin_step()
+    assert rows.find(b"e", big[:5], pool) is not None and list(rows.entries) == [b"e"]   # a and c out, LRU first
+    assert b"a" in rows.seen and b"c" in rows.seen                         # kept again at their next sighting
+    rows.begin_step()
+    assert rows.find(b"a", a_blocks, pool) is not None and list(rows.entries) == [b"a"]
     pool.release(a_blocks)                                                  # a's blocks taken again: new content
     assert sorted(pool.take(3)) == sorted(a_blocks)
     rows.begin_step()

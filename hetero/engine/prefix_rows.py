@@ -13,7 +13,7 @@ a block taken again is new content, which may be the same tokens computed again 
 bits). A prefix gets an entry when its blocks are pinned or when it is seen a second time (a
 conversation's turns, each a new prefix, would only push documents out); least recently used
 entries go first under a bytes budget (EngineConfig.prefix_rows_memory), never one a chunk of
-the current step holds.
+the current step holds, and none for an entry that would not fit even then.
 
 Each entry has room for `slack` rows after the prefix: a chunk writes its own rows there and
 attends over one view of prefix + chunk (no copy of the prefix). The chunks of one step run one
@@ -82,22 +82,28 @@ class PrefixRows:
             self._drop(key)                   # made again below: its prefix was used before
             self.stale += 1
         elif not pool.pins[ids[-1]] and key not in self.seen:
-            self.seen[key] = None
-            if len(self.seen) > SEEN:
-                self.seen.popitem(last=False)
+            self._saw(key)
             return None
         n = len(ids) * pool.block_size
         size = n + self.slack
+        held = sum(x.size for x in self.entries.values() if x.step == self.step) * self.row_bytes
+        if held + size * self.row_bytes > self.budget:
+            return None                   # no room without what this step's chunks hold: nothing evicted
         while self.used + size * self.row_bytes > self.budget:
-            if not self.entries or next(iter(self.entries.values())).step == self.step:
-                return None               # too big, or every entry is held by this step's chunks
-            self._drop(next(iter(self.entries)))
+            old = next(iter(self.entries))            # the least recently used (this step's are the newest)
+            self._drop(old)
+            self._saw(old)                            # kept again at its next sighting
         self.seen.pop(key, None)
         e = self.entries[key] = _Rows(n, size, ids, born)
         e.step = self.step
         self.used += size * self.row_bytes
         self.misses += 1
         return e
+
+    def _saw(self, key: bytes) -> None:
+        self.seen[key] = None
+        if len(self.seen) > SEEN:
+            self.seen.popitem(last=False)
 
     def _drop(self, key: bytes) -> None:
         self.used -= self.entries.pop(key).size * self.row_bytes
