@@ -386,8 +386,9 @@ def test_a_cached_document_s_rows_stay_on_the_device_for_its_questions(llama):
     once), kept by its second (several in one step), and later questions attend over them, also
     ones longer than the room after them and one in two chunks (its stage seeded from them); once
     the document is computed again (the cache reset), the rows kept no longer match the pool and
-    are read again. The same bits as reading back every time, and exact vs HF. A pinned
-    document's rows are kept from its first question."""
+    are read again. The same bits as reading back every time, and exact vs HF. A document pinned
+    in several chunks (70 tokens, and 96: its prompt all whole blocks) has its rows kept from its
+    prompt's stage: its questions read nothing back."""
     layers = llama.config.num_hidden_layers
     doc = prompts([100], seed=21)[0]                       # 96 rows in whole blocks
     qs = prompts([7, 3, 12, 4, 20, 45, 9, 11], seed=22)  # 3 and 4 tokens: in the room; the others copy
@@ -424,16 +425,20 @@ def test_a_cached_document_s_rows_stay_on_the_device_for_its_questions(llama):
             got[memory] = [torch.stack(s.scores) for s in streams]
             for s, q in zip(streams, qs):
                 assert_exact(llama, s, doc + q)
-            pdoc = prompts([70], seed=23)[0]
-            pin = eng.pin(pdoc)
-            pin.result()
-            asked = [eng.add_request(pdoc + q, NEW, output_scores=True) for q in qs[:2]]
-            run(eng, asked)
-            for s, q in zip(asked, qs):
-                assert_exact(llama, s, pdoc + q)
+            for n, seed in ((70, 23), (96, 24)):          # pinned in three chunks: kept from its stage
+                pdoc = prompts([n], seed=seed)[0]
+                pin = eng.pin(pdoc)
+                pin.result()
+                before = len(reads)
+                asked = [eng.add_request(pdoc + q, NEW, output_scores=True) for q in qs[:2]]
+                run(eng, asked)
+                for s, q in zip(asked, qs):
+                    assert_exact(llama, s, pdoc + q)
+                if memory is None:
+                    assert len(reads) == before           # its questions read nothing back
+                eng.unpin(pin)
             if memory is None:
-                assert (rows.misses, rows.hits) == (3, 5)   # pinned: kept from its first question
-            eng.unpin(pin)
+                assert (rows.misses, rows.hits) == (4, 8)
             eng.step()
             assert_idle(eng)
         assert not eng.runner.prefix_rows.entries           # dropped at close

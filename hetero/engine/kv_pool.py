@@ -63,6 +63,17 @@ def block_hash(parent: bytes | None, tokens: Sequence[int], extra: str | None = 
     return h.digest()
 
 
+def request_hashes(request: Request, n: int, block_size: int = BLOCK_SIZE) -> list[bytes]:
+    """The chained hashes of a request's first n whole token blocks (memoized on it), under its
+    adapter (Request.adapter_key, else its name)."""
+    hs, bs = request.block_hashes, block_size
+    while len(hs) < n:
+        i = len(hs)
+        key = request.adapter if request.adapter_key is None else request.adapter_key
+        hs.append(block_hash(hs[-1] if hs else None, request.tokens(i * bs, (i + 1) * bs), key))
+    return hs[:n]
+
+
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise AssertionError(msg)
@@ -280,12 +291,7 @@ class KVCacheManager:
 
     def hashes(self, request: Request, n: int) -> list[bytes]:
         """The chained hashes of the request's first n whole token blocks (memoized on it)."""
-        hs, bs = request.block_hashes, self.block_size
-        while len(hs) < n:
-            i = len(hs)
-            key = request.adapter if request.adapter_key is None else request.adapter_key
-            hs.append(block_hash(hs[-1] if hs else None, request.tokens(i * bs, (i + 1) * bs), key))
-        return hs[:n]
+        return request_hashes(request, n, self.block_size)
 
     def num_cached_blocks(self, tokens: Sequence[int], adapter_key: str | None = None) -> int:
         """How many of the leading whole blocks of `tokens` (under the adapter of Engine.adapter_key)

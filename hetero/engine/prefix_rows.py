@@ -11,7 +11,8 @@ of prefixes found in the prefix cache, keyed by the chained hash of their last w
 they were read from: the same block ids, each still holding what it held then (BlockPool.born:
 a block taken again is new content, which may be the same tokens computed again with other
 bits). A prefix gets an entry when its blocks are pinned or when it is seen a second time (a
-conversation's turns, each a new prefix, would only push documents out); least recently used
+conversation's turns, each a new prefix, would only push documents out); a document pinned in
+several chunks gets one from its prompt's stage (runner.PrefillStage) as its last chunk ends; least recently used
 entries go first under a bytes budget (EngineConfig.prefix_rows_memory), never one a chunk of
 the current step holds, and none for an entry that would not fit even then.
 
@@ -23,7 +24,8 @@ the room in turn. A chunk longer than the room gets a copy of the prefix and its
   object            written by                          read by
   PrefixRows        ModelRunner.execute (find)          ModelRunner.execute
   _Rows.layers[l]   StepAttention.attend (layer l, the  StepAttention.attend (later chunks over
-                    first chunk over it: read back)     the same prefix, any step)
+                    first chunk over it: read back), or the same prefix, any step)
+                    ModelRunner.execute (a pin's stage)
   its rows >= n     StepAttention.attend (each chunk's  that chunk's attention, right after
                     own rows: scratch)
 """
@@ -84,6 +86,17 @@ class PrefixRows:
         elif not pool.pins[ids[-1]] and key not in self.seen:
             self._saw(key)
             return None
+        return self._make(key, ids, born, pool)
+
+    def adopt(self, key: bytes, blocks: Sequence[int], pool) -> _Rows | None:
+        """A new entry for a document being pinned, whose rows the caller has on the device already
+        (its prompt's stage): None when one is kept for it or it does not fit."""
+        if key in self.entries:
+            return None
+        ids = np.asarray(blocks, dtype=np.int64)
+        return self._make(key, ids, pool.born[ids], pool)
+
+    def _make(self, key: bytes, ids: np.ndarray, born: np.ndarray, pool) -> _Rows | None:
         n = len(ids) * pool.block_size
         size = n + self.slack
         held = sum(x.size for x in self.entries.values() if x.step == self.step) * self.row_bytes

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from hetero import attention
 from hetero.adapters.hooks import LoraBatch, active_batch
 from hetero.compat import forward_cache_kwarg
-from hetero.engine.kv_pool import BLOCK_SIZE
+from hetero.engine.kv_pool import BLOCK_SIZE, request_hashes
 from hetero.engine.paged import PagedKV
 from hetero.engine.prefix_rows import PrefixRows, _Rows
 from hetero.engine.request import RequestStatus
@@ -331,9 +331,29 @@ class ModelRunner:
             if c.stage is not None:
                 c.stage.rows = c.start + c.n
                 if c.stage.rows >= c.stage.size:
+                    if r.pin_prompt and not c.first:
+                        self._keep_pinned(r, c.stage)
                     self.stage.drop(r)
         logits = out.logits[0] if self.keeps_logits else out.logits[0, keep]
         return logits[:len(sample)].float()
+
+    def _keep_pinned(self, r, st: _Staged) -> None:
+        """A document being pinned, its prompt computed in several chunks: its whole blocks' rows,
+        on the device in its stage, become its PrefixRows entry (its first question reads nothing
+        back). The stage holds what the pool was written from: the same bits."""
+        k = st.size // BLOCK_SIZE
+        full = [i for i, ringed in enumerate(self.kv.ringed) if not ringed]
+        if not k or not self.prefix_rows.budget or len(r.block_table) < k or min(r.block_table[:k]) < 0 or \
+                sorted(st.layers) != full:
+            return
+        e = self.prefix_rows.adopt(request_hashes(r, k)[k - 1], r.block_table[:k], self.blocks)
+        if e is None:
+            return
+        for layer, (K, V) in st.layers.items():
+            Hkv, _, D = K.shape
+            KK, VV = K.new_empty(Hkv, e.size, D), V.new_empty(Hkv, e.size, D)
+            KK[:, :e.n], VV[:, :e.n] = K[:, :e.n], V[:, :e.n]
+            e.layers[layer] = (KK, VV)
 
     def clear(self) -> None:
         """The rows kept on the device dropped (a failed step, the engine closing)."""
