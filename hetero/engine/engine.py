@@ -134,9 +134,9 @@ class Engine(Documents):
                 policy.rank_of = self.adapter_rank
             self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                        config.long_prefill_chunk, policy), self.kv_manager)
-            self.runner = ModelRunner(model, spec, self.kv, lora=lora, stage_memory=config.prefill_stage_memory,
-                                     prefix_memory=config.prefix_rows_memory,
-                                     blocks=getattr(self.kv_manager, "full", self.kv_manager).pool)
+            self.runner = ModelRunner(model, spec, self.kv, getattr(self.kv_manager, "full", self.kv_manager).pool,
+                                     lora=lora, stage_memory=config.prefill_stage_memory,
+                                     prefix_memory=config.prefix_rows_memory)
         except BaseException:
             self._release(guard=False)        # the caller holds the pool (a generator's lock) while it builds one
             raise

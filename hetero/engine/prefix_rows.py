@@ -50,6 +50,15 @@ class _Rows:
         self.step = -1                    # the last step a chunk was handed it
         self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def fill(self, layer: int, k: torch.Tensor, v: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s buffers, on like's device in its dtype, given the first n rows of k/v
+        [Hkv, >= n, D] (copied there); kept only once filled (a step may raise before)."""
+        Hkv, _, D = k.shape
+        K, V = like.new_empty(Hkv, self.size, D), like.new_empty(Hkv, self.size, D)
+        K[:, :self.n], V[:, :self.n] = k[:, :self.n], v[:, :self.n]
+        self.layers[layer] = (K, V)
+        return K, V
+
 
 class PrefixRows:
     """Rows of prefix-cached prompts on the model's device (a bytes budget, least recently used out)."""

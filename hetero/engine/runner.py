@@ -188,14 +188,10 @@ class StepAttention(UpdateOrder):
     def _prefix(self, layer, c: _Chunk, kc):
         """c's cached prefix's buffers in PrefixRows, (K, V) [Hkv, start + room, D] on the device, rows
         0..start-1 filled: read back from the pool by the first chunk over them at this layer."""
-        e = c.prefix
-        st = e.layers.get(layer)
+        st = c.prefix.layers.get(layer)
         if st is None:
             k, v = self.kv.read_rows(layer, c.table, c.start)
-            Hkv, _, D = kc.shape
-            K, V = kc.new_empty(Hkv, e.size, D), kc.new_empty(Hkv, e.size, D)
-            K[:, :e.n], V[:, :e.n] = k, v
-            st = e.layers[layer] = (K, V)           # kept only once filled (a step may raise before)
+            st = c.prefix.fill(layer, k, v, like=kc)
         return st
 
     def _prefixed(self, layer, c: _Chunk, kc, vc):
@@ -253,28 +249,31 @@ def _chunk_mask(q, start, n, first, total, window, eager):
     return mask
 
 
+def gpu_budgets(free: int) -> tuple[int, int]:
+    """(PrefillStage's, PrefixRows') default bytes on a GPU with `free` bytes free: a quarter, an eighth."""
+    return free // 4, free // 8
+
+
 class ModelRunner:
     """Runs a SchedulerOutput through the model: one forward, logits of the sampling rows."""
 
-    def __init__(self, model, spec, kv: PagedKV, lora=None, stage_memory: int | None = None,
-                 prefix_memory: int | None = None, blocks=None):
-        """lora: a callable giving (AdapterStore, LoraHooks) or (None, None): the adapters
-        requests name (hetero.engine.adapters). stage_memory: PrefillStage's budget in bytes
-        (None: a quarter of a GPU's free memory, CPU_STAGE on the CPU); prefix_memory:
-        PrefixRows' (None: an eighth of a GPU's free memory, CPU_PREFIX_ROWS on the CPU); blocks:
-        the BlockPool of the full-attention layers' pool (its born stamps; None: no PrefixRows)."""
+    def __init__(self, model, spec, kv: PagedKV, blocks, lora=None, stage_memory: int | None = None,
+                 prefix_memory: int | None = None):
+        """blocks: the BlockPool of the full-attention layers' pool (PrefixRows checks its born
+        stamps). lora: a callable giving (AdapterStore, LoraHooks) or (None, None): the adapters
+        requests name (hetero.engine.adapters). stage_memory: PrefillStage's budget in bytes,
+        prefix_memory: PrefixRows' (None: gpu_budgets of a GPU's free memory; on the CPU,
+        CPU_STAGE and CPU_PREFIX_ROWS)."""
         self.model, self.spec, self.kv, self.lora = model, spec, kv, lora
         self.device = model.device
         cuda = self.device.type == "cuda" and (stage_memory is None or prefix_memory is None)
         free = torch.cuda.mem_get_info(self.device)[0] if cuda else None
-        if stage_memory is None:         # on the CPU: a later chunk then reads no cached rows back from the
-            # pool (a paced step's 16-token chunk over a 1.5K document: 91 -> 80 ms on the 2-core VM)
-            stage_memory = CPU_STAGE if free is None else free // 4
-        if prefix_memory is None:
-            prefix_memory = CPU_PREFIX_ROWS if free is None else free // 8
-        self.stage = PrefillStage(spec, stage_memory)
+        # on the CPU the stage means a later chunk reads no cached rows back from the pool (a paced
+        # step's 16-token chunk over a 1.5K document: 91 -> 80 ms on the 2-core VM)
+        default = (CPU_STAGE, CPU_PREFIX_ROWS) if free is None else gpu_budgets(free)
+        self.stage = PrefillStage(spec, default[0] if stage_memory is None else stage_memory)
         self.blocks = blocks
-        self.prefix_rows = PrefixRows(spec, prefix_memory if blocks is not None else 0,
+        self.prefix_rows = PrefixRows(spec, default[1] if prefix_memory is None else prefix_memory,
                                       layers=sum(not r for r in kv.ringed))
         self.keeps_logits = model._supports_logits_to_keep()
         self.cache_kwarg = forward_cache_kwarg(model.forward)
@@ -350,10 +349,7 @@ class ModelRunner:
         if e is None:
             return
         for layer, (K, V) in st.layers.items():
-            Hkv, _, D = K.shape
-            KK, VV = K.new_empty(Hkv, e.size, D), V.new_empty(Hkv, e.size, D)
-            KK[:, :e.n], VV[:, :e.n] = K[:, :e.n], V[:, :e.n]
-            e.layers[layer] = (KK, VV)
+            e.fill(layer, K, V, like=K)
 
     def clear(self) -> None:
         """The rows kept on the device dropped (a failed step, the engine closing)."""

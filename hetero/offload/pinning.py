@@ -155,8 +155,7 @@ class RangePins:
         assert chunk % PAGE == 0
         self.arrays = sorted((a, a + -(-n // PAGE) * PAGE) for a, n in arrays if n)
         self._register, self._unregister, self.chunk = register, unregister, chunk
-        self.locked = []              # chunk start addresses, in the order locked
-        self._done = set()
+        self.locked: dict[int, None] = {}     # chunk start addresses, in the order locked
         self.refused = False          # the driver refused once: no more tries (pageable copies)
         self.seconds = 0.0
 
@@ -172,7 +171,7 @@ class RangePins:
         c, pieces = self.chunk, []
         for k in range((ptr - base) // c, (ptr + nbytes - 1 - base) // c + 1):
             lo = base + k * c
-            if lo not in self._done:
+            if lo not in self.locked:
                 t0 = time.perf_counter()
                 ok = self._register(lo, min(lo + c, end) - lo)
                 self.seconds += time.perf_counter() - t0
@@ -180,8 +179,7 @@ class RangePins:
                     self.refused = True
                     log.info("hetero: cudaHostRegister of the KV pool failed; its copies go through pageable memory")
                     return None
-                self._done.add(lo)
-                self.locked.append(lo)
+                self.locked[lo] = None
             a, b = max(lo, ptr), min(lo + c, ptr + nbytes)
             pieces.append((a - ptr, b - a))
         return pieces
@@ -205,7 +203,6 @@ class RangePins:
 
     def close(self):
         """Release every lock (before the unmap). Idempotent."""
-        locked, self.locked = self.locked, []
-        self._done.clear()
-        for ptr in reversed(locked):
+        locked, self.locked = self.locked, {}
+        for ptr in reversed(list(locked)):
             self._unregister(ptr)

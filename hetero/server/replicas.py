@@ -120,10 +120,12 @@ def shared_gpu_budgets(engine: dict, total: int, share: float, allocated: int) -
     `allocated` there: the device memory it keeps rows in (PrefillStage, PrefixRows), unless set,
     from its share of the GPU, not from the free memory it sees at start (what the replicas after
     it see too)."""
+    from hetero.engine.runner import gpu_budgets
+
     if share >= 1:
         return engine
-    free = max(int(total * share) - allocated, 0)
-    defaults = {"prefill_stage_memory": free // 4, "prefix_rows_memory": free // 8}   # the runner's fractions
+    stage, prefix = gpu_budgets(max(int(total * share) - allocated, 0))
+    defaults = {"prefill_stage_memory": stage, "prefix_rows_memory": prefix}
     return {**engine, **{k: v for k, v in defaults.items() if engine.get(k) is None}}
 
 
