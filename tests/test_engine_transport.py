@@ -329,6 +329,33 @@ def test_a_pool_is_page_locked_chunk_by_chunk_as_a_gpu_s_copies_touch_it(llama, 
     assert sorted(unlocked) == sorted(p for p, _ in locked) and not pins.locked
 
 
+def test_a_one_block_request_locks_a_chunk_per_region_not_the_pool(llama):
+    """A pool's K/V are [layer][kv head][block]: a request's first block touches every (layer, head)
+    region, so the lock's chunks must be small beside a region, or the first request of a big pool
+    locks all of it (the H200 lease: ~34 GB, 11 s, for a 64-token warm-up)."""
+    from hetero.offload.pinning import PAGE
+    from tests.test_engine import make
+
+    locked = []
+    eng = make(llama, kv_blocks=8192, max_model_len=256)
+    try:
+        kv = eng.kv
+        kv.lock_pages("cpu", lambda ptr, n: locked.append(n) or True, lambda ptr: None)
+        pins = kv._pins
+        regions = 0
+        for K, V in kv.kv:
+            for t in (K, V):
+                for h in range(t.shape[0]):              # block 0 of each head: a first request's rows
+                    blk = t[h, 0].numel() * t.element_size()
+                    assert pins.lock(t[h, 0].data_ptr(), blk) == [(0, blk)]
+                    regions += 1
+        pool = sum(t.numel() * t.element_size() for t in (kv.K, kv.V))
+        assert pool // regions >= 16 << 20, "the test's pool is too small to tell"
+        assert sum(locked) <= regions * (pins.chunk + PAGE) and sum(locked) <= pool // 4
+    finally:
+        eng.close()
+
+
 def test_engine_transport_config_is_checked():
     with pytest.raises(ValueError, match="EngineConfig.transport must be"):
         EngineConfig(transport="gpu")

@@ -147,11 +147,16 @@ class ArenaPins:
 class RangePins:
     """Page locks of a few big arrays (a paged pool's K/V), taken chunk by chunk as copies first
     touch them: a pool's blocks come into use over time, and locking it whole up front would make
-    all of it resident at once (and cost ~0.2 s a GiB of fresh pages before the first prompt).
+    all of it resident at once (~0.3 s a GiB of fresh pages on the H200 host) before the first prompt.
+    Chunks are small (4 MiB) because a pool's K and V are [layer][kv head][block]: even a one-block
+    request touches every (layer, head) region, and one 64 MiB chunk per region (a region of an
+    8B model's 8 x 32K pool is 64 MiB) locked about the whole 34 GB pool for the warm-up's 64
+    tokens (bench/results/gpu_engine_h200_phases.json: warm-up 12.4 s, locking 11.0 s in all). Now a
+    request locks about the pages its rows fill, which its copies would fault in anyway.
     arrays: (address, bytes) of page-aligned arrays, each followed by a page boundary before the
     next. register/unregister as for ArenaPins. Not thread-safe: the engine's step alone calls it."""
 
-    def __init__(self, arrays, register, unregister, chunk: int = 64 << 20):
+    def __init__(self, arrays, register, unregister, chunk: int = 4 << 20):
         assert chunk % PAGE == 0
         self.arrays = sorted((a, a + -(-n // PAGE) * PAGE) for a, n in arrays if n)
         self._register, self._unregister, self.chunk = register, unregister, chunk
