@@ -9,7 +9,7 @@
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 \
 #     --platform manylinux1_x86_64 -c constraints.txt -d .whl posix_ipc fastapi uvicorn openai prometheus_client
 # Then with the device tool: run(command="bash bench/device.sh", carry=[".whl"]).
-# STEPS picks the parts (default all): STEPS="gpu gpu_decode gpu_prefill gpu_engine prefix_rows probe kernel attention ipc contexts" bash bench/device.sh.
+# STEPS picks the parts (default all): STEPS="gpu gpu_decode gpu_prefill gpu_engine prefix_rows engine_cores probe kernel attention ipc contexts" bash bench/device.sh.
 # A device call is limited to 10 minutes: run one step per call (STEPS=gpu, then STEPS=gpu_decode, ...);
 # gpu_decode writes its JSON after every row, so a run cut by the limit still returns what it measured
 # (GPU_DECODE_ARGS="--contexts 8192 65536" narrows it; "--systems hetero hetero_all" A/Bs the planner against
@@ -27,6 +27,8 @@
 # cell a fresh 8B model, e.g. GPU_ENGINE_ARGS="--loads 8x32768 --timeout 200" (8x32K: engine 60 s, transformers 90 s
 # plus ~20 s start each; 16x32K engine 125 s); "--systems engine --phases" times the parts of its steps.
 # prefix_rows (bench/prefix_rows.py): 12 questions over a pinned 32K document, 8B shape, ~2 minutes.
+# engine_cores (bench/engine.py --random-weights): #29's full RAG mix on the 16 cores, the engine beside hetero
+# one call at a time and transformers' continuous batching (unsized: give it a call of its own, timeout 600).
 # At most 8 files come back from $OUT: one log per step and one JSON per benchmark.
 set -uo pipefail
 OUT=${OUT:-/tmp/hetero_device}
@@ -72,6 +74,14 @@ for step in ${STEPS:-gpu gpu_decode gpu_prefill probe kernel attention ipc conte
         prefix_rows)  # questions over a pinned 32K document: its rows kept on the GPU vs read back (PrefixRows)
             python3 bench/prefix_rows.py --shape llama3-8b --device cuda --doc 32768 --questions 12 --chunk 8192 \
                 --out prefix_rows_gpu.json --copy-to "$OUT" ${PREFIX_ROWS_ARGS:-} 2>&1 | tee "$OUT/prefix_rows.log" || rc=1 ;;
+        engine_cores) # #29's RAG mix on the host's 16 cores, CPU only (bf16, SmolLM2's shape with random weights: its GGUF cannot travel)
+            if python3 bench/engine.py --random-weights --dtypes bfloat16 --out engine_gpu_host.json ${ENGINE_CORES_ARGS:---docs 8 \
+                    --doc-min 2048 --doc-max 8192 --requests 32 --new-min 64 --new-max 128 --rates 0.5 inf \
+                    --systems engine serial hf_cb --timeout 240} 2>&1 | tee "$OUT/engine_cores.log"; then
+                cp bench/results/engine_gpu_host.json "$OUT"/
+            else
+                rc=1
+            fi ;;
         probe)        # the host: cudaHostRegister cost and adjacent slices; the strided host copy's GB/s (#14)
             python3 bench/host_probe.py --copy-to "$OUT" 2>&1 | tee "$OUT/host_probe.log" || rc=1 ;;
         contexts)     # CPU only, on the host's 16 cores: 8 questions sharing a 16K context vs private copies

