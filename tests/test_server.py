@@ -369,6 +369,24 @@ def test_prefix_rows_memory_reaches_the_engine_s_config():
         assert EngineConfig(**engine_options(args)).prefix_rows_memory == want
 
 
+def test_the_step_budget_defaults_by_device():
+    """--max-num-batched-tokens: given, it is the budget and the chunk; else 512 on the CPU, and on a
+    GPU 8192 with 70 GiB or more (vLLM's rule for its server), else 2048."""
+    import argparse
+
+    from hetero import EngineConfig
+    from hetero.server.main import add_arguments, engine_options, step_tokens
+
+    p = argparse.ArgumentParser()
+    add_arguments(p, int)
+    cfg = EngineConfig(**engine_options(p.parse_args(["--device", "cpu"])))
+    assert (cfg.max_num_batched_tokens, cfg.long_prefill_chunk) == (512, 512)
+    cfg = EngineConfig(**engine_options(p.parse_args(["--device", "cpu", "--max-num-batched-tokens", "96"])))
+    assert (cfg.max_num_batched_tokens, cfg.long_prefill_chunk) == (96, 96)
+    assert step_tokens("cuda", 80 << 30) == step_tokens("cuda", 141 << 30) == 8192
+    assert step_tokens("cuda", 24 << 30) == 2048 and step_tokens("cpu", 80 << 30) == 512
+
+
 def tiny_model_dir(path, device="cpu"):
     """A tiny random Llama and a word-level tokenizer saved as a model directory for --model:
     (directory, the model on `device`, its tokenizer)."""

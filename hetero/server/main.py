@@ -101,7 +101,8 @@ def add_arguments(p: argparse.ArgumentParser, positive):
                    "prompt chunks run (auto: the GPU when there is one); decode attention is on the CPU workers")
     p.add_argument("--max-num-seqs", type=positive, default=32)
     p.add_argument("--max-model-len", type=positive, default=None)
-    p.add_argument("--max-num-batched-tokens", type=positive, default=512, help="tokens per engine step")
+    p.add_argument("--max-num-batched-tokens", type=positive, default=None, help="tokens per engine step (default: "
+                   "512 on the CPU; on a GPU 8192 with 70 GiB or more, else 2048)")
     p.add_argument("--step-time-target", type=seconds, default=None, metavar="SECONDS", help="while requests decode, "
                    "prompt chunks shrink so that a step takes about this long (their inter-token latency), as "
                    "measured; new documents then take longer to their first token. Default: no target")
@@ -229,10 +230,25 @@ class _Server:
 
 def engine_options(args) -> dict:
     """EngineConfig's fields from the command's arguments (one engine, or each replica's)."""
-    return dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                long_prefill_chunk=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+    tokens = args.max_num_batched_tokens or step_tokens(resolve_device(args.device))
+    return dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=tokens,
+                long_prefill_chunk=tokens, max_model_len=args.max_model_len,
                 kv_memory=args.context_memory, cpu_workers=args.cpu_workers, step_time_target=args.step_time_target,
                 prefix_rows_memory=args.prefix_rows_memory)
+
+
+def step_tokens(device: str, gpu_memory: int | None = None) -> int:
+    """--max-num-batched-tokens' default. The CPU: 512 (bench/engine.py's budget on 2 cores). A GPU:
+    vLLM's rule for its OpenAI server, 8192 tokens with 70 GiB or more (the setting of every GPU
+    figure in the README), else 2048; a chunk of a few hundred tokens would leave it waiting on
+    each step's fixed costs. gpu_memory: the GPU's bytes (None: device 0's)."""
+    if device != "cuda":
+        return 512
+    if gpu_memory is None:
+        import torch
+
+        gpu_memory = torch.cuda.get_device_properties(0).total_memory
+    return 8192 if gpu_memory >= 70 << 30 else 2048
 
 
 def resolve_device(device: str) -> str:
