@@ -594,6 +594,50 @@ def test_a_failed_step_and_close_drop_the_staged_rows(llama, monkeypatch):
     eng.close()
 
 
+def test_a_step_out_of_memory_runs_again_with_the_kept_rows_dropped(llama, monkeypatch, caplog):
+    """torch.OutOfMemoryError in a step's forward (a GPU shared with others): the runner's rows kept
+    on the device are dropped and their budgets halved, the step runs again, and every request,
+    decoding or mid-prompt, still gets HF's tokens; a second one in a row fails the step as before."""
+    from hetero.engine import runner
+
+    eng = make(llama, prefill_stage_memory=1 << 30, prefix_rows_memory=1 << 30)
+    doc = prompts([64], seed=3)[0]
+    pin = eng.pin(doc)
+    while not pin.finished:
+        eng.step()
+    ps = [doc + q for q in prompts([7, 9], seed=4)] + prompts([100], seed=5)
+    streams = [eng.add_request(p, NEW, output_scores=True) for p in ps[:2]]
+    for _ in range(3):
+        eng.step()
+    streams.append(eng.add_request(ps[2], NEW, output_scores=True))
+    eng.step()                                        # the long prompt's first chunk: staged
+    assert eng.runner.stage.used > 0 and eng.runner.prefix_rows.used > 0
+    attend, calls = runner.StepAttention.attend, []
+
+    def failing(self, *a, **k):                       # the next forward runs out of memory in its second layer
+        calls.append(1)
+        if len(calls) in fail:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return attend(self, *a, **k)
+
+    fail = {2}
+    monkeypatch.setattr(runner.StepAttention, "attend", failing)
+    with caplog.at_level("WARNING", logger="hetero"):
+        eng.step()
+    assert "ran out of memory" in caplog.text and eng.failure is None
+    assert (eng.runner.stage.budget, eng.runner.prefix_rows.budget) == (1 << 29, 1 << 29)
+    run(eng, streams)
+    for s, p in zip(streams, ps):
+        assert_exact(llama, s, p)
+    s = eng.add_request(ps[2], NEW)
+    calls.clear()
+    fail = {1, 2}                                     # its first layer, then again in the retry's: it fails
+    with pytest.raises(torch.OutOfMemoryError):
+        eng.step()
+    assert s.finished and s.error is not None and eng.kv_manager.num_used_blocks == len(pin.pinned_blocks)
+    eng.close()
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_families_exact(family):
     model, _ = build_model(family)

@@ -371,7 +371,7 @@ class Engine(Documents):
         self._stalled = 0
         decode = sum(is_decoding(s.request) for s in plan.scheduled)
         try:
-            logits = self.runner.execute(plan)
+            logits = self._execute(plan)
             rows = [s.request for s in plan.scheduled if s.samples]
             tokens, stopped, errors = sampling.sample([self._samplers[r.request_id] for r in rows], logits)
         except BaseException as e:
@@ -397,6 +397,21 @@ class Engine(Documents):
         self.steps += 1
         self.pacer.record(time.perf_counter() - start, plan.num_tokens - decode, decode)
         return plan.num_tokens
+
+    def _execute(self, plan):
+        """runner.execute; out of memory once (the model's device, a GPU shared with others): the rows
+        the runner keeps on the device are dropped, its budgets for them halved, and the step runs
+        again (no request sampled yet: its rows are rewritten with the same values)."""
+        try:
+            return self.runner.execute(plan)
+        except torch.OutOfMemoryError as e:
+            stage, rows = self.runner.shrink()
+            if self.runner.device.type == "cuda":
+                torch.cuda.empty_cache()
+            log.warning("hetero: a step ran out of memory (%s); running it again with the device's kept rows "
+                        "dropped and their budgets halved (stage %d MiB, prefix rows %d MiB)", str(e).split("\n")[0],
+                        stage >> 20, rows >> 20)
+        return self.runner.execute(plan)
 
     def _drain_inbox(self):
         with self._lock:

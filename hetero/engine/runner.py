@@ -356,6 +356,14 @@ class ModelRunner:
         self.stage.clear()
         self.prefix_rows.clear()
 
+    def shrink(self) -> tuple[int, int]:
+        """The rows kept on the device dropped and their budgets halved (the device ran out of
+        memory); the new budgets (stage, prefix rows)."""
+        self.clear()
+        self.stage.budget //= 2
+        self.prefix_rows.budget //= 2
+        return self.stage.budget, self.prefix_rows.budget
+
     def _lora_batch(self, plan: SchedulerOutput, sample: list[int], rows: int):
         """The step's packed LoraBatch: each request's rows with its adapter, and the rows the LM
         head sees (`sample`, the forward's logits_to_keep, else the last of `rows`) with theirs
