@@ -524,6 +524,7 @@ class Engine(Documents):
             self.kv = None
             if getattr(self, "runner", None) is not None:
                 self.runner.clear()
+                self.runner.release()
             if self._own_pool:
                 self.pool.close()
 

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from hetero import attention
 from hetero.adapters.hooks import LoraBatch, active_batch
 from hetero.compat import forward_cache_kwarg
+from hetero.engine import cpu_linear
 from hetero.engine.kv_pool import BLOCK_SIZE, request_hashes
 from hetero.engine.paged import PagedKV
 from hetero.engine.prefix_rows import PrefixRows, _Rows
@@ -275,6 +276,9 @@ class ModelRunner:
         self.blocks = blocks
         self.prefix_rows = PrefixRows(spec, default[1] if prefix_memory is None else prefix_memory,
                                       layers=sum(not r for r in kv.ringed))
+        # a CPU fp32 model's linear layers at 1-4 rows as torch.mm(W, X^T), in this runner's steps
+        self._linear_installed = self.device.type == "cpu" and cpu_linear.install(model)
+        self.fast_linear = self._linear_installed         # cpu_linear.ACTIVE in its steps (bench/cpu_linear.py A/B)
         self.keeps_logits = model._supports_logits_to_keep()
         self.cache_kwarg = forward_cache_kwarg(model.forward)
 
@@ -318,11 +322,13 @@ class ModelRunner:
         kwargs = {"logits_to_keep": keep} if self.keeps_logits else {}
         token = attention.active_session.set(step)
         lora = active_batch.set(self._lora_batch(plan, sample, off))
+        fast = cpu_linear.ACTIVE.set(self.fast_linear)
         try:
             out = self.model(input_ids=torch.tensor([tokens], device=dev),
                              position_ids=torch.tensor([positions], device=dev),
                              use_cache=True, return_dict=True, **{self.cache_kwarg: HeteroCache(step)}, **kwargs)
         finally:
+            cpu_linear.ACTIVE.reset(fast)
             active_batch.reset(lora)
             attention.active_session.reset(token)
             self.kv.end_step()                   # a GPU's decode jobs: the step's one synchronization
@@ -355,6 +361,12 @@ class ModelRunner:
         """The rows kept on the device dropped (a failed step, the engine closing)."""
         self.stage.clear()
         self.prefix_rows.clear()
+
+    def release(self) -> None:
+        """The engine is done with the model (close): its linear layers as they were. Idempotent."""
+        if self._linear_installed:
+            self._linear_installed = self.fast_linear = False
+            cpu_linear.uninstall(self.model)
 
     def shrink(self) -> tuple[int, int]:
         """The rows kept on the device dropped and their budgets halved (the device ran out of

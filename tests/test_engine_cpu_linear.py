@@ -1,0 +1,86 @@
+"""hetero.engine.cpu_linear: a CPU fp32 model's linear layers at 1-4 rows as torch.mm(W, X^T) in
+engine steps; nn.Linear's own forward everywhere else; nn.Linear back when the last engine closes."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hetero.engine import cpu_linear
+from hetero.engine.cpu_linear import _FastLinear
+from tests.conftest import build_model
+from tests.test_engine import assert_exact, make, prompts, run
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_its_forward_equals_f_linear(bias):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 200, bias=bias)
+    model = torch.nn.Sequential(lin)
+    assert cpu_linear.install(model) and type(lin) is _FastLinear
+    try:
+        for m in range(0, 7):
+            for shape in ((m, 96), (1, m, 96), (m, 1, 96)):
+                x = torch.randn(shape)
+                ref = F.linear(x, lin.weight, lin.bias)
+                with torch.inference_mode():
+                    assert torch.equal(lin(x), ref)                   # outside an engine step: F.linear
+                    token = cpu_linear.ACTIVE.set(True)
+                    try:
+                        y = lin(x)
+                    finally:
+                        cpu_linear.ACTIVE.reset(token)
+                assert y.shape == ref.shape and y.is_contiguous()
+                torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+                y.view(-1)                                            # the model views its output
+    finally:
+        cpu_linear.uninstall(model)
+    assert type(lin) is torch.nn.Linear
+
+
+def test_engines_use_it_while_open_and_the_last_puts_nn_linear_back(llama, monkeypatch):
+    """A step with 1-4 decode tokens goes through torch.mm with the layers' weights on the left,
+    and every request still gets HF's tokens; a second engine over the model keeps the layers
+    _FastLinear when the first closes; a deep copy made meanwhile computes with its own weights;
+    a bf16 model's layers are left alone."""
+    linears = [m for m in llama.modules() if isinstance(m, torch.nn.Linear)]
+    weights = {id(m.weight) for m in linears}
+    mm, left = torch.mm, []
+
+    def spy(a, b, *args, **kw):
+        if id(a) in weights:
+            left.append(a.shape)
+        return mm(a, b, *args, **kw)
+
+    a = make(llama)
+    b = make(llama)
+    try:
+        assert all(type(m) is _FastLinear for m in linears)
+        twin = copy.deepcopy(llama)
+        twin_lin = next(m for m in twin.modules() if isinstance(m, torch.nn.Linear))
+        with torch.inference_mode():
+            twin_lin.weight.mul_(2)
+            x = torch.randn(3, twin_lin.in_features)
+            token = cpu_linear.ACTIVE.set(True)
+            try:
+                y = twin_lin(x)
+            finally:
+                cpu_linear.ACTIVE.reset(token)
+            torch.testing.assert_close(y, F.linear(x, twin_lin.weight), rtol=1e-5, atol=1e-5)
+        monkeypatch.setattr(torch, "mm", spy)
+        ps = prompts([5, 40, 12], seed=2)
+        streams = [a.add_request(p, 6, output_scores=True) for p in ps]
+        run(a, streams)
+        monkeypatch.setattr(torch, "mm", mm)
+        for s, p in zip(streams, ps):
+            assert_exact(llama, s, p, 6)
+        assert left                                                  # the decode steps took it
+        a.close()
+        assert all(type(m) is _FastLinear for m in linears)          # b still uses them
+    finally:
+        a.close()
+        b.close()
+    assert all(type(m) is torch.nn.Linear for m in linears)
+    bf16 = build_model("llama", dtype=torch.bfloat16)[0]
+    with make(bf16):
+        assert not any(type(m) is _FastLinear for m in bf16.modules())
