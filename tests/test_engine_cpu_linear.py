@@ -1,4 +1,4 @@
-"""hetero.engine.cpu_linear: a CPU fp32 model's linear layers at 1-4 rows as torch.mm(W, X^T) in
+"""hetero.engine.cpu_linear: a CPU fp32 model's linear layers at 1-8 rows as torch.mm(W, X^T) in
 engine steps; nn.Linear's own forward everywhere else; nn.Linear back when the last engine closes."""
 import copy
 
@@ -19,7 +19,7 @@ def test_its_forward_equals_f_linear(bias):
     model = torch.nn.Sequential(lin)
     assert cpu_linear.install(model) and type(lin) is _FastLinear
     try:
-        for m in range(0, 7):
+        for m in range(0, 11):
             for shape in ((m, 96), (1, m, 96), (m, 1, 96)):
                 x = torch.randn(shape)
                 ref = F.linear(x, lin.weight, lin.bias)
@@ -39,7 +39,7 @@ def test_its_forward_equals_f_linear(bias):
 
 
 def test_engines_use_it_while_open_and_the_last_puts_nn_linear_back(llama, monkeypatch):
-    """A step with 1-4 decode tokens goes through torch.mm with the layers' weights on the left,
+    """A step with 1-8 decode tokens goes through torch.mm with the layers' weights on the left,
     and every request still gets HF's tokens; a second engine over the model keeps the layers
     _FastLinear when the first closes; a deep copy made meanwhile computes with its own weights;
     a bf16 model's layers are left alone."""

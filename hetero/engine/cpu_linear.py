@@ -1,18 +1,17 @@
-"""A CPU fp32 model's linear layers at 1-4 rows as torch.mm(W, X^T), in engine steps.
+"""A CPU fp32 model's linear layers at 1-8 rows as torch.mm(W, X^T), in engine steps.
 
 An engine step with a few requests decoding runs every linear layer at a few rows (M = the
 tokens of the step), and torch's fp32 F.linear (X @ W^T through MKL) is slow there: on the 2-core
 dev VM SmolLM2's LM head (49152 x 576) takes 12 ms at M = 1, 28 ms at 2 and 41 ms at 3, where
-torch.mm(W, X^T), the same product with the weight as the left operand, takes 5 ms at 2 and 3;
-its MLP (1536 x 576) 190-280 us at M = 2-3 against 135-230 us. Past 4 rows F.linear is as fast
-or faster. One row goes as two (the row twice: torch.mm at one column is MKL's slower GEMV).
-A step of decode tokens alone, fp32 SmolLM2 over 1K-token documents (runs on one day, same
-tokens): one request decoding 73-83 -> 53-77 ms, two 107-131 -> 37-60 ms, four 100-140 ->
-50-77 ms; eight unchanged (this path is not taken).
+torch.mm(W, X^T), the same product with the weight as the left operand, takes 5 ms at 2 and 3.
+SmolLM2's 30 layers' projections in turn (weights out of the caches, as in a forward): 0.43x
+F.linear's time at 1 and 2 rows, 0.58x at 4, 0.78-0.86x at 5-8, no gain past 8 (12 rows 1.38x,
+16 0.84x, 18 1.14x). One row goes as two (the row twice: torch.mm at one column is MKL's slower
+GEMV). Decode-alone steps of real SmolLM2: bench/cpu_linear.py (README: "fp32 decode steps").
 
 While an engine uses the model its fp32 CPU nn.Linear layers' class is `_FastLinear`: an
 nn.Linear whose forward takes that path inside an engine step (`ACTIVE`, set by the runner in
-its own thread's context) at 1-4 rows, else nn.Linear's (HF's loop, other threads, more rows).
+its own thread's context) at 1-8 rows, else nn.Linear's (HF's loop, other threads, more rows).
 The weights stay the layer's own, so a deep copy or a LoRA wrapper of its forward stays right;
 the last engine to close puts nn.Linear back. The bits differ from F.linear's by float rounding,
 as a batched forward's already do (scores within 1e-4 of HF's in fp32).
@@ -30,7 +29,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-ROWS = range(1, 5)        # rows (tokens) at which the weight goes on the left
+ROWS = range(1, 9)        # rows (tokens) at which the weight goes on the left
 ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("hetero_fast_linear", default=False)
 
 _LOCK = threading.Lock()
@@ -38,7 +37,7 @@ _USERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> eng
 
 
 class _FastLinear(torch.nn.Linear):
-    """nn.Linear whose forward, inside an engine step (ACTIVE) at 1-4 rows of fp32, is
+    """nn.Linear whose forward, inside an engine step (ACTIVE) at 1-8 rows of fp32, is
     torch.mm(W, X^T)^T (contiguous, as F.linear's output: the model views it)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
