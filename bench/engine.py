@@ -12,6 +12,8 @@ Systems:
   engine_paced  the same with EngineConfig.step_time_target = --step-target x its batch-1 per-token
                 time (measured in the cell's warm-up): prompt chunks sized so decoding requests'
                 steps stay near it
+  engine_flinear  the engine with its fp32 linear layers as nn.Linear at every row count (the A/B
+                of hetero.engine.cpu_linear)
   serial        hetero today: one HeteroGenerator.generate at a time, in arrival order, each
                 document prefilled once as a Context on its first use and continued read-only
                 (generate(question, context=ctx)): its best setting for a RAG service
@@ -52,7 +54,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import RESULTS, machine, write_json  # noqa: E402
 
-SYSTEMS = ("engine", "engine_paced", "serial", "hf_cb", "llama")
+SYSTEMS = ("engine", "engine_paced", "engine_flinear", "serial", "hf_cb", "llama")
 LLAMA_SLOTS, LLAMA_CTX = 8, 8 * 4096
 TARGETS = {"saturated_vs_serial": 3.0, "saturated_vs_llama": 1.0, "cached_ttft_vs_best_peer": 0.3, "kv_vs_private": 0.3,
            "medium_itl_p99_vs_batch1": 2.0}
@@ -132,6 +134,8 @@ def run_engine(model, docs, reqs, warm, args):
     cfg = EngineConfig(max_num_seqs=args.requests, max_num_batched_tokens=args.budget, long_prefill_chunk=args.budget,
                        kv_memory=args.kv_memory)
     with Engine(model, cfg) as eng:
+        if args.one == "engine_flinear":
+            eng.runner.fast_linear = False           # the model's linear layers as nn.Linear (A/B of cpu_linear)
         t = time.monotonic()
         s = eng.add_request(warm[:200], 8, ignore_eos=True)      # warm-up: workers, kernel, planner
         s.result()
@@ -331,8 +335,8 @@ def child(args):
         warm = [int(t) for t in tok(" ".join(reversed(english_text().split())))["input_ids"]]  # not a workload window
     rate = float(args.rate)
     docs, reqs = workload(tokens, args, rate, args.seed)
-    fn = {"engine": run_engine, "engine_paced": run_engine, "serial": run_serial, "hf_cb": run_hf_cb,
-          "llama": run_llama}[args.one]
+    fn = {"engine": run_engine, "engine_paced": run_engine, "engine_flinear": run_engine, "serial": run_serial,
+          "hf_cb": run_hf_cb, "llama": run_llama}[args.one]
     records, extra = fn(model, docs, reqs, warm, args)
     private = sum(len(docs[q["doc"]]) + len(q["question"]) + q["new"] for q in reqs) * kv_row_bytes(model)
     cell = {**summarize(records, reqs), **extra, "kv_private_bytes": private}
@@ -419,9 +423,10 @@ def plot(payloads, path):
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     names = {"engine": "hetero engine", "engine_paced": "hetero engine, paced",
+             "engine_flinear": "hetero engine, F.linear",
              "serial": "hetero, one call at a time", "hf_cb": "transformers CB",
              "llama": "llama-server (4-bit)"}
-    for system, color in zip(SYSTEMS, ("C0", "C4", "C1", "C2", "C3")):
+    for system, color in zip(SYSTEMS, ("C0", "C4", "C5", "C1", "C2", "C3")):
         label = names[system]
         for payload in payloads:
             cells = [c for c in payload["cells"] if c["system"] == system and "error" not in c]
