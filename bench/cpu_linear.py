@@ -1,4 +1,4 @@
-"""What hetero.engine.cpu_linear saves an engine's decode steps on the CPU, side by side.
+"""What hetero.cpu_linear saves an engine's decode steps on the CPU, side by side.
 
 Real SmolLM2-135M-Instruct (--dtype fp32: the path is fp32's), D requests decoding at once
 (D = 1, 2, 4, 8), each a 30-token question over its own --doc-token window of an English text;

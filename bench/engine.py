@@ -13,7 +13,7 @@ Systems:
                 time (measured in the cell's warm-up): prompt chunks sized so decoding requests'
                 steps stay near it
   engine_flinear  the engine with its fp32 linear layers as nn.Linear at every row count (the A/B
-                of hetero.engine.cpu_linear)
+                of hetero.cpu_linear)
   serial        hetero today: one HeteroGenerator.generate at a time, in arrival order, each
                 document prefilled once as a Context on its first use and continued read-only
                 (generate(question, context=ctx)): its best setting for a RAG service

@@ -15,6 +15,7 @@ import time
 import weakref
 
 from hetero import attention
+from hetero import cpu_linear
 from hetero.errors import UnsupportedModelError
 from hetero.ipc.cuda_transport import CudaTransport
 from hetero.ipc.transport import PinnedTransport
@@ -114,6 +115,8 @@ def routed(model, spec, hooks, session, lora, choose_transport):
     token = attention.active_session.set(session)
     previous = model.config._attn_implementation
     hook = None
+    linear = model.device.type == "cpu" and cpu_linear.install(model)   # fp32 decode steps at 1-8 rows
+    fast = cpu_linear.ACTIVE.set(linear)
     try:
         if patched:                      # on the instance, which has none of its own (keeping_cache)
             model.prepare_inputs_for_generation = keeping
@@ -126,6 +129,9 @@ def routed(model, spec, hooks, session, lora, choose_transport):
                 hook.remove()
             model.set_attn_implementation(previous)
         finally:
+            cpu_linear.ACTIVE.reset(fast)
+            if linear:
+                cpu_linear.uninstall(model)
             attention.active_session.reset(token)
             if patched:
                 model.__dict__.pop("prepare_inputs_for_generation", None)

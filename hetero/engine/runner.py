@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from hetero import attention
 from hetero.adapters.hooks import LoraBatch, active_batch
 from hetero.compat import forward_cache_kwarg
-from hetero.engine import cpu_linear
+from hetero import cpu_linear
 from hetero.engine.kv_pool import BLOCK_SIZE, request_hashes
 from hetero.engine.paged import PagedKV
 from hetero.engine.prefix_rows import PrefixRows, _Rows

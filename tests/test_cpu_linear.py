@@ -1,13 +1,14 @@
-"""hetero.engine.cpu_linear: a CPU fp32 model's linear layers at 1-8 rows as torch.mm(W, X^T) in
-engine steps; nn.Linear's own forward everywhere else; nn.Linear back when the last engine closes."""
+"""hetero.cpu_linear: a CPU fp32 model's linear layers at 1-8 rows as torch.mm(W, X^T) in engine
+steps and a generator's calls; nn.Linear's own forward everywhere else (HF generate itself);
+nn.Linear back when the last user is done."""
 import copy
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from hetero.engine import cpu_linear
-from hetero.engine.cpu_linear import _FastLinear
+from hetero import cpu_linear
+from hetero.cpu_linear import _FastLinear
 from tests.conftest import build_model
 from tests.test_engine import assert_exact, make, prompts, run
 
@@ -84,3 +85,33 @@ def test_engines_use_it_while_open_and_the_last_puts_nn_linear_back(llama, monke
     bf16 = build_model("llama", dtype=torch.bfloat16)[0]
     with make(bf16):
         assert not any(type(m) is _FastLinear for m in bf16.modules())
+
+
+
+def test_a_generator_s_calls_use_it_and_hf_generate_does_not(llama_gen, llama, monkeypatch):
+    """A generator's call through HF's loop (a left-padded batch of 3: decode steps at 3 rows)
+    takes the torch.mm path and gives HF's tokens and scores; HF generate on the same model runs
+    nn.Linear, and the layers are nn.Linear again after the call."""
+    from tests.conftest import padded_batch
+
+    weights = {id(m.weight) for m in llama.modules() if isinstance(m, torch.nn.Linear)}
+    mm, left = torch.mm, []
+
+    def spy(a, b, *args, **kw):
+        if id(a) in weights:
+            left.append(type(a))
+        return mm(a, b, *args, **kw)
+
+    ids, mask = padded_batch()
+    llama.set_attn_implementation("sdpa")
+    monkeypatch.setattr(torch, "mm", spy)
+    ref = llama.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                         return_dict_in_generate=True, output_scores=True)
+    assert not left                                                   # HF generate: F.linear
+    out = llama_gen.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                             return_dict_in_generate=True, output_scores=True)
+    monkeypatch.setattr(torch, "mm", mm)
+    assert left                                                       # the call's decode steps: torch.mm
+    assert torch.equal(out.sequences, ref.sequences)
+    torch.testing.assert_close(torch.stack(out.scores), torch.stack(ref.scores), rtol=1e-4, atol=1e-4)
+    assert all(type(m) is torch.nn.Linear for m in llama.modules() if isinstance(m, torch.nn.Linear))

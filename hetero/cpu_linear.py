@@ -1,24 +1,26 @@
-"""A CPU fp32 model's linear layers at 1-8 rows as torch.mm(W, X^T), in engine steps.
+"""A CPU fp32 model's linear layers at 1-8 rows as torch.mm(W, X^T), in engine steps and calls.
 
-An engine step with a few requests decoding runs every linear layer at a few rows (M = the
-tokens of the step), and torch's fp32 F.linear (X @ W^T through MKL) is slow there: on the 2-core
-dev VM SmolLM2's LM head (49152 x 576) takes 12 ms at M = 1, 28 ms at 2 and 41 ms at 3, where
-torch.mm(W, X^T), the same product with the weight as the left operand, takes 5 ms at 2 and 3.
+A decode step of a few requests (an engine step, or a generator's call through HF's loop over
+a batch) runs every linear layer at a few rows (M = the tokens of the step), and torch's fp32
+F.linear (X @ W^T through MKL) is slow there: on the 2-core dev VM SmolLM2's LM head
+(49152 x 576) takes 12 ms at M = 1, 28 ms at 2 and 41 ms at 3, where torch.mm(W, X^T), the
+same product with the weight as the left operand, takes 5 ms at 2 and 3.
 SmolLM2's 30 layers' projections in turn (weights out of the caches, as in a forward): 0.43x
 F.linear's time at 1 and 2 rows, 0.58x at 4, 0.78-0.86x at 5-8, no gain past 8 (12 rows 1.38x,
 16 0.84x, 18 1.14x). One row goes as two (the row twice: torch.mm at one column is MKL's slower
 GEMV). Decode-alone steps of real SmolLM2: bench/cpu_linear.py (README: "fp32 decode steps").
 
-While an engine uses the model its fp32 CPU nn.Linear layers' class is `_FastLinear`: an
-nn.Linear whose forward takes that path inside an engine step (`ACTIVE`, set by the runner in
-its own thread's context) at 1-8 rows, else nn.Linear's (HF's loop, other threads, more rows).
-The weights stay the layer's own, so a deep copy or a LoRA wrapper of its forward stays right;
-the last engine to close puts nn.Linear back. The bits differ from F.linear's by float rounding,
+While an engine or a generator's call uses the model its fp32 CPU nn.Linear layers' class is
+`_FastLinear`: an nn.Linear whose forward takes that path inside an engine step or such a call
+(`ACTIVE`, set in that thread's context) at 1-8 rows, else nn.Linear's (HF generate itself,
+other threads, more rows). The weights stay the layer's own, so a deep copy or a LoRA wrapper
+of its forward stays right; the last user to finish puts nn.Linear back. The bits differ from F.linear's by float rounding,
 as a batched forward's already do (scores within 1e-4 of HF's in fp32).
 
   state      written by                              read by
   _USERS     install / uninstall (under _LOCK)       the same
-  ACTIVE     ModelRunner.execute (its context)       _FastLinear.forward
+  ACTIVE     ModelRunner.execute, routing.routed     _FastLinear.forward
+             (each in its own thread's context)
 """
 from __future__ import annotations
 
