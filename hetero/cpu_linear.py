@@ -14,8 +14,9 @@ While an engine or a generator's call uses the model its fp32 CPU nn.Linear laye
 `_FastLinear`: an nn.Linear whose forward takes that path inside an engine step or such a call
 (`ACTIVE`, set in that thread's context) at 1-8 rows, else nn.Linear's (HF generate itself,
 other threads, more rows). The weights stay the layer's own, so a deep copy or a LoRA wrapper
-of its forward stays right; the last user to finish puts nn.Linear back. The bits differ from F.linear's by float rounding,
-as a batched forward's already do (scores within 1e-4 of HF's in fp32).
+of its forward stays right; the last user to finish puts nn.Linear back. The bits differ from
+F.linear's by float rounding, as a batched forward's already do (scores within 1e-4 of HF's in
+fp32).
 
   state      written by                              read by
   _USERS     install / uninstall (under _LOCK)       the same
@@ -35,11 +36,11 @@ ROWS = range(1, 9)        # rows (tokens) at which the weight goes on the left
 ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("hetero_fast_linear", default=False)
 
 _LOCK = threading.Lock()
-_USERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> engines using _FastLinear
+_USERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> its users (engines, calls) now
 
 
 class _FastLinear(torch.nn.Linear):
-    """nn.Linear whose forward, inside an engine step (ACTIVE) at 1-8 rows of fp32, is
+    """nn.Linear whose forward, inside an engine step or a generator's call (ACTIVE) at 1-8 rows of fp32, is
     torch.mm(W, X^T)^T (contiguous, as F.linear's output: the model views it)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -56,8 +57,9 @@ class _FastLinear(torch.nn.Linear):
 
 
 def install(model) -> bool:
-    """An engine over `model` starts using _FastLinear for its fp32 CPU nn.Linear layers (exactly
-    nn.Linear: a subclass keeps its own forward). Whether any layer qualifies; pair with uninstall."""
+    """An engine or a generator's call over `model` starts using _FastLinear for its fp32 CPU
+    nn.Linear layers (exactly nn.Linear: a subclass keeps its own forward). Whether any layer
+    qualifies; pair with uninstall."""
     with _LOCK:
         layers = [m for m in model.modules() if type(m) in (torch.nn.Linear, _FastLinear)
                   and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
@@ -70,7 +72,7 @@ def install(model) -> bool:
 
 
 def uninstall(model) -> None:
-    """An engine over `model` is done with _FastLinear: the last one puts nn.Linear back."""
+    """A user of `model` is done with _FastLinear: the last one puts nn.Linear back."""
     with _LOCK:
         left = _USERS.get(model, 0) - 1
         if left > 0:

@@ -14,8 +14,7 @@ import threading
 import time
 import weakref
 
-from hetero import attention
-from hetero import cpu_linear
+from hetero import attention, cpu_linear
 from hetero.errors import UnsupportedModelError
 from hetero.ipc.cuda_transport import CudaTransport
 from hetero.ipc.transport import PinnedTransport

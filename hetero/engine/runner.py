@@ -40,10 +40,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hetero import attention
+from hetero import attention, cpu_linear
 from hetero.adapters.hooks import LoraBatch, active_batch
 from hetero.compat import forward_cache_kwarg
-from hetero import cpu_linear
 from hetero.engine.kv_pool import BLOCK_SIZE, request_hashes
 from hetero.engine.paged import PagedKV
 from hetero.engine.prefix_rows import PrefixRows, _Rows
