@@ -1,22 +1,31 @@
-"""A CPU fp32 model's linear layers at 1-8 rows as torch.mm(W, X^T), in engine steps and calls.
+"""A CPU fp32 model's linear layers in engine steps and calls: torch.mm(W, X^T) at 1-5 rows, oneDNN past.
 
-A decode step of a few requests (an engine step, or a generator's call through HF's loop over
-a batch) runs every linear layer at a few rows (M = the tokens of the step), and torch's fp32
-F.linear (X @ W^T through MKL) is slow there: on the 2-core dev VM SmolLM2's LM head
-(49152 x 576) takes 12 ms at M = 1, 28 ms at 2 and 41 ms at 3, where torch.mm(W, X^T), the
-same product with the weight as the left operand, takes 5 ms at 2 and 3.
-SmolLM2's 30 layers' projections in turn (weights out of the caches, as in a forward): 0.43x
-F.linear's time at 1 and 2 rows, 0.58x at 4, 0.78-0.86x at 5-8, no gain past 8 (12 rows 1.38x,
-16 0.84x, 18 1.14x). One row goes as two (the row twice: torch.mm at one column is MKL's slower
-GEMV). Decode-alone steps of real SmolLM2: bench/cpu_linear.py (README: "fp32 decode steps").
+torch's fp32 F.linear (X @ W^T) goes through MKL, slow on this AMD EPYC at every row count a
+serving step has. SmolLM2's 30 layers' projections in turn (weights out of the caches, as in a
+forward) and its LM head (49152 x 576), on the 2-core dev VM (bench/cpu_linear.py --ops,
+cpu_linear_ops.json: medians of 5 rounds, ms):
+
+  rows                      1     2     4     5     6     8    16    32    64   512
+  projections  F.linear    41    61    59    70    78    63    52    74   116   703
+               W @ X^T     24    16    28    37    41    48    47    64    99   642
+               oneDNN      30    30    39    45    38    46    43    59    99   656
+  LM head      F.linear    11    25    18    19    24    17    22    26    37   226
+               W @ X^T      3     3     4     5     7     7    15    19    28   200
+               oneDNN       4     6     7     7     7     7    10    15    23   172
+
+So a step's rows go to torch.mm(W, X^T) at 1-5 (the weight as the left operand; one row goes as
+two: torch.mm at one column is MKL's slower GEMV) and to oneDNN's fp32 matmul
+(torch.ops.mkldnn._linear_pointwise, the op torch.compile's CPU backend emits for nn.Linear) at 6
+and more: a decode step of many requests, a mixed step of decodes and a prompt chunk, a prompt
+chunk. Where torch has no oneDNN, F.linear past 5 rows. Decode-alone steps of real SmolLM2:
+bench/cpu_linear.py (README: "fp32 linear layers").
 
 While an engine or a generator's call uses the model its fp32 CPU nn.Linear layers' class is
-`_FastLinear`: an nn.Linear whose forward takes that path inside an engine step or such a call
-(`ACTIVE`, set in that thread's context) at 1-8 rows, else nn.Linear's (HF generate itself,
-other threads, more rows). The weights stay the layer's own, so a deep copy or a LoRA wrapper
-of its forward stays right; the last user to finish puts nn.Linear back. The bits differ from
-F.linear's by float rounding, as a batched forward's already do (scores within 1e-4 of HF's in
-fp32).
+`_FastLinear`: an nn.Linear whose forward takes these paths inside an engine step or such a call
+(`ACTIVE`, set in that thread's context), else nn.Linear's (HF generate itself, other threads).
+The weights stay the layer's own, so a deep copy or a LoRA wrapper of its forward stays right;
+the last user to finish puts nn.Linear back. The bits differ from F.linear's by float rounding,
+as a batched forward's already do (scores within 1e-4 of HF's in fp32).
 
   state      written by                              read by
   _USERS     install / uninstall (under _LOCK)       the same
@@ -32,20 +41,40 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-ROWS = range(1, 9)        # rows (tokens) at which the weight goes on the left
+MM_ROWS = range(1, 6)     # rows (tokens) at which the weight goes on the left; more: oneDNN
 ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("hetero_fast_linear", default=False)
 
 _LOCK = threading.Lock()
 _USERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> its users (engines, calls) now
 
 
+def _onednn() -> bool:
+    """Whether this torch has oneDNN's fp32 linear (built with it, the op there and right)."""
+    try:
+        if not torch.backends.mkldnn.is_available():
+            return False
+        x, w, b = torch.ones(5, 3), torch.ones(2, 3), torch.ones(2)
+        return bool(torch.equal(torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], ""), torch.full((5, 2), 4.0)))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+ONEDNN = _onednn()
+_onednn_linear = torch.ops.mkldnn._linear_pointwise if ONEDNN else None   # (x, W, b, "none", [], "")
+
+
 class _FastLinear(torch.nn.Linear):
-    """nn.Linear whose forward, inside an engine step or a generator's call (ACTIVE) at 1-8 rows of fp32, is
-    torch.mm(W, X^T)^T (contiguous, as F.linear's output: the model views it)."""
+    """nn.Linear whose forward, inside an engine step or a generator's call (ACTIVE) in fp32, is
+    torch.mm(W, X^T)^T at 1-5 rows (contiguous, as F.linear's output: the model views it) and
+    oneDNN's linear at more."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or not ACTIVE.get():
+            return F.linear(x, self.weight, self.bias)
         m = x.numel() // self.in_features
-        if m not in ROWS or x.dtype != torch.float32 or not ACTIVE.get():
+        if m not in MM_ROWS:
+            if _onednn_linear is not None and m:
+                return _onednn_linear(x, self.weight, self.bias, "none", [], "")
             return F.linear(x, self.weight, self.bias)
         x2 = x.reshape(m, self.in_features)
         if m == 1:

@@ -114,7 +114,7 @@ def routed(model, spec, hooks, session, lora, choose_transport):
     token = attention.active_session.set(session)
     previous = model.config._attn_implementation
     hook = None
-    linear = model.device.type == "cpu" and cpu_linear.install(model)   # fp32 decode steps at 1-8 rows
+    linear = model.device.type == "cpu" and cpu_linear.install(model)   # fp32 linear layers: torch.mm at 1-5 rows, oneDNN past
     fast = cpu_linear.ACTIVE.set(linear)
     try:
         if patched:                      # on the instance, which has none of its own (keeping_cache)

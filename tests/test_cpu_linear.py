@@ -1,6 +1,6 @@
-"""hetero.cpu_linear: a CPU fp32 model's linear layers at 1-8 rows as torch.mm(W, X^T) in engine
-steps and a generator's calls; nn.Linear's own forward everywhere else (HF generate itself);
-nn.Linear back when the last user is done."""
+"""hetero.cpu_linear: a CPU fp32 model's linear layers as torch.mm(W, X^T) at 1-5 rows and
+oneDNN's linear at more in engine steps and a generator's calls; nn.Linear's own forward
+everywhere else (HF generate itself); nn.Linear back when the last user is done."""
 import copy
 
 import pytest
@@ -20,7 +20,7 @@ def test_its_forward_equals_f_linear(bias):
     model = torch.nn.Sequential(lin)
     assert cpu_linear.install(model) and type(lin) is _FastLinear
     try:
-        for m in range(0, 11):
+        for m in (*range(0, 11), 33, 130):
             for shape in ((m, 96), (1, m, 96), (m, 1, 96)):
                 x = torch.randn(shape)
                 ref = F.linear(x, lin.weight, lin.bias)
@@ -40,8 +40,8 @@ def test_its_forward_equals_f_linear(bias):
 
 
 def test_engines_use_it_while_open_and_the_last_puts_nn_linear_back(llama, monkeypatch):
-    """A step with 1-8 decode tokens goes through torch.mm with the layers' weights on the left,
-    and every request still gets HF's tokens; a second engine over the model keeps the layers
+    """A step with 1-5 decode tokens goes through torch.mm with the layers' weights on the left,
+    a prompt chunk through oneDNN, and every request still gets HF's tokens; a second engine over the model keeps the layers
     _FastLinear when the first closes; a deep copy made meanwhile computes with its own weights;
     a bf16 model's layers are left alone."""
     linears = [m for m in llama.modules() if isinstance(m, torch.nn.Linear)]
@@ -52,6 +52,13 @@ def test_engines_use_it_while_open_and_the_last_puts_nn_linear_back(llama, monke
         if id(a) in weights:
             left.append(a.shape)
         return mm(a, b, *args, **kw)
+
+    dnn, rows = cpu_linear._onednn_linear, []
+
+    def dnn_spy(x, w, *args):
+        if id(w) in weights:
+            rows.append(x.numel() // x.shape[-1])
+        return dnn(x, w, *args)
 
     a = make(llama)
     b = make(llama)
@@ -69,6 +76,8 @@ def test_engines_use_it_while_open_and_the_last_puts_nn_linear_back(llama, monke
                 cpu_linear.ACTIVE.reset(token)
             torch.testing.assert_close(y, F.linear(x, twin_lin.weight), rtol=1e-5, atol=1e-5)
         monkeypatch.setattr(torch, "mm", spy)
+        if dnn is not None:
+            monkeypatch.setattr(cpu_linear, "_onednn_linear", dnn_spy)
         ps = prompts([5, 40, 12], seed=2)
         streams = [a.add_request(p, 6, output_scores=True) for p in ps]
         run(a, streams)
@@ -76,6 +85,7 @@ def test_engines_use_it_while_open_and_the_last_puts_nn_linear_back(llama, monke
         for s, p in zip(streams, ps):
             assert_exact(llama, s, p, 6)
         assert left                                                  # the decode steps took it
+        assert dnn is None or min(rows) >= 6 and max(rows) > 8       # the prompt steps took oneDNN
         a.close()
         assert all(type(m) is _FastLinear for m in linears)          # b still uses them
     finally:
@@ -90,7 +100,7 @@ def test_engines_use_it_while_open_and_the_last_puts_nn_linear_back(llama, monke
 
 def test_a_generator_s_calls_use_it_and_hf_generate_does_not(llama_gen, llama, monkeypatch):
     """A generator's call through HF's loop (a left-padded batch of 3: decode steps at 3 rows)
-    takes the torch.mm path and gives HF's tokens and scores; HF generate on the same model runs
+    takes the torch.mm path, its prefill oneDNN's, and gives HF's tokens and scores; HF generate on the same model runs
     nn.Linear, and the layers are nn.Linear again after the call."""
     from tests.conftest import padded_batch
 
@@ -102,16 +112,25 @@ def test_a_generator_s_calls_use_it_and_hf_generate_does_not(llama_gen, llama, m
             left.append(type(a))
         return mm(a, b, *args, **kw)
 
+    dnn, rows = cpu_linear._onednn_linear, []
+
+    def dnn_spy(x, w, *args):
+        rows.append(x.numel() // x.shape[-1])
+        return dnn(x, w, *args)
+
     ids, mask = padded_batch()
     llama.set_attn_implementation("sdpa")
     monkeypatch.setattr(torch, "mm", spy)
+    if dnn is not None:
+        monkeypatch.setattr(cpu_linear, "_onednn_linear", dnn_spy)
     ref = llama.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
                          return_dict_in_generate=True, output_scores=True)
-    assert not left                                                   # HF generate: F.linear
+    assert not left and not rows                                      # HF generate: F.linear
     out = llama_gen.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
                              return_dict_in_generate=True, output_scores=True)
     monkeypatch.setattr(torch, "mm", mm)
     assert left                                                       # the call's decode steps: torch.mm
+    assert dnn is None or rows                                        # its prefill: oneDNN
     assert torch.equal(out.sequences, ref.sequences)
     torch.testing.assert_close(torch.stack(out.scores), torch.stack(ref.scores), rtol=1e-4, atol=1e-4)
     assert all(type(m) is torch.nn.Linear for m in llama.modules() if isinstance(m, torch.nn.Linear))

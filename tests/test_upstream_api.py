@@ -1302,6 +1302,23 @@ def test_accelerate_hooks_survive():
         torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
 
 
+def test_torch_onednn_linear():
+    with upstream(TORCH, 'torch.ops.mkldnn._linear_pointwise(x, W, b, "none", [], "")',
+                  "oneDNN's fp32 linear over a plain weight gives F.linear's result for 2-D and 3-D inputs",
+                  "hetero/cpu_linear.py:_FastLinear.forward"):
+        if not torch.backends.mkldnn.is_available():
+            pytest.skip("this torch has no oneDNN (hetero.cpu_linear uses F.linear)")
+        from hetero import cpu_linear
+        assert cpu_linear.ONEDNN
+        torch.manual_seed(0)
+        w, b = torch.randn(40, 24), torch.randn(40)
+        for x in (torch.randn(7, 24), torch.randn(2, 5, 24)):
+            for bias in (None, b):
+                y = torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+                assert y.dtype == torch.float32 and y.is_contiguous()
+                torch.testing.assert_close(y, torch.nn.functional.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+
+
 def test_torch_internals():
     with upstream(TORCH, "Tensor._version / Tensor.data_ptr / nn.Module._modules",
                   "an in-place write (copy_, load_state_dict) bumps a tensor's _version; data_ptr() is its storage; "
