@@ -17,8 +17,15 @@ So a step's rows go to torch.mm(W, X^T) at 1-5 (the weight as the left operand; 
 two: torch.mm at one column is MKL's slower GEMV) and to oneDNN's fp32 matmul
 (torch.ops.mkldnn._linear_pointwise, the op torch.compile's CPU backend emits for nn.Linear) at 6
 and more: a decode step of many requests, a mixed step of decodes and a prompt chunk, a prompt
-chunk. Where torch has no oneDNN, F.linear past 5 rows. Decode-alone steps of real SmolLM2:
-bench/cpu_linear.py (README: "fp32 linear layers").
+chunk. Where torch has no oneDNN, F.linear past 5 rows.
+
+oneDNN keeps a primitive for each shape it has run (up to its cache's 1024), ~0.7-1.6 MB each
+for SmolLM2's 1536 x 576 weight: every row count from 6 to 1200 through two such weight shapes
+grew a process by 1.5-2.5 GB, and an engine's steps run many row counts. So the rows go padded
+with zero rows to a bucket (8, 16, then four per octave: 20, 24, 28, 32, 40, ...; past 16 rows
+at most 25 % more; 30 buckets up to 2048): four weight shapes over every row count from 6 to
+2048 then held 120 MB. Decode-alone steps of real SmolLM2: bench/cpu_linear.py (README: "fp32
+linear layers").
 
 While an engine or a generator's call uses the model its fp32 CPU nn.Linear layers' class is
 `_FastLinear`: an nn.Linear whose forward takes these paths inside an engine step or such a call
@@ -63,19 +70,31 @@ ONEDNN = _onednn()
 _onednn_linear = torch.ops.mkldnn._linear_pointwise if ONEDNN else None   # (x, W, b, "none", [], "")
 
 
+def bucket(m: int) -> int:
+    """The rows oneDNN computes for m rows (m padded with zero rows): 8, 16, then four per octave."""
+    if m <= 16:
+        return 8 if m <= 8 else 16
+    step = 1 << (m.bit_length() - 3)
+    return -(-m // step) * step
+
+
 class _FastLinear(torch.nn.Linear):
     """nn.Linear whose forward, inside an engine step or a generator's call (ACTIVE) in fp32, is
     torch.mm(W, X^T)^T at 1-5 rows (contiguous, as F.linear's output: the model views it) and
-    oneDNN's linear at more."""
+    oneDNN's linear at more (its rows padded to a bucket)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or not ACTIVE.get():
             return F.linear(x, self.weight, self.bias)
         m = x.numel() // self.in_features
         if m not in MM_ROWS:
-            if _onednn_linear is not None and m:
-                return _onednn_linear(x, self.weight, self.bias, "none", [], "")
-            return F.linear(x, self.weight, self.bias)
+            if _onednn_linear is None or not m:
+                return F.linear(x, self.weight, self.bias)
+            x2, b = x.reshape(m, self.in_features), bucket(m)
+            if b != m:
+                x2 = torch.cat([x2, x2.new_zeros(b - m, self.in_features)])
+            y = _onednn_linear(x2, self.weight, self.bias, "none", [], "")[:m]   # leading rows: contiguous
+            return y.reshape(*x.shape[:-1], self.out_features)
         x2 = x.reshape(m, self.in_features)
         if m == 1:
             x2 = x2.expand(2, -1).contiguous()

@@ -39,6 +39,42 @@ def test_its_forward_equals_f_linear(bias):
     assert type(lin) is torch.nn.Linear
 
 
+def test_onednn_sees_a_bounded_set_of_row_counts(monkeypatch):
+    """oneDNN keeps a primitive (~1 MB) per shape it ran: every row count 6-2048 reaches it as
+    one of 30 buckets, past 16 rows at most 25 % above them (padded with zero rows), and the result
+    is F.linear's."""
+    assert [cpu_linear.bucket(m) for m in (6, 8, 9, 16, 17, 21, 33, 65, 512, 513)] == \
+        [8, 8, 16, 16, 20, 24, 40, 80, 512, 640]
+    buckets = {cpu_linear.bucket(m) for m in range(6, 2049)}
+    assert len(buckets) == 30 and all(m <= cpu_linear.bucket(m) <= 1.25 * m for m in range(17, 4097))
+    if cpu_linear._onednn_linear is None:
+        pytest.skip("this torch has no oneDNN")
+    seen, dnn = set(), cpu_linear._onednn_linear
+
+    def spy(x, *args):
+        seen.add(x.shape[0])
+        return dnn(x, *args)
+
+    monkeypatch.setattr(cpu_linear, "_onednn_linear", spy)
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(24, 40)
+    model = torch.nn.Sequential(lin)
+    cpu_linear.install(model)
+    token = cpu_linear.ACTIVE.set(True)
+    try:
+        with torch.inference_mode():
+            rows = (*range(6, 70), 300, 777)
+            for m in rows:
+                x = torch.randn(1, m, 24)
+                y = lin(x)
+                assert y.shape == (1, m, 40) and y.is_contiguous()
+                torch.testing.assert_close(y, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    finally:
+        cpu_linear.ACTIVE.reset(token)
+        cpu_linear.uninstall(model)
+    assert seen == {8, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 320, 896} == {cpu_linear.bucket(m) for m in rows}
+
+
 def test_engines_use_it_while_open_and_the_last_puts_nn_linear_back(llama, monkeypatch):
     """A step with 1-5 decode tokens goes through torch.mm with the layers' weights on the left,
     a prompt chunk through oneDNN, and every request still gets HF's tokens; a second engine over the model keeps the layers
