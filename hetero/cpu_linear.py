@@ -84,23 +84,21 @@ class _FastLinear(torch.nn.Linear):
     oneDNN's linear at more (its rows padded to a bucket)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or not ACTIVE.get():
-            return F.linear(x, self.weight, self.bias)
         m = x.numel() // self.in_features
-        if m not in MM_ROWS:
-            if _onednn_linear is None or not m:
-                return F.linear(x, self.weight, self.bias)
-            x2, b = x.reshape(m, self.in_features), bucket(m)
-            if b != m:
-                x2 = torch.cat([x2, x2.new_zeros(b - m, self.in_features)])
-            y = _onednn_linear(x2, self.weight, self.bias, "none", [], "")[:m]   # leading rows: contiguous
-            return y.reshape(*x.shape[:-1], self.out_features)
+        if x.dtype != torch.float32 or not ACTIVE.get() or not m or (m not in MM_ROWS and _onednn_linear is None):
+            return F.linear(x, self.weight, self.bias)
         x2 = x.reshape(m, self.in_features)
-        if m == 1:
-            x2 = x2.expand(2, -1).contiguous()
-        y = torch.mm(self.weight, x2.t())[:, :m].t().contiguous()
-        if self.bias is not None:
-            y += self.bias
+        if m in MM_ROWS:
+            if m == 1:
+                x2 = x2.expand(2, -1).contiguous()
+            y = torch.mm(self.weight, x2.t())[:, :m].t().contiguous()
+            if self.bias is not None:
+                y += self.bias
+        else:
+            pad = bucket(m) - m
+            if pad:
+                x2 = torch.cat([x2, x2.new_zeros(pad, self.in_features)])
+            y = _onednn_linear(x2, self.weight, self.bias, "none", [], "")[:m]   # leading rows: contiguous
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
