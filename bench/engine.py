@@ -12,6 +12,10 @@ Systems:
   engine_paced  the same with EngineConfig.step_time_target = --step-target x its batch-1 per-token
                 time (measured in the cell's warm-up): prompt chunks sized so decoding requests'
                 steps stay near it
+
+The batch-1 per-token time the inter-token target is measured against is taken in each engine
+cell before and after its load (one request decoding alone, 32 tokens; the JSON keeps both):
+this VM's speed moves by a third between minutes, and the ratio uses their mean.
   engine_flinear  the engine with its fp32 linear layers as nn.Linear at every row count (the A/B
                 of hetero.cpu_linear)
   serial        hetero today: one HeteroGenerator.generate at a time, in arrival order, each
@@ -127,6 +131,14 @@ def kv_row_bytes(model):
     return 2 * c.num_hidden_layers * c.num_key_value_heads * hd * model.dtype.itemsize
 
 
+def batch1_time(eng, warm) -> float:
+    """The batch-1 per-token time: the median of 32 inter-token times of one request decoding alone
+    over a 1K-token document (its prefill not counted)."""
+    cal = eng.add_request(warm[2000:2000 + 1024], 34, ignore_eos=True)
+    cal.result()
+    return statistics.median(b - a for a, b in zip(cal.token_times[1:], cal.token_times[2:]))
+
+
 def run_engine(model, docs, reqs, warm, args):
     from hetero import Engine, EngineConfig
     from hetero.engine.kv_pool import BLOCK_SIZE
@@ -139,11 +151,9 @@ def run_engine(model, docs, reqs, warm, args):
         t = time.monotonic()
         s = eng.add_request(warm[:200], 8, ignore_eos=True)      # warm-up: workers, kernel, planner
         s.result()
-        cal = eng.add_request(warm[2000:2000 + 1024], 17, ignore_eos=True)   # batch 1 over a 1K document
-        cal.result()
-        batch1 = statistics.median(b - a for a, b in zip(cal.token_times[1:], cal.token_times[2:]))
+        before = batch1_time(eng, warm)
         if args.one == "engine_paced":
-            eng.pacer.target = args.step_target * batch1        # EngineConfig.step_time_target, set once measured
+            eng.pacer.target = args.step_target * before        # EngineConfig.step_time_target, set once measured
         warm_s = time.monotonic() - t
         eng.reset_prefix_cache()                     # cold caches: forget the warm-up's blocks
         streams = [None] * len(reqs)
@@ -154,9 +164,11 @@ def run_engine(model, docs, reqs, warm, args):
             peak[0] = max(peak[0], eng.kv_manager.num_used_blocks)
             time.sleep(0.01)
         th.join()
+        after = batch1_time(eng, warm)               # the machine's speed moves between minutes: measured twice
         block_bytes = BLOCK_SIZE * kv_row_bytes(model)
         records = [{"arrival": a, "times": s.token_times} for a, s in zip(arrivals, streams)]
-        return records, {"warmup_s": warm_s, "batch1_itl_s": batch1, "step_time_target_s": eng.pacer.target,
+        return records, {"warmup_s": warm_s, "batch1_itl_s": (before + after) / 2, "batch1_itl_before_s": before,
+                         "batch1_itl_after_s": after, "step_time_target_s": eng.pacer.target,
                          "kv_peak_bytes": peak[0] * block_bytes,
                          "pool_bytes": eng.kv.num_blocks * block_bytes, "steps": eng.steps,
                          "preemptions": eng.scheduler.num_preemptions,

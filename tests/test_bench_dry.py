@@ -77,3 +77,23 @@ def test_engine_summary_takes_each_ratio_from_its_systems_cells(monkeypatch):
     assert out["float32 saturated throughput, engine / serial"] == [3.0, True]
     assert out["float32 saturated throughput, engine / hf_cb"] == [6.0, None]
     assert out["float32 saturated cached-document TTFT p50, engine / best peer"] == [0.25, True]
+
+
+def test_serve_summary_counts_misses_by_cause_and_cold_document():
+    """bench/serve.py's goodput: a request within the SLO has its first token by --slo-ttft and its
+    own p99 gap within --slo-itl; each miss is counted by cause, for the first request sent over
+    its document (cold) and for the later ones."""
+    from types import SimpleNamespace
+
+    from bench.serve import summarize
+
+    args = SimpleNamespace(slo_ttft=2.0, slo_itl=0.2)
+    reqs = [{"doc": 0}, {"doc": 1}, {"doc": 0}, {"doc": 1}, {"doc": 0}]
+    res = [(0.0, [3.0, 3.1, 3.2], 3),          # doc 0, first: its first token late
+           (1.0, [1.5, 1.6, 2.0], 3),          # doc 1, first: a 0.4 s gap
+           (2.0, [2.5, 2.6, 2.7], 3),          # within
+           (3.0, [6.0, 6.5], 2),               # doc 1, later: both late
+           (4.0, [4.2], 1)]                    # one token: no gap, within
+    out = summarize(res, reqs, args)
+    assert out["within_slo"] == 2 / 5 and out["requests"] == 5
+    assert out["slo_misses"] == {"first_ttft": 1, "first_itl": 1, "later_ttft": 1, "later_itl": 1}
