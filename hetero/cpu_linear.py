@@ -85,8 +85,9 @@ class _FastLinear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = x.numel() // self.in_features
-        if x.dtype != torch.float32 or not ACTIVE.get() or not m or (m not in MM_ROWS and _onednn_linear is None):
-            return F.linear(x, self.weight, self.bias)
+        if x.dtype != torch.float32 or not ACTIVE.get() or not m or (m not in MM_ROWS and _onednn_linear is None) \
+                or torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, self.weight, self.bias)):
+            return F.linear(x, self.weight, self.bias)      # (oneDNN's op has no backward)
         x2 = x.reshape(m, self.in_features)
         if m in MM_ROWS:
             if m == 1:
@@ -98,7 +99,9 @@ class _FastLinear(torch.nn.Linear):
             pad = bucket(m) - m
             if pad:
                 x2 = torch.cat([x2, x2.new_zeros(pad, self.in_features)])
-            y = _onednn_linear(x2, self.weight, self.bias, "none", [], "")[:m]   # leading rows: contiguous
+            b = self.bias if self.bias is None or self.bias.is_contiguous() else self.bias.contiguous()
+            y = _onednn_linear(x2, self.weight, b, "none", [], "")[:m]   # leading rows: contiguous (it reads
+            # a bias as contiguous: a strided view's values would be wrong)
         return y.reshape(*x.shape[:-1], self.out_features)
 
 

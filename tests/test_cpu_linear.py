@@ -170,3 +170,83 @@ def test_a_generator_s_calls_use_it_and_hf_generate_does_not(llama_gen, llama, m
     assert torch.equal(out.sequences, ref.sequences)
     torch.testing.assert_close(torch.stack(out.scores), torch.stack(ref.scores), rtol=1e-4, atol=1e-4)
     assert all(type(m) is torch.nn.Linear for m in llama.modules() if isinstance(m, torch.nn.Linear))
+
+
+def test_a_strided_bias_and_a_forward_with_gradients_equal_f_linear():
+    """Past five rows oneDNN reads a bias as contiguous (a strided view's, e.g. a fused bias's
+    column, is copied first) and has no backward (with gradients wanted the layer is F.linear)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(24, 40)
+    lin.bias = torch.nn.Parameter(torch.randn(40, 3)[:, 0])       # stride 3
+    assert not lin.bias.is_contiguous()
+    model = torch.nn.Sequential(lin)
+    assert cpu_linear.install(model)
+    token = cpu_linear.ACTIVE.set(True)
+    try:
+        for m in (3, 6, 8, 100):
+            x = torch.randn(m, 24)
+            with torch.inference_mode():
+                torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+            x.requires_grad_()
+            params = (x, lin.weight, lin.bias)
+            got = torch.autograd.grad(lin(x).square().sum(), params)
+            want = torch.autograd.grad(F.linear(x, lin.weight, lin.bias).square().sum(), params)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4)
+    finally:
+        cpu_linear.ACTIVE.reset(token)
+        cpu_linear.uninstall(model)
+    assert type(lin) is torch.nn.Linear
+
+
+def test_an_engine_that_fails_to_build_leaves_nn_linear():
+    """The runner patches the layers last: an engine whose build raises after the pool (here a model
+    whose forward takes no cache) leaves every layer an nn.Linear and no user counted."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hetero import Engine, EngineConfig
+
+    class NoCache(LlamaForCausalLM):
+        def forward(self, input_ids=None, position_ids=None, use_cache=None, return_dict=None, logits_to_keep=0):
+            return super().forward(input_ids=input_ids, position_ids=position_ids, use_cache=use_cache,
+                                   return_dict=return_dict, logits_to_keep=logits_to_keep)
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128)
+    model = NoCache(cfg).eval()
+    with pytest.raises(TypeError, match="takes neither cache= nor past_key_values="):
+        Engine(model, EngineConfig(kv_blocks=48, background=False, cpu_workers=1, max_model_len=256))
+    assert all(type(m) is not _FastLinear for m in model.modules()) and model not in cpu_linear._USERS
+
+
+def test_a_layer_hooked_for_adapters_before_the_patch_takes_it(monkeypatch):
+    """LoRA hooks put on a plain nn.Linear before install (an engine loads its adapters before its
+    runner patches the layers) call the layer's class forward as it is at the call: _FastLinear's."""
+    from hetero.adapters.hooks import LoraHooks
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(24, 40)
+    model = torch.nn.Sequential(lin)
+    hooks = LoraHooks(model)
+    hooks.ensure("0", "site0")
+    mm, left = torch.mm, []
+
+    def spy(a, b, *args, **kw):
+        left.append(a is lin.weight)
+        return mm(a, b, *args, **kw)
+
+    assert cpu_linear.install(model)
+    monkeypatch.setattr(torch, "mm", spy)
+    token = cpu_linear.ACTIVE.set(True)
+    try:
+        with torch.inference_mode():
+            x = torch.randn(3, 24)
+            y, ref = model(x), F.linear(x, lin.weight, lin.bias)
+    finally:
+        cpu_linear.ACTIVE.reset(token)
+        monkeypatch.setattr(torch, "mm", mm)
+        cpu_linear.uninstall(model)
+        hooks.remove()
+    assert any(left)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    assert type(lin) is torch.nn.Linear and "forward" not in lin.__dict__

@@ -270,7 +270,9 @@ class LoraHooks:
         mod = self.model.get_submodule(path)
         if id(mod) in self.routed:               # a peft layer routed to its base layer: now served here
             _restore(*self.routed.pop(id(mod)))
-        original = mod.forward                     # bound: the class's, peft's, or another wrapper's
+        own = mod.__dict__.get("forward")         # an instance's own forward (another wrapper's), else the
+        # class's, looked up at each call: hetero.cpu_linear swaps an nn.Linear's class while it runs
+        original = own if own is not None else (lambda *a, **k: type(mod).forward(mod, *a, **k))
         base = mod.base_layer if hasattr(mod, "base_layer") else original   # peft layer: skip its own LoRA
 
         def forward(x, *args, **kwargs):

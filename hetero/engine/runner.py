@@ -275,11 +275,12 @@ class ModelRunner:
         self.blocks = blocks
         self.prefix_rows = PrefixRows(spec, default[1] if prefix_memory is None else prefix_memory,
                                       layers=sum(not r for r in kv.ringed))
-        # a CPU fp32 model's linear layers as torch.mm(W, X^T) at 1-5 rows and oneDNN past, in this runner's steps
-        self._linear_installed = self.device.type == "cpu" and cpu_linear.install(model)
-        self.fast_linear = self._linear_installed         # cpu_linear.ACTIVE in its steps (bench/cpu_linear.py A/B)
         self.keeps_logits = model._supports_logits_to_keep()
         self.cache_kwarg = forward_cache_kwarg(model.forward)
+        # a CPU fp32 model's linear layers as torch.mm(W, X^T) at 1-5 rows and oneDNN past, in this runner's
+        # steps; installed last: a raise above leaves no layer patched (release() is never called then)
+        self._linear_installed = self.device.type == "cpu" and cpu_linear.install(model)
+        self.fast_linear = self._linear_installed         # cpu_linear.ACTIVE in its steps (bench/cpu_linear.py A/B)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> torch.Tensor:
