@@ -9,7 +9,7 @@
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 \
 #     --platform manylinux1_x86_64 -c constraints.txt -d .whl posix_ipc fastapi uvicorn openai prometheus_client
 # Then with the device tool: run(command="bash bench/device.sh", carry=[".whl"]).
-# STEPS picks the parts (default all): STEPS="gpu gpu_decode gpu_prefill gpu_engine prefix_rows engine_cores probe kernel attention ipc contexts" bash bench/device.sh.
+# STEPS picks the parts (default all): STEPS="gpu gpu_decode gpu_prefill gpu_engine prefix_rows engine_cores engine_gpu probe kernel attention ipc contexts" bash bench/device.sh.
 # A device call is limited to 10 minutes: run one step per call (STEPS=gpu, then STEPS=gpu_decode, ...);
 # gpu_decode writes its JSON after every row, so a run cut by the limit still returns what it measured
 # (GPU_DECODE_ARGS="--contexts 8192 65536" narrows it; "--systems hetero hetero_all" A/Bs the planner against
@@ -29,6 +29,9 @@
 # prefix_rows (bench/prefix_rows.py): 12 questions over a pinned 32K document, 8B shape, ~2 minutes.
 # engine_cores (bench/engine.py --random-weights): #29's full RAG mix on the 16 cores, the engine beside hetero
 # one call at a time and transformers' continuous batching (unsized: give it a call of its own, timeout 600).
+# engine_gpu (bench/engine.py --device cuda, random weights of SmolLM2's shape, bf16): #29's inter-token target
+# where it belongs, prefill and the dense layers on the GPU, decode attention on the cores: the engine plain and
+# paced at a medium rate and saturated, beside one call at a time (ENGINE_GPU_ARGS; ~6 cells of ~40 s).
 # At most 8 files come back from $OUT: one log per step and one JSON per benchmark.
 set -uo pipefail
 OUT=${OUT:-/tmp/hetero_device}
@@ -82,6 +85,14 @@ for step in ${STEPS:-gpu gpu_decode gpu_prefill probe kernel attention ipc conte
             else
                 rc=1
             fi ;;
+        engine_gpu)   # #29's RAG mix with the model on the GPU: inter-token p99 at a medium rate / the batch-1 time
+            if python3 bench/engine.py --random-weights --device cuda --dtypes bfloat16 --out engine_gpu.json \
+                    ${ENGINE_GPU_ARGS:---docs 8 --doc-min 2048 --doc-max 8192 --requests 32 --new-min 64 --new-max 128 \
+                    --rates 2 inf --systems engine engine_paced serial --timeout 240} 2>&1 | tee "$OUT/engine_gpu.log"; then
+                cp bench/results/engine_gpu.json "$OUT"/
+            else
+                rc=1
+            fi ;;
         probe)        # the host: cudaHostRegister cost and adjacent slices; the strided host copy's GB/s (#14)
             python3 bench/host_probe.py --copy-to "$OUT" 2>&1 | tee "$OUT/host_probe.log" || rc=1 ;;
         contexts)     # CPU only, on the host's 16 cores: 8 questions sharing a 16K context vs private copies
@@ -91,7 +102,7 @@ for step in ${STEPS:-gpu gpu_decode gpu_prefill probe kernel attention ipc conte
                 rc=1
             fi ;;
         *)
-            echo "unknown step $step (gpu, gpu_decode, gpu_prefill, gpu_engine, probe, kernel, attention, ipc, contexts)"; rc=1 ;;
+            echo "unknown step $step (gpu, gpu_decode, gpu_prefill, gpu_engine, engine_gpu, probe, kernel, attention, ipc, contexts)"; rc=1 ;;
     esac
 done
 exit $rc

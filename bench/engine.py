@@ -199,7 +199,7 @@ def run_serial(model, docs, reqs, warm, args):
 
     with HeteroGenerator(model) as gen:
         t = time.monotonic()
-        gen.generate(torch.tensor([warm[:200]]), max_new_tokens=8, min_new_tokens=8)
+        gen.generate(torch.tensor([warm[:200]], device=model.device), max_new_tokens=8, min_new_tokens=8)
         warm_s = time.monotonic() - t
         contexts, records = {}, [None] * len(reqs)
         queue, cond = [], threading.Condition()
@@ -218,9 +218,11 @@ def run_serial(model, docs, reqs, warm, args):
             q = reqs[i]
             ctx = contexts.get(q["doc"])
             if ctx is None:
-                ctx = contexts[q["doc"]] = gen.prefill(torch.tensor([docs[q["doc"]]]), reserve=64 + args.new_max)
+                doc = torch.tensor([docs[q["doc"]]], device=model.device)
+                ctx = contexts[q["doc"]] = gen.prefill(doc, reserve=64 + args.new_max)
             st = _Times()
-            gen.generate(torch.tensor([q["question"]]), context=ctx, extend_context=False, max_new_tokens=q["new"],
+            question = torch.tensor([q["question"]], device=model.device)
+            gen.generate(question, context=ctx, extend_context=False, max_new_tokens=q["new"],
                          min_new_tokens=q["new"], streamer=st)
             records[i] = {"arrival": arrivals[i], "times": st.times}
             peak[0] = max(peak[0], sum(os.path.getsize(os.path.join(shm.SHM_DIR, n)) for n in shm.list_ours()))
@@ -345,6 +347,7 @@ def child(args):
         model, tok = load_smollm2(getattr(torch, args.dtype))
         tokens = tok(english_text())["input_ids"]
         warm = [int(t) for t in tok(" ".join(reversed(english_text().split())))["input_ids"]]  # not a workload window
+    model = model.to(args.device)        # cuda: prefill and the dense layers on the GPU, decode attention on the cores
     rate = float(args.rate)
     docs, reqs = workload(tokens, args, rate, args.seed)
     fn = {"engine": run_engine, "engine_paced": run_engine, "engine_flinear": run_engine, "serial": run_serial,
@@ -375,6 +378,7 @@ def main():
     ap.add_argument("--timeout", type=int, default=1800)
     ap.add_argument("--llama-server", default=shutil.which("llama-server"), help="llama.cpp's llama-server binary")
     ap.add_argument("--random-weights", action="store_true", help="SmolLM2-135M's shape, random weights and tokens")
+    ap.add_argument("--device", default="cpu", help="the model's device (cuda: a GPU machine; no llama.cpp row)")
     ap.add_argument("--out", default="engine.json")
     ap.add_argument("--plot", nargs="+", help="only plot these result files (names in bench/results) into --out's png")
     ap.add_argument("--one", choices=SYSTEMS, help=argparse.SUPPRESS)
@@ -390,9 +394,12 @@ def main():
     cells = []
     common = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
               ("docs", "doc_min", "doc_max", "requests", "new_min", "new_max", "budget", "kv_memory", "seed",
-               "step_target")] + (["--random-weights"] if args.random_weights else [])
+               "step_target", "device")] + (["--random-weights"] if args.random_weights else [])
     if args.random_weights and "llama" in args.systems:
         print("--random-weights: no llama.cpp row (its GGUF holds the real weights)")
+        args.systems = [s for s in args.systems if s != "llama"]
+    if args.device != "cpu" and "llama" in args.systems:
+        print(f"--device {args.device}: no llama.cpp row (llama-server runs on the CPU here)")
         args.systems = [s for s in args.systems if s != "llama"]
     if args.llama_server:
         common.append(f"--llama-server={args.llama_server}")

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -97,3 +99,20 @@ def test_serve_summary_counts_misses_by_cause_and_cold_document():
     out = summarize(res, reqs, args)
     assert out["within_slo"] == 2 / 5 and out["requests"] == 5
     assert out["slo_misses"] == {"first_ttft": 1, "first_itl": 1, "later_ttft": 1, "later_itl": 1}
+
+
+@pytest.mark.slow
+def test_engine_paced_cell_dry_run():
+    """bench/engine.py's paced engine cell serves a small mix of SmolLM2's shape (random weights) and
+    takes the batch-1 time before and after the load (the ratio's denominator: their mean)."""
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "engine.py"), "--random-weights", "--one",
+                        "engine_paced", "--rate", "4", "--docs", "2", "--doc-min", "64", "--doc-max", "128",
+                        "--requests", "3", "--new-min", "4", "--new-max", "6", "--device", "cpu"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    line = [x for x in p.stdout.splitlines() if x.startswith("CELL ")]
+    assert p.returncode == 0 and line, p.stderr[-2000:]
+    cell = json.loads(line[0][len("CELL "):])
+    assert 3 * 4 <= cell["output_tokens"] <= 3 * 6 and cell["throughput_tok_s"] > 0
+    before, after = cell["batch1_itl_before_s"], cell["batch1_itl_after_s"]
+    assert before > 0 and after > 0 and cell["batch1_itl_s"] == (before + after) / 2
+    assert cell["step_time_target_s"] > 0 and cell["steps"] > 0
