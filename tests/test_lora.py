@@ -454,3 +454,23 @@ def test_two_generators_over_one_model_serve_their_own_adapters(tmp_path):
             gens[first].close()
             gens[1 - first].close()
         assert all("forward" not in m.__dict__ for m in base.modules())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deltas_added_to_rows_by_index_equal_slice_by_slice(dtype):
+    """One adapter's pieces take one product and their rows get its deltas by index: the same
+    values as adding each piece's slice (f32 deltas, added in f32 and cast back as peft does)."""
+    from hetero.adapters.hooks import _add, _add_rows
+
+    torch.manual_seed(0)
+    out = torch.randn(7, 16).to(dtype)
+    delta = torch.randn(4, 16)
+    pieces = [(0, 1), (2, 4), (6, 7)]
+    want = out.clone()
+    k = 0
+    for r0, r1 in pieces:
+        _add(want[r0:r1], delta[k:k + r1 - r0])
+        k += r1 - r0
+    got = out.clone()
+    _add_rows(got, torch.cat([torch.arange(r0, r1) for r0, r1 in pieces]), delta)
+    assert torch.equal(got, want)

@@ -137,10 +137,19 @@ class LoraBatch:
             self._collect(pending, out2)
             for chunk in chunks[1:]:
                 self._collect(self._submit(site, x2, chunk), out2)
-        for r0, r1, a in on_device:               # prefill on the model's device
+        spans = {}                                # adapter -> its pieces: one product for all of them
+        for r0, r1, a in on_device:
+            spans.setdefault(id(a), (a, []))[1].append((r0, r1))
+        for a, pieces in spans.values():          # on the model's device
             A, BT = a.device[site]
             s = a.entries[site][2]
-            _add(out2[r0:r1], ((x2[r0:r1].float() @ A.T) * s) @ BT)
+            if len(pieces) == 1:
+                (r0, r1), = pieces
+                _add(out2[r0:r1], ((x2[r0:r1].float() @ A.T) * s) @ BT)
+            else:                                 # a CPU model's decode tokens under one adapter (8 of them:
+                # 110 -> 104 ms a SmolLM2 step on 2 cores)
+                idx = torch.cat([torch.arange(r0, r1) for r0, r1 in pieces]).to(x2.device)
+                _add_rows(out2, idx, ((x2[idx].float() @ A.T) * s) @ BT)
         return out
 
     def _apply_posted(self, site, x2, base, users):
@@ -247,6 +256,15 @@ def _decoding():
     whose numbers would overtake the GPU's."""
     s = active_session.get()
     return s is not None and s.stepping and s.prefetcher is None
+
+
+def _add_rows(out, idx, delta):
+    """out[idx] += delta (f32), as _add does for a slice."""
+    delta = delta.to(out.device)
+    if out.dtype == torch.float32:
+        out.index_add_(0, idx, delta)
+    else:
+        out.index_copy_(0, idx, (out[idx].float() + delta).to(out.dtype))
 
 
 def _add(out, delta):
