@@ -58,16 +58,16 @@ def random_kv(cfg, L, dtype):
     return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
 
 
-def decode_loop(model, cache, L, steps):
-    """Greedy single-token forwards from position L; per-step seconds."""
+def decode_loop(model, cache, L, steps, batch=1):
+    """Greedy single-token forwards of `batch` requests from position L; per-step seconds."""
     import torch
 
-    tok, times = torch.full((1, 1), 5), []
+    tok, times = torch.full((batch, 1), 5), []
     with torch.inference_mode():
         for i in range(steps):
             t = time.perf_counter()
-            out = model(input_ids=tok, **{forward_cache_kwarg(model.forward): cache}, position_ids=torch.full((1, 1), L + i),
-                        cache_position=torch.tensor([L + i]), use_cache=True)
+            out = model(input_ids=tok, **{forward_cache_kwarg(model.forward): cache},
+                        position_ids=torch.full((batch, 1), L + i), cache_position=torch.tensor([L + i]), use_cache=True)
             tok = out.logits[:, -1:].argmax(-1)
             times.append(time.perf_counter() - t)
     return times
@@ -89,20 +89,26 @@ def run_hf(model, L, steps, dtype, static):
     return decode_loop(model, cache, L, steps)
 
 
+def filled_decode(gen, keys, values, L, steps, batch=1):
+    """(per-step seconds, the session's [workers, splits]) of `steps` greedy single-token forwards of
+    `batch` requests through generator `gen`, each request's cache holding keys/values (length L)."""
+    with gen.kv_context(pads=[0] * batch, real_lens=[L] * batch, cap=L + steps) as cache:
+        for layer in range(keys.shape[0]):
+            for b in range(batch):
+                cache.session.write_rows(layer, b, keys[layer, 0], values[layer, 0])
+        cache.session.finish_prefill()
+        for layer in cache.layers:
+            layer.seen = L
+        times = decode_loop(gen.model, cache, L, steps, batch)
+        return times, [cache.session.nactive, cache.session.nsplit]
+
+
 def run_hetero(model, L, steps, dtype, workers):
     from hetero import HeteroConfig, HeteroGenerator
 
     keys, values = random_kv(model.config, L, dtype)
     with HeteroGenerator(model, config=HeteroConfig(cpu_workers=workers)) as gen:
-        with gen.kv_context(pads=[0], real_lens=[L], cap=L + steps) as cache:
-            for layer in range(keys.shape[0]):
-                cache.session.write_rows(layer, 0, keys[layer, 0], values[layer, 0])
-            cache.session.finish_prefill()
-            for layer in cache.layers:
-                layer.seen = L
-            times = decode_loop(gen.model, cache, L, steps)
-            plan = [cache.session.nactive, cache.session.nsplit]
-    return times, plan
+        return filled_decode(gen, keys, values, L, steps)
 
 
 def run_llamacpp(L, steps, threads):

@@ -10,12 +10,8 @@ is not in the workload (counted in the JSON, not timed).
 Systems:
   engine        hetero.Engine: continuous batching over the paged pool, prefix caching
   engine_paced  the same with EngineConfig.step_time_target = --step-target x its batch-1 per-token
-                time (measured in the cell's warm-up): prompt chunks sized so decoding requests'
+                time (measured before the load): prompt chunks sized so decoding requests'
                 steps stay near it
-
-The batch-1 per-token time the inter-token target is measured against is taken in each engine
-cell before and after its load (one request decoding alone, 32 tokens; the JSON keeps both):
-this VM's speed moves by a third between minutes, and the ratio uses their mean.
   engine_flinear  the engine with its fp32 linear layers as nn.Linear at every row count (the A/B
                 of hetero.cpu_linear)
   serial        hetero today: one HeteroGenerator.generate at a time, in arrival order, each
@@ -30,7 +26,10 @@ this VM's speed moves by a third between minutes, and the ratio uses their mean.
 Per cell: throughput (output tokens / (last finish - first arrival)), TTFT and inter-token
 latency p50/p99, end-to-end p50/p99, TTFT p50 of the requests whose document an earlier request
 already brought in ("cached"), and the KV held (engine: peak pool blocks in use; serial: its
-contexts' and call's arenas; both against every request holding a private copy).
+contexts' and call's arenas; both against every request holding a private copy). The batch-1
+per-token time the inter-token target divides by is taken in each engine cell before and after its
+load (one request decoding alone, 32 tokens; the JSON keeps both): this VM's speed moves by a third
+between minutes, and the ratio uses their mean.
 
     python bench/engine.py [--docs 8 --doc-min 2048 --doc-max 8192 --requests 32 --rates 0.05 0.2 inf]
 

@@ -24,44 +24,12 @@ from peft import LoraConfig, get_peft_model
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import machine, positive, write_json  # noqa: E402
-from bench.decode_cpu import random_kv  # noqa: E402
+from bench.decode_cpu import build, filled_decode, random_kv  # noqa: E402
 from hetero import HeteroGenerator  # noqa: E402
-from hetero.compat import forward_cache_kwarg  # noqa: E402
 from hetero.generator import _active as lora_active  # noqa: E402
 
 QKVO = ["q_proj", "k_proj", "v_proj", "o_proj"]
 TARGETS = {"one_worker_latency_overhead": 0.10, "registered_1000_vs_10": 0.95, "cold_ttft_vs_warm": 1.05}
-
-
-def build():
-    """The Llama-shaped model of the decode benchmarks (4 layers, hidden 1024, GQA 16/4), fp32."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
-                      num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=65536)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).eval(), cfg
-
-
-def run_batch(gen, keys, values, L, steps, batch):
-    """Per-step seconds of `steps` greedy single-token forwards of `batch` requests whose caches
-    all hold keys/values (length L), through the generator's session."""
-    with gen.kv_context(pads=[0] * batch, real_lens=[L] * batch, cap=L + steps) as cache:
-        for layer in range(keys.shape[0]):
-            for b in range(batch):
-                cache.session.write_rows(layer, b, keys[layer, 0], values[layer, 0])
-        cache.session.finish_prefill()
-        for layer in cache.layers:
-            layer.seen = L
-        tok, times, kw = torch.full((batch, 1), 5), [], forward_cache_kwarg(gen.model.forward)
-        with torch.inference_mode():
-            for i in range(steps):
-                t = time.perf_counter()
-                out = gen.model(input_ids=tok, **{kw: cache}, position_ids=torch.full((batch, 1), L + i),
-                                cache_position=torch.tensor([L + i]), use_cache=True)
-                tok = out.logits[:, -1:].argmax(-1)
-                times.append(time.perf_counter() - t)
-    return times
 
 
 def save_adapter(model, rank, path, seed):
@@ -75,7 +43,7 @@ def decode_steps(gen, keys, values, L, steps, names):
     """Per-step seconds of `steps` greedy single-token forwards of a batch of len(names) requests,
     request b on adapter names[b] (None: base model)."""
     with lora_active(gen._lora_batch(names, len(names))):
-        times = run_batch(gen, keys, values, L, steps, len(names))
+        times, _ = filled_decode(gen, keys, values, L, steps, len(names))
     return times[2:]                                  # the first steps warm up plans and caches
 
 
@@ -95,7 +63,8 @@ def main():
     ap.add_argument("--workers", type=positive, default=None)
     ap.add_argument("--out", default="lora.json")
     args = ap.parse_args()
-    model, cfg = build()
+    model = build("bench", torch.float32)          # decode_cpu's Llama shape: 4 layers, hidden 1024, GQA 16/4
+    cfg = model.config
     L = args.context
     keys, values = random_kv(cfg, L, torch.float32)
     tmp = tempfile.mkdtemp(prefix="hetero-lora-bench-")

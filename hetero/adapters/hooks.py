@@ -126,9 +126,9 @@ class LoraBatch:
         # a CPU model's rows all run here (its copy is the workers' own memory): a decode token's job on the
         # workers shares their cores anyway and costs a round trip per site (rank 16 on q, k, v, o, one
         # request decoding: 60-88 -> 49 ms an engine step on 2 cores)
-        here = x2.device.type == "cpu"
-        on_device = [u for u in users if u[2].device is not None and (here or u[1] - u[0] > 1)]
-        on_cpu = [u for u in users if u[2].device is None or not here and u[1] - u[0] == 1]
+        here, on_device, on_cpu = x2.device.type == "cpu", [], []
+        for u in users:
+            (on_device if u[2].device is not None and (here or u[1] - u[0] > 1) else on_cpu).append(u)
         chunks = self._chunks(on_cpu, self.store.x.shape[0])
         pending = self._submit(site, x2, chunks[0]) if chunks else None
         out = base()                              # the base projection runs while the workers work
@@ -143,13 +143,10 @@ class LoraBatch:
         for a, pieces in spans.values():          # on the model's device
             A, BT = a.device[site]
             s = a.entries[site][2]
-            if len(pieces) == 1:
-                (r0, r1), = pieces
-                _add(out2[r0:r1], ((x2[r0:r1].float() @ A.T) * s) @ BT)
-            else:                                 # a CPU model's decode tokens under one adapter (8 of them:
-                # 110 -> 104 ms a SmolLM2 step on 2 cores)
-                idx = torch.cat([torch.arange(r0, r1) for r0, r1 in pieces]).to(x2.device)
-                _add_rows(out2, idx, ((x2[idx].float() @ A.T) * s) @ BT)
+            # several pieces: e.g. a CPU model's decode tokens under one adapter (8: 110 -> 104 ms a SmolLM2 step)
+            rows = slice(*pieces[0]) if len(pieces) == 1 else \
+                torch.cat([torch.arange(r0, r1) for r0, r1 in pieces]).to(x2.device)
+            _add(out2, rows, ((x2[rows].float() @ A.T) * s) @ BT)
         return out
 
     def _apply_posted(self, site, x2, base, users):
@@ -227,7 +224,7 @@ class LoraBatch:
             delta = buf.to(out2.device, non_blocking=True)
         row = 0
         for t0, t1, _ in chunk:
-            _add(out2[t0:t1], delta[row:row + t1 - t0])
+            _add(out2, slice(t0, t1), delta[row:row + t1 - t0])
             row += t1 - t0
 
     def _stage_rows(self, x2, chunk, din):
@@ -258,22 +255,16 @@ def _decoding():
     return s is not None and s.stepping and s.prefetcher is None
 
 
-def _add_rows(out, idx, delta):
-    """out[idx] += delta (f32), as _add does for a slice."""
+def _add(out, rows, delta):
+    """out[rows] += delta (f32; rows a slice or an index tensor), in out's dtype and on its device,
+    as peft adds its fp32 adapters."""
     delta = delta.to(out.device)
-    if out.dtype == torch.float32:
-        out.index_add_(0, idx, delta)
+    if out.dtype != torch.float32:
+        out[rows] = (out[rows].float() + delta).to(out.dtype)
+    elif isinstance(rows, slice):
+        out[rows].add_(delta)
     else:
-        out.index_copy_(0, idx, (out[idx].float() + delta).to(out.dtype))
-
-
-def _add(out, delta):
-    """out += delta (f32), in out's dtype and on its device, as peft adds its fp32 adapters."""
-    delta = delta.to(out.device)
-    if out.dtype == torch.float32:
-        out += delta
-    else:
-        out.copy_(out.float() + delta)
+        out.index_add_(0, rows, delta)
 
 
 class LoraHooks:
