@@ -211,3 +211,41 @@ def test_a_document_s_kept_rows_are_per_adapter(tmp_path):
         assert rows.misses == 4 and rows.hits == 3 and len(rows.entries) == 4 and rows.stale == 0
     assert_peft(pm, streams + again, [doc + q for q in qs for _ in names] + [doc + q for q in qs[:2]],
                 names * 3 + ["code", "code"])
+
+
+def test_an_engine_keeps_to_its_adapters_as_the_peft_model_changes(tmp_path):
+    """A PeftModel changed after Engine(pm): an adapter added and made active there reaches no
+    request (each runs the adapter it names, as in a generator's calls); an adapter merged into
+    the weights fails the requests by name, and they run again once it is unmerged; the inner
+    model with peft's layers in it is refused as an adapters' base."""
+    from peft import LoraConfig
+
+    _, pm, _ = make_adapters("llama", tmp_path)
+    rows = rows_of(*padded_batch())
+    names = [None, "legal"]
+    want = [peft_alone(pm, r, n) for r, n in zip(rows, names)]
+    with Engine(pm, config()) as eng:
+        torch.manual_seed(4)
+        pm.add_adapter("new", LoraConfig(r=4, lora_alpha=64, target_modules=["lm_head"], init_lora_weights=False))
+        pm.set_adapter("new")
+        assert peft_alone(pm, rows[0], "new")[0] != want[0][0]         # "new" changes the base request's tokens
+        streams = [eng.add_request(r, NEW, adapter=n, output_scores=True) for r, n in zip(rows, names)]
+        run(eng, streams)
+        for s, (tokens, scores) in zip(streams, want):
+            assert s.token_ids == tokens
+            assert (torch.stack(s.scores) - scores).abs().max() < 1e-4
+        pm.set_adapter("legal")
+        pm.merge_adapter()
+        failed = eng.add_request(rows[0], NEW)
+        eng.step()
+        assert isinstance(failed.error, AdapterError) and "merged LoRA adapters ['legal']" in str(failed.error)
+        assert eng.kv_manager.num_used_blocks == 0
+        pm.unmerge_adapter()
+        again = eng.add_request(rows[1], NEW, adapter="legal", output_scores=True)
+        run(eng, [again])
+        assert again.token_ids == want[1][0]
+    with pytest.raises(AdapterError, match="pass the PeftModel itself"):
+        Engine(pm.get_base_model(), config(), adapters={"legal": str(tmp_path / "legal")})
+    with Engine(pm.get_base_model(), config()) as eng:
+        with pytest.raises(AdapterError, match="pass the PeftModel itself"):
+            eng.load_adapter("legal", tmp_path / "legal")

@@ -475,3 +475,28 @@ def test_deltas_added_to_rows_by_index_equal_slice_by_slice(dtype):
     got = out.clone()
     _add(got, torch.cat([torch.arange(r0, r1) for r0, r1 in pieces]), delta)
     assert torch.equal(got, want)
+
+
+def test_a_config_leaving_out_r_and_lora_alpha_takes_peft_s_defaults(tmp_path):
+    """adapter_config.json without r and lora_alpha (a hand-written or converted one): peft's
+    LoraConfig defaults (8 and 8), so the scaling is peft's (alpha 8 over rank 8 here, not 1 or r / r)."""
+    from peft import PeftModel
+
+    model, _ = build_model("llama")
+    base = copy.deepcopy(model)
+    torch.manual_seed(5)
+    pm = get_peft_model(model, LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj"],
+                                          init_lora_weights=False))
+    pm.save_pretrained(tmp_path)
+    path = tmp_path / "adapter_config.json"
+    cfg = json.loads(path.read_text())
+    del cfg["r"], cfg["lora_alpha"]
+    path.write_text(json.dumps(cfg))
+    ref_model = PeftModel.from_pretrained(copy.deepcopy(base), tmp_path).eval()
+    assert ref_model.peft_config["default"].lora_alpha == 8
+    ids, mask = padded_batch()
+    ref = generate(ref_model, ids, mask)
+    with HeteroGenerator(base, cpu_workers=1, adapters={"d": str(tmp_path)}) as gen:
+        out = generate(gen, ids, mask, adapter_names=["d"] * ids.shape[0])
+    assert_same(out, ref)
+    assert not torch.equal(out.sequences, generate(base, ids, mask).sequences)     # the adapter does change them

@@ -17,6 +17,7 @@ from hetero.errors import AdapterError
 BASE = "__base__"      # peft's name for "no adapter" in adapter_names
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _PREFIX = "base_model.model."
+PEFT_DEFAULT_R, PEFT_DEFAULT_ALPHA = 8, 8   # peft.LoraConfig's r and lora_alpha where a config leaves them out
 # LoraConfig fields that change what a LoRA layer computes; hetero implements plain (rs)LoRA only
 UNSUPPORTED = {
     "use_dora": "DoRA", "lora_bias": "a LoRA bias", "use_qalora": "QA-LoRA", "target_parameters": "LoRA on parameters",
@@ -129,10 +130,10 @@ def from_directory(name, path, model):
         if set(ab) != {"A", "B"}:
             raise AdapterError(f"adapter {name!r}: {mod} has lora_{'A' if 'A' in ab else 'B'} but not its pair")
         r = ab["A"].shape[0]
-        want_r = _pattern(cfg.get("rank_pattern") or {}, mod, cfg.get("r"))
+        want_r = _pattern(cfg.get("rank_pattern") or {}, mod, cfg.get("r", PEFT_DEFAULT_R))
         if want_r != r:
             raise AdapterError(f"adapter {name!r}: {mod} has rank {r} but its config says {want_r}")
-        alpha = _pattern(cfg.get("alpha_pattern") or {}, mod, cfg.get("lora_alpha", r))
+        alpha = _pattern(cfg.get("alpha_pattern") or {}, mod, cfg.get("lora_alpha", PEFT_DEFAULT_ALPHA))
         scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
         out[mod] = _checked(name, model, mod, ab["A"], ab["B"], scaling)
     return out

@@ -35,7 +35,7 @@ def peft_layers(model):
     return lora_hooks.peft_layers(model)
 
 
-def check_model_state(model, spec):
+def check_model_state(model, spec, owner="HeteroGenerator"):
     """Refused, before a call runs the model: a model whose dtype changed since the generator was
     built over it (spec); a peft adapter merged into the base weights (merge_adapter), which would
     reach every request, the base-model ones too, and add twice to its own (peft refuses
@@ -43,9 +43,9 @@ def check_model_state(model, spec):
     apply none, transformers' would). Returns the model's peft layers, for the call's
     default_adapter and lora_batch (one scan: ~2 ms per 2,500 modules)."""
     if model.dtype != spec.dtype:
-        raise ValueError(f"the model is in {model.dtype} now, but this HeteroGenerator was built over it in "
+        raise ValueError(f"the model is in {model.dtype} now, but this {owner} was built over it in "
                          f"{spec.dtype} (its KV cache and kernels hold {spec.dtype}); build a new "
-                         "HeteroGenerator after changing the model's dtype")
+                         f"{owner} after changing the model's dtype")
     if model.training:
         cfg = model.config.get_text_config()
         p = max([getattr(cfg, "attention_dropout", 0.0) or 0.0] +

@@ -40,6 +40,9 @@ class EngineAdapters:
 
     def add(self, name, weights):
         """weights: {module path: (A, B, scaling)} (hetero.adapters.source)."""
+        if not self.peft and lora_hooks.peft_layers(self.model, lora_only=True):
+            raise AdapterError("the model holds peft LoRA layers but was not passed as its PeftModel (its "
+                               "get_base_model()?): pass the PeftModel itself to serve adapters with it")
         store = self._ensure_store()
         store.add(name, weights)
         for path in weights:
@@ -52,9 +55,9 @@ class EngineAdapters:
     def from_peft(self, peft_model):
         """Serve every adapter of a PeftModel by name (its LoRA layers then run their base layer
         alone in the engine's steps: each request gets only the adapter it names)."""
+        self.peft = True
         for name in peft_model.peft_config:
             self.add(name, lora_source.from_peft_model(peft_model, name, self.model))
-        self.peft = True
         self.hooks.route_peft_layers()
 
     def load_in_turn(self, name, path, turn):

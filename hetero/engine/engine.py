@@ -351,6 +351,8 @@ class Engine(Documents):
 
     def _step(self) -> int:
         self._drain_inbox()
+        if not self._model_as_built():
+            return 0
         store, _ = self._lora()
         for r in [r for r in self.scheduler.requests.values() if r.adapter is not None]:
             if store is None or r.adapter not in store.adapters or self.adapter_key(r.adapter) != r.adapter_key:
@@ -397,6 +399,22 @@ class Engine(Documents):
         self.steps += 1
         self.pacer.record(time.perf_counter() - start, plan.num_tokens - decode, decode)
         return plan.num_tokens
+
+    def _model_as_built(self) -> bool:
+        """Whether the model may run this step (sync.check_model_state: its dtype the engine's, not
+        training with dropout, no peft adapter merged into its weights); if not, every request fails
+        with why (the engine goes on: undo it and add them again). peft LoRA layers added to the
+        model since (a PeftModel's add_adapter) run their base layer alone in steps with adapters,
+        as in a generator's calls: each request gets the adapter it names and no other."""
+        try:
+            layers = sync.check_model_state(self.model, self.spec, owner="Engine")
+        except (AdapterError, ValueError) as e:
+            self._fail_all(e)
+            return False
+        _, hooks = self._lora()
+        if layers and hooks is not None:
+            hooks.route_peft_layers()
+        return True
 
     def _execute(self, plan):
         """runner.execute; out of memory once (the model's device, a GPU shared with others): the rows
