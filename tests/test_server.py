@@ -196,6 +196,18 @@ def test_bad_requests_get_their_status_and_openai_errors(server):
         ("/v1/completions", {"model": NAME, "prompt": [1, 10 ** 9]}, 400, "outside the vocabulary"),
         ("/v1/chat/completions", {"model": NAME, "messages": MSG, "context": "nope"}, 404, "no context named"),
         ("/v1/unload_lora_adapter", {"lora_name": "nope"}, 404, "no adapter"),
+        ("/v1/chat/completions", b"[" * 100_000, 400, "not JSON"),                  # deeper than the parser goes
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 400,
+         r"messages\[0\]\.content|content.*lone surrogate"),
+        ("/v1/contexts", b'{"name": "\\ud800", "prompt": "x"}', 400, "lone surrogate"),
+        ("/v1/chat/completions", {"messages": MSG, "logprobs": "yes"}, 400, "logprobs must be true or false"),
+        ("/v1/chat/completions", {"messages": MSG, "stream": True, "stream_options": {"include_usage": "no"}}, 400,
+         "include_usage must be true or false"),
+        ("/v1/chat/completions", {"messages": MSG, "user": 5}, 400, "user must be a string"),
+        ("/v1/chat/completions", {"messages": MSG, "max_tokens": 0, "max_completion_tokens": 2}, 400, "max_tokens"),
+        ("/v1/chat/completions", {"messages": MSG, "min_tokens": 10, "max_tokens": 2}, 400, "min_tokens"),
+        # refused by its length in characters, before the tokenizer spends seconds on it
+        ("/v1/completions", {"prompt": "lorem " * 200_000}, 400, r"maximum context length.*characters"),
     ]
     for path, body, status, msg in cases:
         kw = {"content": body} if isinstance(body, bytes) else {"json": body}
@@ -210,6 +222,28 @@ def test_bad_requests_get_their_status_and_openai_errors(server):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
     assert [m.id for m in server.client().models.list()] == [NAME]
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert httpx.head(server.url + "/health").status_code == 200
+
+
+def test_values_json_clients_send_are_taken(server):
+    """An integer temperature or repetition penalty (JSON's 2 for 2.0), a temperature too small to
+    divide by (sampled greedily, as vLLM does), the Bearer scheme in any case; a context made from
+    messages is for chat alone, as one made from a prompt is for completions."""
+    url, h = server.url + "/v1/chat/completions", {"Authorization": f"bearer {KEY}"}
+    body = {"messages": MSG, "max_tokens": 6}
+    greedy = httpx.post(url, headers=h, json={**body, "temperature": 0}, timeout=60).json()
+    tiny = httpx.post(url, headers=h, json={**body, "temperature": 1e-300, "seed": 1}, timeout=60)
+    assert tiny.status_code == 200 and tiny.json()["choices"] == greedy["choices"]
+    for extra in ({"temperature": 2, "seed": 3}, {"repetition_penalty": 2, "temperature": 0}):
+        r = httpx.post(url, headers=h, json={**body, **extra}, timeout=60)
+        assert r.status_code == 200, (extra, r.text)
+    r = httpx.post(server.url + "/v1/contexts", headers=h, json={"name": "chat-doc", "messages": MSG})
+    assert r.status_code == 200, r.text
+    try:
+        r = httpx.post(server.url + "/v1/completions", headers=h, json={"prompt": "More:", "context": "chat-doc"})
+        assert r.status_code == 400 and "made from messages" in r.json()["error"]["message"]
+    finally:
+        httpx.delete(server.url + "/v1/contexts/chat-doc", headers=h)
 
 
 def test_adapters_by_model_name_match_peft(smol, tmp_path):
@@ -302,6 +336,42 @@ def test_a_full_queue_gets_429_and_sigterm_finishes_in_flight(smol):
             s.proc.send_signal(signal.SIGTERM)
             rest = [x for x in lines if x]
         assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+    finally:
+        assert s.stop() == 0
+
+
+def test_what_runs_past_the_shutdown_timeout_gets_503_and_a_small_pool_bounds_the_default_length():
+    """SIGTERM with --shutdown-timeout 1 under a stream and a plain request that need longer: the
+    stream ends with a 503 error event and [DONE], the plain request gets a 503 JSON error, the
+    server exits cleanly. Before, a chat request without max_tokens on a pool smaller than the
+    model's length runs (up to what the pool holds) instead of a 400."""
+    s = Server("--shutdown-timeout", "1", "--context-memory", "64M", key=None)
+    url = s.url + "/v1/chat/completions"
+    try:
+        r = httpx.post(url, json={"messages": MSG, "temperature": 0}, timeout=120)
+        assert r.status_code == 200, r.text
+        body = {"messages": MSG, "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+        out = {}
+
+        async def both():
+            async with httpx.AsyncClient(timeout=120) as c:
+                async def streamed():
+                    async with c.stream("POST", url, json={**body, "stream": True}) as r:
+                        out["stream"] = [x async for x in r.aiter_lines() if x]
+
+                async def plain():
+                    out["plain"] = await c.post(url, json=body)
+
+                async def stop():
+                    while s.metrics().get("hetero_requests_running", 0) < 2:
+                        await asyncio.sleep(0.1)
+                    s.proc.send_signal(signal.SIGTERM)
+                await asyncio.gather(streamed(), plain(), stop())
+        asyncio.run(both())
+        assert out["stream"][-1] == "data: [DONE]"
+        err = json.loads(out["stream"][-2][6:])["error"]
+        assert err["type"] == "service_unavailable" and "stopping" in err["message"]
+        assert out["plain"].status_code == 503 and "stopping" in out["plain"].json()["error"]["message"]
     finally:
         assert s.stop() == 0
 

@@ -20,7 +20,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048        # tokens one step computes, all requests together
     long_prefill_chunk: int | None = 512      # prompt tokens one request computes per step (None: the budget)
     max_model_len: int | None = None          # tokens one request may hold (prompt + new); None: the model's
-                                              # max_position_embeddings, else DEFAULT_MAX_MODEL_LEN
+                                              # max_position_embeddings, else DEFAULT_MAX_MODEL_LEN, at most
+                                              # the pool's rows (unless every layer keeps a window's ring)
     kv_blocks: int | None = None              # the pool's 32-row blocks; None: from kv_memory
     kv_memory: int | None = None              # the pool's bytes; None: ram_fraction of the available RAM, at most
                                               # what max_num_seqs requests of max_model_len tokens hold

@@ -100,6 +100,8 @@ class Engine(Documents):
         uniform = bool(w) and all(x == w[0] for x in w)   # every layer one window: one pool, a ring
         num_blocks, ring_blocks = pool_sizes(config, spec, self.max_model_len, self.window,
                                              hybrid=self.window > 0 and not uniform)
+        if config.max_model_len is None and not (uniform and self.window):   # the model's, at most the pool's rows
+            self.max_model_len = min(self.max_model_len, num_blocks * BLOCK_SIZE)   # (vLLM's rule; a ring: any)
         self._own_pool = pool is None
         if pool is None:
             n, cores = HeteroConfig(cpu_workers=config.cpu_workers).resolve_workers()

@@ -16,6 +16,7 @@ its blocks are free at the next step. Every response carries X-Request-Id (the c
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 
 from fastapi import FastAPI, Request
@@ -24,10 +25,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hetero.errors import CapacityError, EngineError
 from hetero.server import metrics as prom
-from hetero.server.protocol import (CHAT_FIELDS, COMPLETION_FIELDS, APIError, bad, check_fields, messages_of,
-                                    new_id, now, prompt_of, sampling, usage)
+from hetero.server.protocol import (CHAT_FIELDS, COMPLETION_FIELDS, APIError, bad, check_fields, check_text,
+                                    messages_of, new_id, now, prompt_of, sampling, usage)
 from hetero.server.state import ServerState
-from hetero.server.text import Detokenizer, chat_logprobs, completion_logprobs, logprob_entries
+from hetero.server.text import Detokenizer, chat_logprobs, completion_logprobs, logprob_entries, max_token_chars
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -53,7 +54,11 @@ def build_app(state: ServerState) -> FastAPI:
         return _error(APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", type=kind),
                       getattr(request.state, "request_id", None), e.headers)        # a 405's Allow
 
-    @app.get("/health")
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception):                  # a bug: still OpenAI's JSON
+        return _error(_unexpected(e), getattr(request.state, "request_id", None))
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if state.status != "ready":
             return JSONResponse({"status": state.status}, status_code=503)
@@ -93,7 +98,8 @@ def build_app(state: ServerState) -> FastAPI:
         if ("prompt" in body) == ("messages" in body):
             raise bad("a context takes either prompt or messages")
         messages = messages_of(body) if "messages" in body else None
-        ids = _chat_ids(state, messages, generation_prompt=False) if messages else _prompt_ids(state, prompt_of(body))
+        ids = await (_chat_ids(state, messages, generation_prompt=False) if messages else
+                     _prompt_ids(state, prompt_of(body)))
         ctx = await state.create_context(body.get("name"), ids, adapter, messages)
         return _context_json(ctx)
 
@@ -116,7 +122,9 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         body, adapter, s, ctx = await parsed(request, COMPLETION_FIELDS, chat=False)
-        ids = _prompt_ids(state, prompt_of(body), prefix=ctx.ids if ctx else None)
+        if ctx is not None and ctx.messages is not None:
+            raise bad(f"context {ctx.name!r} was made from messages: use it with /v1/chat/completions", "context")
+        ids = await _prompt_ids(state, prompt_of(body), prefix=ctx.ids if ctx else None)
         return await _respond(request, state, metrics, ids, s, adapter, chat=False,
                               doc_len=lambda: len(ctx.ids) if ctx else 0)
 
@@ -128,7 +136,7 @@ def build_app(state: ServerState) -> FastAPI:
             if ctx.messages is None:
                 raise bad(f"context {ctx.name!r} was made from a prompt: use it with /v1/completions", "context")
             messages = ctx.messages + messages
-        ids = _chat_ids(state, messages, generation_prompt=True)
+        ids = await _chat_ids(state, messages, generation_prompt=True)
         return await _respond(request, state, metrics, ids, s, adapter, chat=True,
                               doc_len=lambda: _document_len(state, ids, messages, ctx))
 
@@ -157,12 +165,27 @@ class Guard:
                 message = {**message, "headers": kept + [(b"x-request-id", rid.encode("latin-1", "replace"))]}
             await send(message)
 
-        if self.api_key and scope["path"].startswith("/v1/") and \
-                headers.get("authorization", "") != f"Bearer {self.api_key}":
+        if self.api_key and scope["path"].startswith("/v1/") and not _authorized(headers, self.api_key):
             response = _error(APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
                                        type="authentication_error", code="invalid_api_key"), None)
             return await response(scope, receive, send_with_id)
         await self.app(scope, receive, send_with_id)
+
+
+def _authorized(headers: dict, key: str) -> bool:
+    """Authorization: Bearer <key> (the scheme's case is free, RFC 7235), compared in constant time."""
+    scheme, _, given = headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
+
+
+def _unexpected(e: BaseException) -> APIError:
+    """What no other handler turned into an APIError: a request's own sampling failing (say), or a bug."""
+    return APIError(500, f"the request failed: {type(e).__name__}: {e}", type="server_error")
+
+
+def _stopped() -> APIError:
+    return APIError(503, "the server is stopping: the request was aborted before it finished",
+                    type="service_unavailable")
 
 
 def _failed(e: EngineError) -> APIError:
@@ -179,16 +202,34 @@ def _error(e: APIError, rid: str | None, headers: dict | None = None):
 
 
 async def _json(request: Request):
+    """The parsed body (in a thread, as tokenizing: a large one would hold up every other stream)."""
+    raw = await request.body()
     try:
-        return json.loads(await request.body())
-    except ValueError as e:
-        raise bad(f"the request body is not JSON: {e}") from e
+        body = await asyncio.to_thread(json.loads, raw) if len(raw) > 1 << 16 else json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise bad(f"the request body is not JSON: {e}") from None
+    check_text(body)
+    return body
 
 
-def _prompt_ids(state, prompt, prefix=None) -> list[int]:
+def _check_text_length(state, chars: int, param: str) -> None:
+    """400 before tokenizing a text that cannot fit: more characters than max_model_len tokens hold."""
+    most = state.max_model_len * max_token_chars(state.tokenizer)
+    if chars > most:
+        raise bad(f"this model's maximum context length is {state.max_model_len} tokens; the prompt has {chars} "
+                  f"characters, more than that many tokens can hold ({most})", param)
+
+
+def _tokenize(fn, *args, **kwargs):
+    """fn in a thread (the tokenizer lets go of the GIL: the event loop serves other requests)."""
+    return asyncio.to_thread(fn, *args, **kwargs)
+
+
+async def _prompt_ids(state, prompt, prefix=None) -> list[int]:
     vocab = state.vocab_size
     if isinstance(prompt, str):
-        ids = state.tokenizer(prompt, add_special_tokens=prefix is None)["input_ids"]
+        _check_text_length(state, len(prompt), "prompt")
+        ids = (await _tokenize(state.tokenizer, prompt, add_special_tokens=prefix is None))["input_ids"]
     else:
         ids = list(prompt)
         bad_ids = [t for t in ids if not 0 <= t < vocab]
@@ -197,10 +238,14 @@ def _prompt_ids(state, prompt, prefix=None) -> list[int]:
     return (list(prefix) if prefix else []) + ids
 
 
-def _chat_ids(state, messages, generation_prompt) -> list[int]:
-    tok = state.tokenizer
-    if getattr(tok, "chat_template", None) is None:
+async def _chat_ids(state, messages, generation_prompt) -> list[int]:
+    if getattr(state.tokenizer, "chat_template", None) is None:
         raise bad("this model's tokenizer has no chat template: use /v1/completions", "messages")
+    _check_text_length(state, sum(len(m["content"]) for m in messages), "messages")
+    return await _tokenize(_chat_template_ids, state.tokenizer, messages, generation_prompt)
+
+
+def _chat_template_ids(tok, messages, generation_prompt) -> list[int]:
     out = tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
     return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
@@ -217,7 +262,7 @@ def _document_len(state, ids, messages, ctx) -> int:
         return len(ctx.ids)
     if len(messages) < 2:
         return 0
-    head = _chat_ids(state, messages[:-1], generation_prompt=False)
+    head = _chat_template_ids(state.tokenizer, messages[:-1], generation_prompt=False)
     return len(head) if ids[:len(head)] == head else 0
 
 
@@ -234,12 +279,17 @@ async def _respond(request, state, metrics, ids, s, adapter, chat, doc_len=None)
         tokens = [t async for t in stream]
     except EngineError as e:
         raise _failed(e) from e
+    except APIError:
+        raise
+    except Exception as e:                        # the request's own sampling failed
+        raise _unexpected(e) from e
     finally:
         watcher.cancel()
     if stream.finish_reason == "abort":
         metrics.aborted()
-        raise APIError(499 if await request.is_disconnected() else 503, "the request was aborted",
-                       type="server_error")
+        if await request.is_disconnected():
+            raise APIError(499, "the request was aborted: its client went away", type="server_error")
+        raise _stopped()
     det = Detokenizer(state.tokenizer, s.stop)
     text = det.add(tokens, final=True)
     reason = "stop" if det.stopped or stream.finish_reason == "stop" else "length"
@@ -300,6 +350,10 @@ async def _sse(request, state, metrics, stream, ids, s, rid, model, chat):
             if det.stopped:
                 stream.abort()                   # the engine stops on it too (StopStringCriteria), this may be first
                 break
+        if stream.finish_reason == "abort" and not det.stopped:     # not ours: the server stops
+            yield _event(_stopped().body())
+            yield "data: [DONE]\n\n"
+            return
         tail = det.add([], final=True)
         if tail:
             yield chunk(tail)
@@ -316,6 +370,9 @@ async def _sse(request, state, metrics, stream, ids, s, rid, model, chat):
         yield "data: [DONE]\n\n"
     except APIError as e:                        # a replica refused it (hetero serve --replicas): its error
         yield _event(e.body())
+        yield "data: [DONE]\n\n"
+    except Exception as e:                       # the request's own sampling failed
+        yield _event(_unexpected(e).body())
         yield "data: [DONE]\n\n"
     finally:
         if not finished and not stream.finished:

@@ -1,8 +1,8 @@
 """`hetero serve`: load the model, start the engine, run the API under uvicorn until SIGTERM/Ctrl-C.
 
 SIGTERM (or Ctrl-C) stops accepting requests (503), lets the ones in flight finish for up to
---shutdown-timeout seconds, then closes the engine: its workers exit and no shared-memory
-segment is left.
+--shutdown-timeout seconds, answers those still running then with a 503 (a stream: an error event
+and [DONE]), then closes the engine: its workers exit and no shared-memory segment is left.
 """
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ import os
 import re
 import signal
 import sys
+import threading
 
 from hetero.errors import MissingDependencyError
 
+ANSWER_TIME = 2.0     # s after --shutdown-timeout for the requests aborted then to get their 503
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.I)
 
 
@@ -111,7 +113,7 @@ def add_arguments(p: argparse.ArgumentParser, positive):
                    "them (default: 512M on the CPU, an eighth of a GPU's free memory; 0: read them back each time)")
     p.add_argument("--cpu-workers", type=positive, default=None)
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests may finish "
-                                                                        "after SIGTERM")
+                   "after SIGTERM; those still running then get a 503")
     p.add_argument("--log-level", default="info")
     p.add_argument("--replicas", type=positive, default=None, help="N engines on Ray Serve (the ray extra), each on "
                    "its share of the cores, requests routed by document; --saved-contexts is their shared context "
@@ -150,8 +152,8 @@ def serve(args) -> int:
         state.load_saved_contexts()
         app = build_app(state)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                timeout_graceful_shutdown=args.shutdown_timeout)
-        server = _Server(config, state)
+                                timeout_graceful_shutdown=args.shutdown_timeout + ANSWER_TIME)
+        server = _Server(config, state, args.shutdown_timeout)
         # uvicorn re-raises the signal that stopped it once it has shut down, under the handler that was
         # there before: a plain exit here, so the process's exit handlers (its last shared-memory name)
         # run, as they would not under SIGTERM's default action
@@ -215,13 +217,19 @@ def serve_replicas(args) -> int:
 
 
 class _Server:
-    """uvicorn's server, telling the state it stops (503 for new requests) as soon as a signal comes."""
+    """uvicorn's server, telling the state it stops (503 for new requests) as soon as a signal comes;
+    `timeout` s later what still runs is aborted (answered 503), and uvicorn, ANSWER_TIME s later
+    again, cancels what is left (a handler cancelled cannot answer)."""
 
-    def __new__(cls, config, state):
+    def __new__(cls, config, state, timeout: float):
         import uvicorn
 
         class Server(uvicorn.Server):
             def handle_exit(self, sig, frame):
+                if state.status != "stopping":
+                    timer = threading.Timer(timeout, state.abort_in_flight)
+                    timer.daemon = True
+                    timer.start()
                 state.status = "stopping"
                 super().handle_exit(sig, frame)
 

@@ -46,6 +46,7 @@ NEUTRAL = {"n": (None, 1), "presence_penalty": (None, 0, 0.0), "frequency_penalt
            "store": (None, False), "metadata": (None,)}
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
+SAMPLING_EPS = 1e-5       # a temperature below it samples greedily (vLLM's rule: 1 / T would overflow the logits)
 
 
 @dataclass
@@ -71,7 +72,32 @@ def _number(body, name, lo, hi, default, integer=False):
     if isinstance(v, bool) or not ok or not lo <= v <= hi:
         kind = "an integer" if integer else "a number"
         raise bad(f"{name} must be {kind} in [{lo}, {hi}], got {v!r}", name)
-    return v
+    return v if integer else float(v)        # JSON's 2 for 2.0: transformers' processors take floats
+
+
+def _flag(body, name) -> bool:
+    v = body.get(name)
+    if v is not None and not isinstance(v, bool):
+        raise bad(f"{name} must be true or false, got {v!r}", name)
+    return bool(v)
+
+
+def check_text(body) -> None:
+    """Every string in a parsed body is text UTF-8 can carry: JSON lets a lone surrogate through
+    ("\\ud800"), which no tokenizer takes. Iterative: the parser allows deeper nesting than a recursion."""
+    stack = [(body, "the request body")]
+    while stack:
+        x, where = stack.pop()
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise bad(f"{where} is not valid Unicode text (a lone surrogate {x[e.start:e.end]!r} at "
+                          f"character {e.start})") from None
+        elif isinstance(x, dict):
+            stack += [(k, f"a field name in {where}") for k in x] + [(v, k) for k, v in x.items()]
+        elif isinstance(x, list):
+            stack += [(v, f"{where}[{i}]") for i, v in enumerate(x)]
 
 
 def check_fields(body: Any, allowed: set[str]) -> dict:
@@ -89,11 +115,12 @@ def check_fields(body: Any, allowed: set[str]) -> dict:
 
 def sampling(body: dict, chat: bool) -> Sampling:
     """The sampling fields of a completion or chat request (OpenAI's defaults: temperature 1)."""
+    for name in ("max_tokens", "max_completion_tokens"):
+        v = body.get(name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise bad(f"{name} must be a positive integer, got {v!r}", name)
     max_tokens = body.get("max_completion_tokens") if chat and body.get("max_completion_tokens") is not None \
         else body.get("max_tokens")
-    name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
-        raise bad(f"{name} must be a positive integer, got {max_tokens!r}", name)
     if not chat and max_tokens is None:
         max_tokens = 16                                  # the completions API's default
     temperature = _number(body, "temperature", 0, 2, 1.0)
@@ -103,10 +130,15 @@ def sampling(body: dict, chat: bool) -> Sampling:
     top_k = _number(body, "top_k", 0, 1 << 20, 0, integer=True)
     rep = _number(body, "repetition_penalty", 0.01, 10, 1.0)
     min_tokens = _number(body, "min_tokens", 0, 1 << 20, 0, integer=True)
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise bad(f"min_tokens ({min_tokens}) must not be more than max_tokens ({max_tokens})", "min_tokens")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise bad(f"user must be a string, got {user!r}", "user")
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -(1 << 63) <= seed < 1 << 64):
         raise bad(f"seed must be an integer in [-2**63, 2**64), got {seed!r}", "seed")
-    greedy = temperature == 0
+    greedy = temperature < SAMPLING_EPS
     kwargs = {"do_sample": not greedy, "repetition_penalty": rep}
     if not greedy:               # top_k 0: the whole vocabulary (OpenAI's sampling), not transformers' 50
         kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k)
@@ -132,14 +164,14 @@ def sampling(body: dict, chat: bool) -> Sampling:
             raise bad("stream_options is only allowed with stream=true", "stream_options")
         if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
             raise bad(f"stream_options takes include_usage, got {opts!r}", "stream_options")
-    include_usage = bool(opts and opts.get("include_usage"))
+    include_usage = _flag(opts or {}, "include_usage")
     ignore_eos = body.get("ignore_eos")
     ignore_eos = False if ignore_eos is None else ignore_eos
     if not isinstance(ignore_eos, bool):
         raise bad(f"ignore_eos must be true or false, got {ignore_eos!r}", "ignore_eos")
     logprobs = None
     if chat:
-        if body.get("logprobs"):
+        if _flag(body, "logprobs"):
             logprobs = _number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0, integer=True)
         elif body.get("top_logprobs") is not None:
             raise bad("top_logprobs needs logprobs=true", "top_logprobs")

@@ -18,6 +18,7 @@ import asyncio
 import logging
 import os
 import threading
+import weakref
 from dataclasses import dataclass
 
 from hetero.engine.config import EngineConfig
@@ -106,11 +107,23 @@ class ServerState(Front):
         self.saved_contexts = saved_contexts
         self.contexts: dict[str, NamedContext] = {}
         self._creating: set[str] = set()      # names whose context is being computed (a second create: 409)
+        self._live: weakref.WeakSet = weakref.WeakSet()   # streams of requests and context pins submitted here
         self._restart_lock = threading.Lock()
         self.status = "starting"
         self._Engine = Engine
         self.engine = self._new_engine()
         self.restarts = 0
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def abort_in_flight(self):
+        """The shutdown's time is up (hetero serve's SIGTERM): every request and context still computing
+        ends now, each answered 503 (streams: an error event and [DONE]) before the server stops."""
+        for stream in list(self._live):
+            if not stream.finished:
+                stream.abort()
 
     def _new_engine(self):
         return self._Engine(self.model, self.engine_config, tokenizer=self.tokenizer, adapters=self.adapter_dirs)
@@ -227,6 +240,7 @@ class ServerState(Front):
             raise bad(str(e)) from e
         except EngineError as e:
             raise APIError(500, str(e), type="server_error") from e
+        self._live.add(stream)
         return stream
 
     # ---- named contexts (documents pinned in the pool)
@@ -247,8 +261,12 @@ class ServerState(Front):
                 pin = engine.pin(ids, adapter=adapter)
             except CapacityError as e:
                 raise bad(f"the context does not fit: {e}") from e
+            self._live.add(pin)
             try:
                 await asyncio.to_thread(pin.result)
+                if pin.finish_reason == "abort":      # abort_in_flight
+                    raise APIError(503, "the server is stopping: the context was not created",
+                                   type="service_unavailable")
             except EngineError as e:              # the pins left no room for it, or the engine failed
                 if isinstance(e.__cause__, CapacityError):
                     raise bad(f"the context does not fit: {e.__cause__}", "prompt") from e

@@ -8,8 +8,11 @@ before it (OpenAI's semantics; the engine stops the request on it through HF's S
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
+
+_TOKEN_CHARS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class Detokenizer:
@@ -78,3 +81,14 @@ def completion_logprobs(entries) -> dict:
         pos += len(t)
     return {"tokens": [t for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
             "top_logprobs": [dict(alts) for _, _, alts in entries], "text_offset": offsets}
+
+
+def max_token_chars(tokenizer) -> int:
+    """The most characters one token's text can hold: its vocabulary's longest entry (byte-level BPE
+    writes a byte as a character, SentencePiece a space as one, so a token decodes to no more).
+    A text of more than n times this many characters is more than n tokens (its first measure,
+    before the tokenizer spends seconds on a megabyte)."""
+    n = _TOKEN_CHARS.get(tokenizer)
+    if n is None:
+        n = _TOKEN_CHARS[tokenizer] = max(map(len, tokenizer.get_vocab()), default=1)
+    return n
