@@ -17,7 +17,7 @@ import threading
 
 from hetero.errors import MissingDependencyError
 
-ANSWER_TIME = 2.0     # s after --shutdown-timeout for the requests aborted then to get their 503
+ANSWER_TIME = 5.0     # s after --shutdown-timeout for the requests aborted then to get their 503 (a step, the answer)
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.I)
 
 

@@ -85,17 +85,18 @@ def _flag(body, name) -> bool:
 def check_text(body) -> None:
     """Every string in a parsed body is text UTF-8 can carry: JSON lets a lone surrogate through
     ("\\ud800"), which no tokenizer takes. Iterative: the parser allows deeper nesting than a recursion."""
-    stack = [(body, "the request body")]
+    stack = [(body, "")]
     while stack:
         x, where = stack.pop()
         if isinstance(x, str):
             try:
                 x.encode("utf-8")
             except UnicodeEncodeError as e:
-                raise bad(f"{where} is not valid Unicode text (a lone surrogate {x[e.start:e.end]!r} at "
-                          f"character {e.start})") from None
+                raise bad(f"{where or 'the request body'} is not valid Unicode text (a lone surrogate "
+                          f"{x[e.start:e.end]!r} at character {e.start})", _field(where)) from None
         elif isinstance(x, dict):
-            stack += [(k, f"a field name in {where}") for k in x] + [(v, k) for k, v in x.items()]
+            stack += [(k, f"a field name in {where or 'the request body'}") for k in x]
+            stack += [(v, f"{where}.{k}" if where else str(k)) for k, v in x.items()]
         elif isinstance(x, list):
             stack += [(v, f"{where}[{i}]") for i, v in enumerate(x)]
 
@@ -111,6 +112,11 @@ def check_fields(body: Any, allowed: set[str]) -> dict:
                                     for v in values):
             raise bad(f"{name}={body[name]!r} is not supported (only {[v for v in values if v is not None]})", name)
     return body
+
+
+def _field(where: str) -> str | None:
+    """The top-level field a check_text path is in ("messages[0].content" -> "messages")."""
+    return where.split("[")[0].split(".")[0] or None if where and not where.startswith("a field") else None
 
 
 def sampling(body: dict, chat: bool) -> Sampling:
