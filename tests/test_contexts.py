@@ -247,7 +247,7 @@ def test_an_out_of_vocabulary_token_in_a_context_file_is_the_files_error(tmp_pat
         data = good.read_bytes()
         header = json.loads(data[24:24 + int.from_bytes(data[16:24], "little")])
         before = set(our_segments(os.getpid()))
-        cases = [("tokens", VOCAB + 7, False, "is corrupted: payload CRC-32"),
+        cases = [("tokens", VOCAB + 7, False, "is corrupted: CRC-32 .* over its header and payload"),
                  ("tokens", VOCAB + 7, True, f"holds token id {VOCAB + 7}, outside the model's vocabulary of {VOCAB}"),
                  ("pending", VOCAB, True, f"holds token id {VOCAB}, outside the model's vocabulary"),
                  ("tokens", 10 ** 30, True, f"holds token id {10 ** 30}, outside")]
@@ -256,7 +256,7 @@ def test_an_out_of_vocabulary_token_in_a_context_file_is_the_files_error(tmp_pat
             fields = {field: ids}
             if crc_holds:                    # the CRC a file written with these ids would carry
                 h = {**header, **fields}
-                crc = saved._meta_crc(h["tokens"], h["pending"], h["length"], h["layers"])
+                crc = saved._meta_crc(h)
                 fields["crc32"] = zlib.crc32(data[-header["payload_bytes"]:], crc)
             bad = tmp_path / f"bad{i}.ctx"
             bad.write_bytes(_with_header(data, **fields))
@@ -878,7 +878,7 @@ def test_an_older_context_file_format_is_named(tmp_path, llama):
             ctx.save(path)
         path.write_bytes(_with_header(path.read_bytes(), version=2))
         with pytest.raises(ContextFileError, match=rf"{path}: saved context format version 2, this hetero reads "
-                                                   r"version 3 only \(an older hetero saved it: prefill"):
+                                                   r"version 4 only \(an older hetero saved it: prefill"):
             gen.load_context(path)
 
 

@@ -990,3 +990,104 @@ def test_a_corrupted_saved_pin_raises_context_file_error(llama, tmp_path, backgr
         with pytest.raises(ContextFileError, match="corrupted"):
             e2.load_pin(path)
         assert e2.kv_manager.num_used_blocks == 0
+
+
+def test_a_saved_pin_s_header_is_under_its_crc(llama, tmp_path):
+    """A flipped bit in the header outside the fields read as numbers (the extra a server keeps, the
+    fingerprint's adapter key) is found by the CRC, not loaded as another document or as the base
+    model's; a file past max_model_len, or one the full pool has no room for, is a CapacityError
+    (the file is good); save_pin and load_pin take bytes paths and name a closed engine."""
+    from hetero import CapacityError, ContextFileError
+
+    doc = prompts([70], seed=5)[0]
+    path = tmp_path / "doc.ctx"
+    with make(llama) as e:
+        p = e.pin(doc)
+        p.result()
+        e.save_pin(p, os.fsencode(path), {"name": "doc", "messages": [{"role": "system", "content": "Answer only."}]})
+        stream, extra = e.load_pin(os.fsencode(path))
+        assert extra["messages"][0]["content"] == "Answer only."
+        e.unpin(stream)
+    data = path.read_bytes()
+    for old, new in ((b"Answer only", b"Answer nnly"), (b'"adapter"', b'"aDapter"')):
+        path.write_bytes(data.replace(old, new, 1))
+        with make(llama) as e2:
+            with pytest.raises(ContextFileError, match="corrupted"):
+                e2.load_pin(path)
+            assert e2.kv_manager.num_used_blocks == 0
+    path.write_bytes(data)
+    with make(llama, max_model_len=64) as e3:
+        with pytest.raises(CapacityError, match="past the engine's max_model_len=64"):
+            e3.load_pin(path)
+    with make(llama, kv_blocks=4) as e4:
+        filler = e4.pin(prompts([100], seed=6)[0])
+        filler.result()
+        with pytest.raises(CapacityError, match="no room"):
+            e4.load_pin(path)
+        e4.unpin(filler)
+        e4.step()
+        assert e4.kv_manager.num_used_blocks == 0
+    closed = make(llama)
+    closed.close()
+    with pytest.raises(RuntimeError, match="the engine is closed"):
+        closed.load_pin(path)
+
+
+def test_saves_to_one_path_from_two_threads_and_an_unpin_during_a_save(llama, tmp_path, monkeypatch):
+    """Two threads saving two documents to one path: the file is always one of them, whole. A pin
+    unpinned while its save writes (another thread's unpin; a step reusing freed blocks) keeps its
+    blocks until the save is done: the file continues as HF generate does."""
+    from hetero import CapacityError, EngineError
+    from hetero.offload import saved
+
+    docs = prompts([96, 96], seed=7)
+    path = tmp_path / "one.ctx"
+    with make(llama, kv_blocks=12, background=True) as e:
+        pins = [e.pin(d) for d in docs]
+        for p in pins:
+            p.result()
+        errors = []
+
+        def save(p):
+            try:
+                for _ in range(8):
+                    e.save_pin(p, path)
+            except Exception as err:
+                errors.append(err)
+        threads = [threading.Thread(target=save, args=(p,)) for p in pins]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        stream, _ = e.load_pin(path)
+        assert stream.prompt_ids in docs
+        e.unpin(stream)
+        for p in pins:
+            e.unpin(p)
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+    doc = docs[0]
+    write = saved.write
+    with make(llama, kv_blocks=4) as e:
+        p = e.pin(doc)
+        p.result()
+
+        def racing_write(*args, **kw):           # the pin let go and its blocks wanted, mid-save
+            e.unpin(p)
+            try:
+                e.generate([prompts([120], seed=8)[0]], 2)
+            except EngineError as err:           # the save holds them: no room (before, they were reused)
+                assert isinstance(err.__cause__, CapacityError), err
+            return write(*args, **kw)
+        monkeypatch.setattr(saved, "write", racing_write)
+        e.save_pin(p, tmp_path / "raced.ctx")
+        monkeypatch.setattr(saved, "write", write)
+        e.step()
+        assert e.kv_manager.pool.num_pinned_blocks == 0          # the unpin and the save's hold both let go
+    with make(llama) as e:
+        stream, _ = e.load_pin(tmp_path / "raced.ctx")
+        out = e.add_request(doc + [7, 8], NEW, output_scores=True)
+        out.result()
+        tokens, _ = hf(llama, doc + [7, 8])
+        assert out.token_ids == tokens
+        e.unpin(stream)

@@ -9,6 +9,8 @@ steps (_take_document, _unpin), so the pool changes in that thread alone.
 """
 from __future__ import annotations
 
+import os
+
 from hetero.engine import saved as engine_saved
 from hetero.engine.request import Request
 from hetero.engine.stream import RequestStream
@@ -36,14 +38,26 @@ class Documents:
     def save_pin(self, stream: RequestStream, path, extra: dict | None = None) -> None:
         """Write a computed pin()'s blocks to `path` (hetero's saved-context format, atomically);
         extra: a JSON object kept with it (load_pin returns it)."""
+        self._check_open()
         self._own_stream(stream, "save_pin")
         stream.result()
-        engine_saved.save_pin(self, stream, path, extra)
+        with self._in_turn():                   # held while the file is written: an unpin meanwhile frees nothing
+            blocks = stream.pinned_blocks
+            if blocks:
+                self.kv_manager.pin(blocks)
+        try:
+            engine_saved.save_pin(self, stream, os.fsdecode(path), extra, blocks)
+        finally:
+            if blocks:
+                with self._in_turn():
+                    self.kv_manager.unpin(blocks)
 
     def load_pin(self, path) -> tuple[RequestStream, dict]:
         """A document saved by save_pin, loaded into the pool and pinned without computing it: (its
         stream, finished once loaded; unpin() releases it, and the extra the file keeps). A file
         from another model or adapter, or corrupted, raises ContextFileError naming the difference."""
+        self._check_open()
+        path = os.fsdecode(path)
         header, adapter = engine_saved.read(self, path)         # the file's adapter is the one loaded now
         rid = self._new_id("load")
         stream = RequestStream(self, rid, header["length"])
@@ -73,6 +87,10 @@ class Documents:
         stream.adapter, stream.adapter_key = adapter, self.adapter_key(adapter)
         self._post(("copy", snapshot, adapter, then, stream))
         return stream
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the engine is closed")
 
     def _own_stream(self, stream, what: str) -> None:
         if not isinstance(stream, RequestStream) or stream.engine is not self:

@@ -63,9 +63,9 @@ def pin_rows(kv, blocks) -> PoolRows:
     return PoolRows(kv, list(blocks), [-1] * first + list(window), first)
 
 
-def save_pin(engine, stream, path, extra=None):
-    """Write a pin()'s blocks (computed, pinned) to `path` atomically."""
-    blocks = stream.pinned_blocks
+def save_pin(engine, stream, path, extra=None, blocks=None):
+    """Write a pin()'s blocks (computed, pinned; `blocks`, held by the caller while it writes) to
+    `path` atomically."""
     if stream.adapter_key != engine.adapter_key(stream.adapter):
         raise AdapterError(f"adapter {stream.adapter!r} was reloaded since this document was pinned: its KV is the "
                            "earlier weights'; pin it again")
@@ -85,6 +85,10 @@ def read(engine, path):
     if n == 0:
         raise ContextFileError(f"{path} holds {header['length']} rows: no whole block of {BLOCK_SIZE} to load "
                                "(load it with HeteroGenerator.load_context)")
+    total = len(header["tokens"]) + len(header["pending"])
+    if total > engine.max_model_len:                    # as pin() refuses it
+        raise CapacityError(f"{path} holds a document of {total} tokens, past the engine's "
+                            f"max_model_len={engine.max_model_len}: no request could read it")
     keep = [saved.layer_start(n, w) if r else 0 for w, r in zip(kv.windows, kv.ringed)]
     if len(keep) != len(header["layers"]) or any(lay["start"] > k for lay, k in zip(header["layers"], keep)):
         raise ContextFileError(f"{path} keeps only a sliding window's rows of some layers (a generator's context "
@@ -99,8 +103,8 @@ def load_into(engine, header, adapter, key, path, rid) -> list[int]:
     tokens), cached under the tokens' hashes and pinned. Returns the pinned blocks."""
     n = header["length"] // BLOCK_SIZE * BLOCK_SIZE
     blocks = pin_filled(engine, header["tokens"][:n], adapter, key, rid, lambda rows: saved.fill(rows, header, path))
-    if blocks is None:
-        raise ContextFileError(f"{path}: the pool has no room for its {n // BLOCK_SIZE} blocks")
+    if blocks is None:                    # the file is good: CapacityError, as a prompt that does not fit
+        raise CapacityError(f"the pool has no room for the {n // BLOCK_SIZE} blocks of {path}")
     return blocks
 
 

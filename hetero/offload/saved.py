@@ -6,13 +6,15 @@ File layout (little-endian):
 The header holds the format version, the model's fingerprint (and the LoRA adapter's the context
 was prefilled with), the tokens, each layer's row range
 (a sliding-window layer keeps only the rows its window still sees), the payload's byte count and
-its CRC-32. Loading checks all of them before it copies anything into a new arena, and closes that
-arena on any error: a truncated, corrupted or mismatched file raises and leaves nothing behind.
+a CRC-32 over the rest of the header and the payload. Loading checks all of them before it
+copies anything into a new arena, and closes that arena on any error: a truncated, corrupted or
+mismatched file raises and leaves nothing behind.
 """
 import hashlib
 import json
 import os
 import stat
+import tempfile
 import zlib
 
 import numpy as np
@@ -23,7 +25,8 @@ from hetero.digest import weight_digest
 from hetero.errors import ContextFileError
 
 MAGIC = b"HETERO-CONTEXT\n\0"
-VERSION = 3          # 2: the model config and a LoRA adapter in the fingerprint; 3: every weight's every element
+VERSION = 4          # 2: the model config and a LoRA adapter in the fingerprint; 3: every weight's every element;
+                     # 4: the CRC covers the whole header (a flipped adapter name or extra loaded silently)
 ALIGN = 4096
 # config fields that do not shape the KV: names, token ids, output switches, the attention kernel
 IGNORED_CONFIG = frozenset({
@@ -60,9 +63,11 @@ def fingerprint(model, spec, adapter=None):
             "adapter": adapter}
 
 
-def _meta_crc(tokens, pending, length, layers):
-    """The CRC-32 the payload's continues from: the header fields a flipped bit would corrupt."""
-    return zlib.crc32(json.dumps([tokens, pending, length, layers]).encode())
+def _meta_crc(header: dict) -> int:
+    """The CRC-32 the payload's continues from: every header field but the CRC itself (and the
+    payload's offset, which read_header adds), so a flipped bit anywhere in it is found."""
+    meta = {k: v for k, v in header.items() if k not in ("crc32", "offset")}
+    return zlib.crc32(json.dumps(meta, sort_keys=True).encode())
 
 
 def layer_start(n, window):
@@ -92,20 +97,26 @@ def write(path, source, n, tokens, pending, fp, extra=None):
     atomically. Two passes over the rows: the CRC-32 goes in the header, which precedes the
     payload. extra: a JSON object kept in the header (hetero serve: a context's name, messages)."""
     layers = [{"start": layer_start(n, source.ring_window[i]), "rows": n} for i in range(source.spec.layers)]
-    crc, payload = _meta_crc(tokens, pending, n, layers), 0
+    payload = sum(len(raw) for raw in _layer_bytes(source, layers))
+    meta = {"version": VERSION, "fingerprint": fp, "tokens": tokens, "pending": pending, "length": n,
+            "layers": layers, "payload_bytes": payload, **({"extra": extra} if extra else {})}
+    meta = json.loads(json.dumps(meta))            # as a reader will see it (tuples as lists, ...)
+    crc = _meta_crc(meta)
     for raw in _layer_bytes(source, layers):
-        crc, payload = zlib.crc32(raw, crc), payload + len(raw)
-    header = json.dumps({
-        "version": VERSION, "fingerprint": fp, "tokens": tokens, "pending": pending, "length": n,
-        "layers": layers, "payload_bytes": payload, "crc32": crc, **({"extra": extra} if extra else {})}).encode()
+        crc = zlib.crc32(raw, crc)
+    header = json.dumps({**meta, "crc32": crc}).encode()
     head = MAGIC + len(header).to_bytes(8, "little") + header
     head += b"\0" * (-len(head) % ALIGN)
-    tmp = f"{path}.{os.getpid()}.tmp"
+    path = os.fspath(path)
+    # a temporary file of its own (two saves to one path, from two threads, never share one), then rename
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=os.path.dirname(path) or ".")
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(fd, "wb") as f:
             f.write(head)
             for raw in _layer_bytes(source, layers):
                 f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -145,7 +156,8 @@ def read_header(path):
         ok = (ints(header["tokens"]) and ints(header["pending"]) and ints([header["length"], header["payload_bytes"],
               header["crc32"]]) and len(header["tokens"]) == header["length"] > 0 and header["layers"]
               and all(ints([lay["start"], lay["rows"]]) for lay in header["layers"])
-              and isinstance(header["fingerprint"], dict) and isinstance(header["fingerprint"].get("config"), dict))
+              and isinstance(header["fingerprint"], dict) and isinstance(header["fingerprint"].get("config"), dict)
+              and "adapter" in header["fingerprint"] and isinstance(header.get("extra", {}), dict))
     except (KeyError, TypeError) as e:
         raise ContextFileError(f"{path}: corrupted header (missing or wrong field: {e})") from e
     if not ok:
@@ -204,10 +216,18 @@ def fill(session, header, path):
     if expected != header["payload_bytes"] or any(lay["rows"] != header["length"] for lay in header["layers"]):
         raise ContextFileError(f"{path}: corrupted header (its row ranges need {expected} bytes of KV, it "
                                f"says {header['payload_bytes']})")
-    mm = np.memmap(path, dtype=np.uint8, mode="r", offset=header["offset"], shape=(header["payload_bytes"],))
-    try:
-        off = 0
-        crc = _meta_crc(header["tokens"], header["pending"], header["length"], header["layers"])
+    windows = list(spec.windows or ()) or [0] * spec.layers
+    if len(header["layers"]) != spec.layers or \
+            any(lay["start"] > layer_start(lay["rows"], w) for lay, w in zip(header["layers"], windows)):
+        raise ContextFileError(f"{path}: corrupted header (its {len(header['layers'])} layers' row ranges do not "
+                               f"fit this model's {spec.layers} layers and windows)")
+    try:             # read from one descriptor, not mapped: a file truncated meanwhile is a short read, not SIGBUS
+        f = open(path, "rb")
+    except OSError as e:                        # deleted since its header was read
+        raise ContextFileError(f"cannot read saved context {path}: {e}") from e
+    with f:
+        f.seek(header["offset"])
+        crc = _meta_crc(header)
         for i, lay in enumerate(header["layers"]):
             rows = lay["rows"] - lay["start"]
             nbytes = spec.kv_heads * rows * spec.head_dim * itemsize
@@ -218,18 +238,17 @@ def fill(session, header, path):
             start = max(lay["start"], keep)
             kv = []
             for _ in range(2):
-                raw = mm[off:off + nbytes]
+                raw = bytearray(nbytes)
+                if f.readinto(raw) != nbytes:
+                    raise ContextFileError(f"{path} is truncated: it changed since its header was read")
                 crc = zlib.crc32(raw, crc)
-                arr = torch.from_numpy(np.array(raw).view(np_dtype).reshape(spec.kv_heads, rows, spec.head_dim))
+                arr = torch.from_numpy(np.frombuffer(raw, np_dtype).reshape(spec.kv_heads, rows, spec.head_dim))
                 arr = arr[:, start - lay["start"]:]
                 kv.append(arr if spec.dtype == torch.float32 else arr.view(spec.dtype))
-                off += nbytes
             session.write_rows(i, 0, kv[0], kv[1], start)
-        if crc != header["crc32"]:
-            raise ContextFileError(f"{path} is corrupted: payload CRC-32 {crc:#010x}, the header says "
-                                   f"{header['crc32']:#010x}")
-    finally:
-        del mm
+    if crc != header["crc32"]:
+        raise ContextFileError(f"{path} is corrupted: CRC-32 {crc:#010x} over its header and payload, the "
+                               f"header says {header['crc32']:#010x}")
 
 
 def check_vocabulary(header, vocab, path):

@@ -251,6 +251,9 @@ class HeteroReplica:
                 except ContextFileError as e:               # corrupted or not this model's: prefilled again
                     log.warning("context store: %s does not load (%s); prefilling it", self.store.path(key), e)
                     self.store.discard(key)
+                except CapacityError as e:                  # the pool is full now: the file stays good
+                    log.info("context store: %s does not fit now (%s)", self.store.path(key), e)
+                    return None
             pin = engine.pin(doc, adapter=job.adapter)
             try:
                 await asyncio.to_thread(pin.result)

@@ -321,8 +321,10 @@ class ServerState(Front):
             except Exception as e:               # a file of another model, or corrupted: skipped, named
                 log.warning("hetero serve: skipping saved context %s: %s", path, e)
                 continue
-            name = extra.get("name") or fn[:-4]
-            self.contexts[name] = NamedContext(name, pin.prompt_ids, pin.adapter, extra.get("messages"), pin, path)
+            name, messages = extra.get("name"), extra.get("messages")
+            name = name if isinstance(name, str) and name else fn[:-4]
+            messages = messages if isinstance(messages, list) else None
+            self.contexts[name] = NamedContext(name, pin.prompt_ids, pin.adapter, messages, pin, path)
 
     def close(self):
         self.status = "stopped"
