@@ -953,3 +953,32 @@ def test_a_waiting_prefill_from_another_thread_closes_no_context_early(llama):
         assert len(gen._contexts) == 1
         ctx.close()
     assert set(our_segments(os.getpid())) <= before
+
+
+def test_a_context_file_whose_layers_do_not_fit_the_model_is_refused(tmp_path, llama):
+    """A header listing fewer layers, or a full-attention layer kept from a later row, under a CRC
+    that holds (written so): refused by name, not loaded as wrong KV."""
+    import zlib
+
+    from hetero import ContextFileError
+    from hetero.offload import saved
+
+    path = tmp_path / "doc.ctx"
+    with HeteroGenerator(llama, cpu_workers=1) as gen:
+        with gen.prefill(turns(40, 20)[0][None]) as ctx:
+            ctx.save(path)
+        data = path.read_bytes()
+        header = saved.read_header(path)
+        for layers in (header["layers"][:1], [{**header["layers"][0], "start": 32}] + header["layers"][1:]):
+            h = {**header, "layers": layers}
+            h["payload_bytes"] = sum(header["payload_bytes"] // len(header["layers"]) * (lay["rows"] - lay["start"])
+                                     // lay["rows"] for lay in layers)
+            payload = data[header["offset"]:header["offset"] + h["payload_bytes"]]
+            fields = {"layers": layers, "payload_bytes": h["payload_bytes"],
+                      "crc32": zlib.crc32(payload, saved._meta_crc(h))}
+            bad = _with_header(data, **fields)
+            n = int.from_bytes(bad[16:24], "little")
+            offset = -(-(24 + n) // saved.ALIGN) * saved.ALIGN
+            path.write_bytes(bad[:offset] + payload)
+            with pytest.raises(ContextFileError, match="do not fit this model's"):
+                gen.load_context(path)
