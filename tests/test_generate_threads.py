@@ -705,3 +705,65 @@ def test_a_call_waiting_while_the_generator_closes_starts_no_pool(llama):
                                                                      hf(llama, y, max_new_tokens=5))
     gen.close()
     assert gen._pool is None and set(our_segments(os.getpid())) <= before
+
+
+def test_calls_in_the_engine_when_the_generator_closes_raise_and_a_late_joiner_does_not_hang(llama):
+    """close() while calls decode in the engine: each raises GeneratorClosedError (before: a
+    shorter tensor, as if finished). close() while an HF-loop call holds the lock, and a call made
+    after close() began: it builds no engine (whose step would wait for the lock close() holds,
+    and close() for its thread: a deadlock); it runs HF's loop, or raises GeneratorClosedError."""
+    from hetero.errors import GeneratorClosedError
+
+    p = rows(9, 8)[0]
+    gen = HeteroGenerator(llama, config=HeteroConfig(cpu_workers=1))
+    gate = Gate(n=2)
+    out = {}
+
+    def run(name, **kw):
+        try:
+            out[name] = gen.generate(p, max_new_tokens=kw.pop("new", 150), pad_token_id=0, **kw)
+        except Exception as e:
+            out[name] = e
+    held = threading.Thread(target=run, args=("held",), kwargs=dict(new=4, streamer=gate))
+    held.start()                              # holds a call (HF's loop: a streamer alone) on its 2nd token
+    assert gate.started.wait(30)
+    joined = [threading.Thread(target=run, args=(f"e{i}",)) for i in range(2)]
+    for th in joined:
+        th.start()
+    wait_for_engine(gen, 2)
+    closer = threading.Thread(target=gen.close)
+    closer.start()
+    time.sleep(0.3)
+    late = threading.Thread(target=run, args=("late",), kwargs=dict(new=8))
+    late.start()
+    time.sleep(0.3)
+    gate.release.set()
+    for th in joined + [held, closer, late]:
+        th.join(60)
+        assert not th.is_alive(), "a thread hangs"
+    for name in ("e0", "e1"):
+        assert isinstance(out[name], GeneratorClosedError), (name, out[name])
+    # the late call ran HF's loop: it took the lock before close() (then it is whole) or after
+    late = out["late"]
+    assert isinstance(late, GeneratorClosedError) or torch.equal(late, hf(llama, p, max_new_tokens=8)), late
+
+
+def test_a_call_the_pins_leave_no_room_for_runs_hf_s_loop(llama, engine_always):
+    """Contexts read through the engine stay pinned in its pool; once they leave a call no room
+    (the scheduler refuses it after submit let it by), the call runs HF's loop and gives HF's
+    tokens, never an EngineError (generate() is never refused)."""
+    from hetero import EngineConfig
+
+    cfg = HeteroConfig(cpu_workers=1, engine=EngineConfig(max_num_seqs=2, max_model_len=128))   # 8 blocks
+    docs = rows(11, 64, 64, 64)
+    q = rows(12, 3)[0]
+    p = rows(13, 60)[0]
+    with HeteroGenerator(llama, config=cfg) as gen:
+        ctxs = [gen.prefill(d) for d in docs]
+        for c in ctxs:                        # each read pins its context's 2 blocks in the engine's pool
+            gen.generate(q, context=c, extend_context=False, max_new_tokens=2, pad_token_id=0)
+        assert gen._engine.engine.kv_manager.pool.num_pinned_blocks == 6
+        out = gen.generate(p, max_new_tokens=30, pad_token_id=0)
+        assert torch.equal(out, hf(llama, p, max_new_tokens=30))
+        for c in ctxs:
+            c.close()

@@ -32,7 +32,8 @@ import torch
 
 from hetero.engine.config import EngineConfig
 from hetero.engine.kv_pool import BLOCK_SIZE
-from hetero.errors import CapacityError, HeteroError, UnsupportedModelError, WorkerError
+from hetero.errors import (CapacityError, EngineError, GeneratorClosedError, HeteroError, UnsupportedModelError,
+                           WorkerError)
 from hetero.settings import pad_id
 
 # why a call's settings are not batched by the engine (None: they are)
@@ -79,6 +80,7 @@ class GeneratorEngine:
         self._pooled = weakref.WeakSet()          # contexts living in a pool alone (this engine's or an old one's)
         self._pin_lock = threading.Lock()         # one pin at a time: two calls over a context pin it once
         self._built_for = None                    # the weights the engine's KV was computed with
+        self.closed = False                       # the generator closes: no engine is built again
 
     @property
     def busy(self) -> bool:
@@ -103,6 +105,8 @@ class GeneratorEngine:
         gen = self._gen()
         weights = weights_key(gen.model)
         with self._make_lock:
+            if self.closed:                       # the call runs HF's loop, which finds the generator closed
+                return None
             e = self.engine
             if e is not None and weights != self._built_for and e.has_unfinished:
                 return None
@@ -195,7 +199,19 @@ class GeneratorEngine:
             except BaseException:                 # raised to the caller, as HF's loop does; the request stops
                 streams[0].abort()
                 raise
-        outs = [s.result() for s in streams]
+        try:
+            outs = [s.result() for s in streams]
+        except EngineError as e:      # the pins took the pool's room since submit: HF's loop serves it instead
+            if not isinstance(e.__cause__, CapacityError) or streamer is not None:
+                raise
+            for s in streams:
+                s.abort()
+            return None
+        if any(s.finish_reason == "abort" for s in streams):      # its engine closed under it: never a short result
+            if self.closed:
+                raise GeneratorClosedError("the HeteroGenerator was closed while this generate() call ran")
+            raise EngineError("this generate() call's requests were aborted before they finished: their engine "
+                              "was closed (a CPU worker died, or the model's weights changed); call again")
         pad = streams[0].pad_token_id
         width = max(len(o) for o in outs)
         if any(len(o) < width for o in outs) and pad is None:
@@ -350,7 +366,8 @@ class GeneratorEngine:
 
     def close(self):
         with self._make_lock:
-            e, self.engine = self.engine, None
+            self.closed = True                    # a call joining meanwhile builds no engine (close() would
+            e, self.engine = self.engine, None    # join its thread, waiting for the lock close() holds)
             for c in self.pooled():               # their KV goes with the pool: using one raises
                 c.closed = True
             self._pins.clear()
