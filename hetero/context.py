@@ -33,7 +33,7 @@ class Context:
         self.weights = None           # what computed its KV (hetero.offload.registry.weights_key)
         self.pooled_capacity = 0      # the arena's rows it had (given back when it returns to one)
         self.pooled_tmax = None       # and its continuation pieces (None: as a new context's)
-        self.extend_lock = threading.Lock()     # one call extending it at a time (HF's loop or the engine)
+        self.extend_lock = threading.RLock()    # one call extending it at a time (HF's loop or the engine), or save()
         self.closed = False
 
     token_ids = property(lambda self: self._tokens[0], lambda self, t: self.set_tokens(t, self._tokens[1]))
@@ -82,7 +82,9 @@ class Context:
             raise ValueError("save() on a closed Context")
         from hetero.offload import saved
 
-        with self.generator._lock:                  # not while a call on this generator runs
+        # not while a call on this generator runs, nor one extending this context in the engine (it
+        # holds extend_lock alone and sets the context's tokens and pin when it ends)
+        with self.extend_lock, self.generator._lock:
             self.generator._refuse_nested("Context.save")
             if self.session is None:                # in the engine's pool: back into an arena to write it
                 with self.generator._exclusive():

@@ -767,3 +767,33 @@ def test_a_call_the_pins_leave_no_room_for_runs_hf_s_loop(llama, engine_always):
         assert torch.equal(out, hf(llama, p, max_new_tokens=30))
         for c in ctxs:
             c.close()
+
+
+def test_saving_a_context_while_another_thread_extends_it_in_the_engine(llama, engine_always, tmp_path):
+    """ctx.save() while a call extends the context in the engine waits for it (extend_lock): the
+    context stays one thing (before: an arena of the old length beside the new pin and tokens, and
+    every later save wrote a file load_context refused as corrupted)."""
+    ctx_prompt, q = rows(14, 70, 3)
+    with HeteroGenerator(llama, config=HeteroConfig(cpu_workers=1)) as gen:
+        ctx = gen.prefill(ctx_prompt)
+        gen.generate(rows(15, 2)[0], context=ctx, extend_context=False, max_new_tokens=3, pad_token_id=0)
+        assert ctx.pooled                      # read through the engine: it lives in its pool
+
+        class Slow:                            # keeps the extending call in the engine a while
+            def put(self, value):
+                time.sleep(0.01)
+
+            def end(self):
+                pass
+        out = {}
+        ext = threading.Thread(target=lambda: out.setdefault("ext", gen.generate(
+            q, context=ctx, max_new_tokens=40, pad_token_id=0, streamer=Slow())))
+        ext.start()
+        time.sleep(0.2)
+        ctx.save(tmp_path / "a.ctx")
+        ext.join(60)
+        assert ctx.length == len(ctx.token_ids)         # its KV rows are its tokens: one thing
+        ctx.save(tmp_path / "b.ctx")
+        with gen.load_context(tmp_path / "b.ctx") as again:
+            assert torch.equal(again.token_ids, ctx.token_ids)
+        ctx.close()
