@@ -589,3 +589,41 @@ def test_a_closed_server_state_starts_no_engine_again(tmp_path):
     with pytest.raises(APIError) as e:
         state.load_adapter("a", str(tmp_path))
     assert e.value.status == 503
+
+
+def test_an_error_a_request_raises_is_openai_s_500_streamed_or_not(tmp_path):
+    """A request whose own run raises something with no status of its own (a logits processor's or
+    the sampler's error): a 500 with OpenAI's JSON and X-Request-Id, or in a stream an error event
+    and [DONE]; never a bare text/plain 500 or a cut stream."""
+    from fastapi.testclient import TestClient
+
+    from hetero.engine.config import EngineConfig
+    from hetero.server.app import build_app
+    from hetero.server.state import ServerState
+
+    _, model, tok = tiny_model_dir(tmp_path / "tiny")
+    state = ServerState(model, tok, model_name="tiny", engine_config=EngineConfig(cpu_workers=1, kv_blocks=16,
+                                                                                 max_model_len=128))
+
+    class Failing:                              # what a stream whose sampling raised gives its reader
+        finished, finish_reason, cached_tokens, scores = True, None, 0, None
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            raise RuntimeError("probability tensor contains inf")
+
+        def abort(self):
+            pass
+    state.submit = lambda *a, **k: Failing()
+    try:
+        with TestClient(build_app(state), raise_server_exceptions=False) as client:
+            body = {"prompt": "hi", "max_tokens": 2}
+            r = client.post("/v1/completions", json=body, headers={"X-Request-Id": "r-1"})
+            assert r.status_code == 500 and r.headers["X-Request-Id"] == "r-1"
+            assert "RuntimeError: probability tensor contains inf" in r.json()["error"]["message"]
+            lines = [x for x in client.post("/v1/completions", json={**body, "stream": True}).text.splitlines() if x]
+            assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["error"]["type"] == "server_error"
+    finally:
+        state.close()

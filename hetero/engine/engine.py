@@ -195,8 +195,7 @@ class Engine(Documents):
                keep_scores: bool = False, adapter: str | None = None) -> RequestStream:
         """add_request's second half: a request whose settings are resolved already (a GenerationConfig as
         hetero.settings.generation_settings gives it; prompt ids checked)."""
-        if self._closed:
-            raise RuntimeError("the engine is closed")
+        self._check_open()
         if self.failure is not None:
             raise EngineError(f"the engine failed: {self.failure}") from self.failure
         if len(ids) + max_new_tokens > self.max_model_len:
@@ -240,8 +239,7 @@ class Engine(Documents):
         return rid in self._streams or any(x[0] == "add" and x[1].request_id == rid for x in self._inbox)
 
     def _queue(self, req: Request, s, stream: RequestStream) -> RequestStream:
-        if self._closed:
-            raise RuntimeError("the engine is closed")
+        self._check_open()
         if self.failure is not None:
             raise EngineError(f"the engine failed: {self.failure}") from self.failure
         rid = req.request_id
@@ -298,8 +296,7 @@ class Engine(Documents):
     def _own_adapters(self, what):
         if self._adapters is None:
             raise RuntimeError(f"{what}: this engine serves its HeteroGenerator's adapters; use the generator's")
-        if self._closed:
-            raise RuntimeError("the engine is closed")
+        self._check_open()
         return self._adapters
 
     @contextlib.contextmanager

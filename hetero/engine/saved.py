@@ -63,7 +63,7 @@ def pin_rows(kv, blocks) -> PoolRows:
     return PoolRows(kv, list(blocks), [-1] * first + list(window), first)
 
 
-def save_pin(engine, stream, path, extra=None, blocks=None):
+def save_pin(engine, stream, path, extra, blocks):
     """Write a pin()'s blocks (computed, pinned; `blocks`, held by the caller while it writes) to
     `path` atomically."""
     if stream.adapter_key != engine.adapter_key(stream.adapter):

@@ -76,6 +76,12 @@ def layer_start(n, window):
     return max(0, n - window + 1) // BK * BK if window else 0
 
 
+def payload_bytes(spec, layers) -> int:
+    """The KV bytes a file holds for these layers' row ranges (K and V, the storage dtype)."""
+    itemsize = torch.empty(0, dtype=spec.dtype).element_size()
+    return sum(2 * spec.kv_heads * (lay["rows"] - lay["start"]) * spec.head_dim * itemsize for lay in layers)
+
+
 def _layer_bytes(session, layers):
     """Each layer's K and V bytes, in file order (copies out of the arena, one layer at a time)."""
     for i, lay in enumerate(layers):
@@ -97,7 +103,7 @@ def write(path, source, n, tokens, pending, fp, extra=None):
     atomically. Two passes over the rows: the CRC-32 goes in the header, which precedes the
     payload. extra: a JSON object kept in the header (hetero serve: a context's name, messages)."""
     layers = [{"start": layer_start(n, source.ring_window[i]), "rows": n} for i in range(source.spec.layers)]
-    payload = sum(len(raw) for raw in _layer_bytes(source, layers))
+    payload = payload_bytes(source.spec, layers)
     meta = {"version": VERSION, "fingerprint": fp, "tokens": tokens, "pending": pending, "length": n,
             "layers": layers, "payload_bytes": payload, **({"extra": extra} if extra else {})}
     meta = json.loads(json.dumps(meta))            # as a reader will see it (tuples as lists, ...)
@@ -211,8 +217,7 @@ def fill(session, header, path):
     spec = session.spec
     itemsize = torch.empty(0, dtype=spec.dtype).element_size()
     np_dtype = np.float32 if spec.dtype == torch.float32 else np.uint16
-    expected = sum(2 * spec.kv_heads * (lay["rows"] - lay["start"]) * spec.head_dim * itemsize
-                   for lay in header["layers"])
+    expected = payload_bytes(spec, header["layers"])
     if expected != header["payload_bytes"] or any(lay["rows"] != header["length"] for lay in header["layers"]):
         raise ContextFileError(f"{path}: corrupted header (its row ranges need {expected} bytes of KV, it "
                                f"says {header['payload_bytes']})")

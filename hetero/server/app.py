@@ -220,16 +220,12 @@ def _check_text_length(state, chars: int, param: str) -> None:
                   f"characters, more than that many tokens can hold ({most})", param)
 
 
-def _tokenize(fn, *args, **kwargs):
-    """fn in a thread (the tokenizer lets go of the GIL: the event loop serves other requests)."""
-    return asyncio.to_thread(fn, *args, **kwargs)
-
-
 async def _prompt_ids(state, prompt, prefix=None) -> list[int]:
     vocab = state.vocab_size
     if isinstance(prompt, str):
         _check_text_length(state, len(prompt), "prompt")
-        ids = (await _tokenize(state.tokenizer, prompt, add_special_tokens=prefix is None))["input_ids"]
+        # in a thread: the tokenizer lets go of the GIL, the event loop serves the other streams meanwhile
+        ids = (await asyncio.to_thread(state.tokenizer, prompt, add_special_tokens=prefix is None))["input_ids"]
     else:
         ids = list(prompt)
         bad_ids = [t for t in ids if not 0 <= t < vocab]
@@ -242,7 +238,7 @@ async def _chat_ids(state, messages, generation_prompt) -> list[int]:
     if getattr(state.tokenizer, "chat_template", None) is None:
         raise bad("this model's tokenizer has no chat template: use /v1/completions", "messages")
     _check_text_length(state, sum(len(m["content"]) for m in messages), "messages")
-    return await _tokenize(_chat_template_ids, state.tokenizer, messages, generation_prompt)
+    return await asyncio.to_thread(_chat_template_ids, state.tokenizer, messages, generation_prompt)
 
 
 def _chat_template_ids(tok, messages, generation_prompt) -> list[int]:
@@ -277,12 +273,8 @@ async def _respond(request, state, metrics, ids, s, adapter, chat, doc_len=None)
     watcher = asyncio.create_task(_abort_on_disconnect(request, stream))
     try:
         tokens = [t async for t in stream]
-    except EngineError as e:
+    except EngineError as e:                      # any other error: the app's handler (OpenAI's JSON, 500)
         raise _failed(e) from e
-    except APIError:
-        raise
-    except Exception as e:                        # the request's own sampling failed
-        raise _unexpected(e) from e
     finally:
         watcher.cancel()
     if stream.finish_reason == "abort":

@@ -116,7 +116,9 @@ def check_fields(body: Any, allowed: set[str]) -> dict:
 
 def _field(where: str) -> str | None:
     """The top-level field a check_text path is in ("messages[0].content" -> "messages")."""
-    return where.split("[")[0].split(".")[0] or None if where and not where.startswith("a field") else None
+    if not where or where.startswith("a field"):
+        return None
+    return where.split("[")[0].split(".")[0] or None
 
 
 def sampling(body: dict, chat: bool) -> Sampling:
